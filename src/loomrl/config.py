@@ -1,0 +1,234 @@
+"""Typed job configuration. Imports without torch, so ``loomrl --help`` answers fast.
+
+One pydantic model per component; unknown keys are errors (``extra="forbid"``). A job is
+a TOML file with one table per component; the CLI takes dotted overrides
+(``trainer.lr=3e-4``). The fully resolved config is written to the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "tiny:llama",
+        description="A local Hugging Face model folder, or a 'tiny:' spec built offline "
+        "(e.g. 'tiny:llama', 'tiny:qwen2?hidden_size=128&num_layers=4').",
+    )
+    lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of all weights.")
+
+
+class LoraConfig(_Section):
+    r: int = Field(8, gt=0, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], description="Module names to adapt."
+    )
+
+
+class DataConfig(_Section):
+    train: str = Field(..., description="Training prompts: a local .jsonl or .parquet file.")
+    eval: str | None = Field(None, description="Held-out prompts for evaluation (.jsonl/.parquet).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    max_eval_examples: int = Field(256, gt=0, description="Evaluate on at most this many rows.")
+    shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded).")
+
+
+class TaskConfig(_Section):
+    reward: str | None = Field(
+        None,
+        description="Reward function by import path 'module:function', called as "
+        "fn(prompt, completion, **row) -> float (sync or async).",
+    )
+    environment: str | None = Field(
+        None, description="Multi-turn Environment class by import path 'module:Class'."
+    )
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the Environment class."
+    )
+    max_turns: int = Field(4, gt=0, description="Turns per episode for multi-turn environments.")
+    reward_timeout_s: float = Field(10.0, gt=0, description="A reward call past this fails.")
+    max_failure_rate: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the job when more than this fraction of the last "
+        "`failure_window` rollouts failed scoring.",
+    )
+    failure_window: int = Field(256, gt=0, description="Rollouts in the failure-rate window.")
+
+    @model_validator(mode="after")
+    def _one_scorer(self) -> TaskConfig:
+        if (self.reward is None) == (self.environment is None):
+            raise ValueError("task needs exactly one of 'reward' or 'environment'")
+        return self
+
+
+class GenerationConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="Generation engine.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")
+    prompts_per_request: int = Field(
+        4, gt=0, description="Prompt groups batched into one generate call."
+    )
+    num_generators: int = Field(1, gt=0, description="Generator executors.")
+
+
+class AlgorithmConfig(_Section):
+    loss: Literal["grpo", "aipo", "tis"] = Field("aipo", description="Policy loss.")
+    group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
+    groups_per_step: int = Field(8, gt=0, description="Groups per optimizer step (B).")
+    max_staleness: int = Field(
+        1, ge=0, description="Max versions a rollout may lag when trained; 0 = synchronous."
+    )
+    delta: float = Field(2.0, gt=0, description="Truncation of the importance weight (AIPO/TIS).")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range (grpo/tis).")
+    advantage_scale: Literal["none", "std"] = Field(
+        "none", description="Divide group-centred rewards by the group's std."
+    )
+    aggregation: Literal["token", "sequence"] = Field("token", description="Loss averaging.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial model (0 = off).")
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_size: int = Field(64, gt=0, description="Rollouts per forward/backward.")
+    num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
+
+
+class WeightSyncConfig(_Section):
+    codec: Literal["full", "delta"] = Field("full", description="Full copies or lossless deltas.")
+    transport: Literal["inproc", "shm", "torch_dist", "files"] = Field(
+        "inproc", description="How updates travel from trainer to generators."
+    )
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of published weights (trainer keeps fp32 masters)."
+    )
+    full_every: int = Field(
+        50, gt=0, description="With deltas: a full snapshot every this many versions."
+    )
+    sync_every: int = Field(1, gt=0, description="Publish every this many optimizer steps.")
+    path: str | None = Field(None, description="Folder or fsspec URL for the 'files' transport.")
+
+
+class SandboxConfig(_Section):
+    backend: Literal["auto", "bwrap", "process"] = Field(
+        "auto", description="Isolation backend; 'auto' takes bwrap where installed."
+    )
+    min_warm: int = Field(2, ge=0, description="Warm sandboxes kept ready at least.")
+    max_warm: int = Field(16, gt=0, description="Warm sandboxes kept ready at most.")
+    max_sandboxes: int = Field(32, gt=0, description="Sandboxes alive at most (backpressure).")
+    timeout_s: float = Field(5.0, gt=0, description="Default wall time per exec.")
+    memory_mb: int = Field(512, gt=0, description="Address-space / memory limit per sandbox.")
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, gt=0, description="Checkpoint every this many steps.")
+    keep: int = Field(2, gt=0, description="Checkpoints kept (oldest deleted first).")
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
+
+
+class JobConfig(_Section):
+    name: str = Field("job", description="Job name; the run folder is named after it.")
+    seed: int = Field(0, description="Seed for data order, sampling and init.")
+    output_dir: str | None = Field(
+        None, description="Run folder; default runs/<name>-<timestamp>."
+    )
+    runtime: Literal["local"] = Field("local", description="Where executors live.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    task: TaskConfig
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+ModelConfig.model_rebuild()
+
+
+class ConfigError(ValueError):
+    """A job file or override that does not describe a valid job."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'trainer.lr=3e-4'`` -> ``(['trainer', 'lr'], 3e-4)``; values parse as TOML, else str."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a table")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid job config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (check the spelling; see `loomrl config`)")
+        else:
+            got = e.get("input")
+            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {loc}: {e['msg']}{got_text}")
+    return "\n".join(lines)
+
+
+def build_config(raw: dict[str, Any], source: str = "<dict>") -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read a TOML job file (relative data/model paths resolve from the working dir)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return build_config(apply_overrides(raw, overrides or []), str(path))

@@ -1,0 +1,87 @@
+"""Plain data that passes between executors: no live objects, only lists, numbers, dicts.
+
+Everything here is picklable, so the same controller drives threads (``local``) and Ray
+actors without a rewrite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    greedy: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete ``num_samples`` times."""
+
+    prompt_ids: list[int]
+    num_samples: int
+    sampling: SamplingParams
+    seed: int  # sampling is a pure function of (weights, prompt_ids, sampling, seed)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated tokens, EOS included when sampled
+    logprobs: list[float]  # behaviour log-prob of each sampled token at the sampling temperature
+    finish_reason: Literal["stop", "length"]
+
+
+@dataclass
+class GenerationResult:
+    completions: list[Completion]
+    version: int  # the policy version of the weights that produced every completion
+
+
+RolloutStatus = Literal["ok", "failed"]
+
+
+@dataclass
+class Rollout:
+    """One completion (or multi-turn episode) for one prompt, with everything training needs.
+
+    ``completion_ids`` holds every token after the prompt; ``loss_mask`` is 1 for tokens the
+    model generated and 0 for tokens an environment inserted (tool output, feedback), which
+    are never trained on. ``behaviour_logprobs`` has the same length (0.0 where masked).
+    """
+
+    prompt_index: int  # the row's index in the training dataset (the epoch-unique key)
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    loss_mask: list[int]
+    version: int  # policy version of the oldest weights that produced any of its tokens
+    prompt: str = ""
+    completion: str = ""
+    row: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+    status: RolloutStatus = "ok"
+    error: str | None = None
+    finish_reason: str = "stop"
+    num_turns: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """The G rollouts of one prompt. Advantages are computed within a group."""
+
+    prompt_index: int
+    epoch: int
+    rollouts: list[Rollout]
+
+    @property
+    def min_version(self) -> int:
+        return min(r.version for r in self.rollouts)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r.status == "failed" for r in self.rollouts)
