@@ -1,0 +1,181 @@
+"""The ``loomrl`` command. Imports no torch until a job actually runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from loomrl import __version__
+
+EPILOG = """examples:
+  loomrl run examples/arithmetic/job.toml
+  loomrl run examples/arithmetic/job.toml algorithm.max_staleness=0 trainer.lr=3e-4
+  loomrl resume runs/arithmetic-20261129-120000
+  loomrl config            # every config key with its default and description
+"""
+
+
+def _progress_callback(total_steps: int):
+    """A rich progress bar with ETA and the headline numbers; returns (callback, progress)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]step {task.completed}/{task.total}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[headline]}"),
+    )
+    task = progress.add_task("train", total=total_steps, headline="")
+    state: dict[str, Any] = {"eval": None}
+
+    def on_record(record: dict[str, Any]) -> None:
+        if "eval/accuracy" in record:
+            state["eval"] = record["eval/accuracy"]
+        parts = []
+        if "rollout/reward_mean" in record:
+            parts.append(f"reward {record['rollout/reward_mean']:.3f}")
+        if state["eval"] is not None:
+            parts.append(f"eval {state['eval']:.1%}")
+        if "rollout/staleness_mean" in record:
+            parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
+        if "throughput/samples_per_s" in record:
+            parts.append(f"{record['throughput/samples_per_s']:.0f} samples/s")
+        progress.update(task, completed=record.get("step", 0), headline="  ".join(parts))
+
+    return on_record, progress
+
+
+def _print_summary(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = result.summary
+    table = Table(title=f"run finished: {result.run_dir}", show_header=False)
+    start, end = s.get("eval_start"), s.get("eval_end")
+    if start is not None and end is not None:
+        table.add_row("eval accuracy", f"{start:.1%} -> {end:.1%} ({(end - start) * 100:+.1f} points)")
+    table.add_row("steps", str(s["steps"]))
+    table.add_row("training time", f"{s['elapsed_s']:.1f} s")
+    table.add_row("samples/s", f"{s['samples_per_s']:.1f}")
+    table.add_row(
+        "rollouts",
+        f"generated {s['generated']} = trained {s['trained']} + dropped stale {s['dropped_stale']}"
+        f" + failed {s['failed']} + in flight {s['in_flight']}",
+    )
+    table.add_row("final model", str(result.run_dir / "final"))
+    Console().print(table)
+
+
+def _execute(job_fn, total_steps: int) -> int:
+    from loomrl.config import ConfigError
+
+    on_record, progress = _progress_callback(total_steps)
+    try:
+        with progress:
+            result = job_fn(on_record)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    _print_summary(result)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from loomrl.config import ConfigError, load_config
+    from loomrl.job import Job
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f'output_dir="{args.output_dir}"')
+    try:
+        cfg = load_config(args.job, overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return _execute(lambda cb: Job(cfg).run(on_record=cb), cfg.trainer.num_steps)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from loomrl.job import load_run_config, resume_job
+
+    try:
+        cfg = load_run_config(args.run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return _execute(lambda cb: resume_job(args.run_dir, on_record=cb), cfg.trainer.num_steps)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from loomrl.config import JobConfig
+
+    def walk(model, prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            sub = getattr(ann, "model_fields", None)
+            if sub is not None:
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            print(f"{prefix}{name} = {default}    # {field.description or ''}")
+
+    walk(JobConfig, "")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loomrl",
+        description="Asynchronous RL post-training for language models.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"loomrl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a job from a TOML file")
+    run.add_argument("job", help="the job's TOML file")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
+    run.add_argument("--output-dir", help="the run folder (default runs/<name>-<timestamp>)")
+    run.set_defaults(fn=cmd_run)
+    resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
+    resume.add_argument("run_dir", help="the run folder")
+    resume.set_defaults(fn=cmd_resume)
+    config = sub.add_parser("config", help="list every config key with its default")
+    config.set_defaults(fn=cmd_config)
+    try:
+        from loomrl.sandbox.cli import add_sandbox_commands
+    except ImportError:
+        pass
+    else:
+        add_sandbox_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may come after options: `run job.toml --output-dir x a.b=1`
+        if getattr(args, "fn", None) is cmd_run and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(show_path=False)],
+    )
+    fn = getattr(args, "fn", None)
+    if fn is None:
+        return 0
+    return int(fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

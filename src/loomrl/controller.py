@@ -1,0 +1,307 @@
+"""The controller: the RL loop, with no model code in it.
+
+Generation loops (one per generator) start groups while the staleness gate admits them,
+score them and put them in the buffer; the training loop takes full batches, trains,
+publishes the new version and opens the gate. ``max_staleness = 0`` is the synchronous
+baseline through the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loomrl.buffer import RolloutBuffer, StalenessGate
+from loomrl.config import JobConfig
+from loomrl.data import PromptStream
+from loomrl.envs.scorer import Scorer
+from loomrl.runtime.base import ExecutorHandle
+from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """Rollout accounting: generated = trained + dropped_stale + failed + in_flight."""
+
+    generated: int = 0
+    trained: int = 0
+    dropped_stale: int = 0
+    failed: int = 0
+    lost_on_resume: int = 0  # in flight at the checkpoint a run resumed from (regenerated)
+
+
+def sample_seed(job_seed: int, epoch: int, index: int) -> int:
+    return (job_seed * 1_000_003 + epoch) * 10_000_019 + index
+
+
+class Controller:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        trainer: ExecutorHandle,
+        generators: list[ExecutorHandle],
+        scorer: Scorer,
+        tokenizer,
+        train_rows: list[dict[str, Any]],
+        eval_rows: list[dict[str, Any]],
+        stream: PromptStream,
+        metrics: MetricsLogger,
+        run_dir: Path,
+        version: int = 0,
+        counters: Counters | None = None,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
+        self.tokenizer = tokenizer
+        self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
+        self.metrics, self.run_dir, self.on_record = metrics, run_dir, on_record
+        algo = cfg.algorithm
+        self.version = version
+        self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
+        self.gate.version = version
+        self.gate.accepted = version * algo.groups_per_step
+        self.buffer = RolloutBuffer(algo.max_staleness)
+        self.counters = counters or Counters()
+        self.scoring: set[asyncio.Task] = set()
+        self.scoring_rollouts = 0
+        self.eval_history: list[dict[str, Any]] = []
+        self._stop = False
+        self._failure: BaseException | None = None
+        self._failed = asyncio.Event()
+        self._sampling = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_p=cfg.generation.top_p,
+            max_new_tokens=cfg.generation.max_new_tokens,
+        )
+        self._prompt_key = cfg.data.prompt_key
+
+    # -- accounting ----------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Rollouts generated but not yet trained, dropped or failed, counted where they are."""
+        return self.buffer.num_rollouts + self.scoring_rollouts
+
+    def accounting(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "rollout/generated": c.generated,
+            "rollout/trained": c.trained,
+            "rollout/dropped_stale": c.dropped_stale,
+            "rollout/failed": c.failed,
+            "rollout/in_flight": self.in_flight,
+            "rollout/lost_on_resume": c.lost_on_resume,
+        }
+
+    # -- generation ----------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _generation_loop(self, generator: ExecutorHandle) -> None:
+        per_request = self.cfg.generation.prompts_per_request
+        group_size = self.cfg.algorithm.group_size
+        while not self._stop:
+            n = await self.gate.acquire(per_request)
+            picks = [self.stream.next() for _ in range(n)]
+            requests = [
+                GenerationRequest(
+                    self._encode(self.train_rows[i][self._prompt_key]),
+                    group_size,
+                    self._sampling,
+                    sample_seed(self.cfg.seed, epoch, i),
+                )
+                for epoch, i in picks
+            ]
+            results = await generator.call("generate", requests)
+            for (epoch, index), request, result in zip(picks, requests, results):
+                row = self.train_rows[index]
+                rollouts = [
+                    Rollout(
+                        prompt_index=index,
+                        prompt_ids=request.prompt_ids,
+                        completion_ids=c.token_ids,
+                        behaviour_logprobs=c.logprobs,
+                        loss_mask=[1] * len(c.token_ids),
+                        version=result.version,
+                        prompt=row[self._prompt_key],
+                        completion=self._decode(c.token_ids),
+                        row=row,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in result.completions
+                ]
+                self.counters.generated += len(rollouts)
+                self.scoring_rollouts += len(rollouts)
+                task = asyncio.create_task(self._score_and_put(Group(index, epoch, rollouts)))
+                self.scoring.add(task)
+                self._watch(task)
+
+    async def _score_and_put(self, group: Group) -> None:
+        try:
+            await self.scorer.score(group.rollouts)
+        finally:
+            self.scoring_rollouts -= len(group.rollouts)
+        failed = [r for r in group.rollouts if r.status == "failed"]
+        self.counters.failed += len(failed)
+        group.rollouts = [r for r in group.rollouts if r.status == "ok"]
+        if group.rollouts:
+            await self.buffer.put(group)
+        await self.gate.finish(accepted=bool(group.rollouts))
+        self.scorer.record_outcomes(failed + group.rollouts)
+
+    async def _on_drop(self, group: Group) -> None:
+        self.counters.dropped_stale += len(group.rollouts)
+        self.stream.requeue(group.epoch, group.prompt_index)
+        await self.gate.release_accepted()
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    async def evaluate(self) -> dict[str, Any]:
+        """Greedy completions of the held-out prompts, scored: mean reward = accuracy."""
+        if not self.eval_rows:
+            return {}
+        t0 = time.perf_counter()
+        greedy = SamplingParams(max_new_tokens=self.cfg.generation.max_new_tokens, greedy=True)
+        requests = [GenerationRequest(self._encode(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
+        results = await self.generators[0].call("generate", requests)
+        rollouts = [
+            Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
+                    [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
+            for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
+        ]
+        await self.scorer.score(rollouts)
+        ok = [r.reward for r in rollouts if r.status == "ok"]
+        record = {
+            "eval/accuracy": sum(ok) / len(rollouts),
+            "eval/num_failed": len(rollouts) - len(ok),
+            "eval/version": results[0].version if results else self.version,
+            "timing/eval_s": time.perf_counter() - t0,
+        }
+        self.eval_history.append(record)
+        return record
+
+    # -- training ------------------------------------------------------------------------
+
+    async def _train_one_step(self, started: float) -> dict[str, Any]:
+        algo = self.cfg.algorithm
+        t0 = time.perf_counter()
+        batch = await self.buffer.take(algo.groups_per_step, self.version, self._on_drop)
+        wait_s = time.perf_counter() - t0
+        metrics = await self.trainer.call("train_step", batch.groups)
+        rollouts = [r for g in batch.groups for r in g.rollouts]
+        self.counters.trained += len(rollouts)
+        for g in batch.groups:
+            self.stream.mark_trained(g.epoch, g.prompt_index)
+        self.version += 1
+        if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
+            metrics.update(await self.trainer.call("publish"))
+        await self.gate.set_version(self.version)
+        elapsed = time.perf_counter() - started
+        completion_tokens = sum(sum(r.loss_mask) for r in rollouts)
+        metrics.update(
+            {
+                "step": self.version,
+                "rollout/reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
+                "rollout/staleness_mean": sum(batch.staleness) / len(batch.staleness),
+                "rollout/staleness_max": max(batch.staleness),
+                "rollout/completion_len_mean": completion_tokens / len(rollouts),
+                "timing/wait_for_batch_s": wait_s,
+                "timing/step_s": time.perf_counter() - t0,
+                "timing/elapsed_s": elapsed,
+                "executor/generator_busy_frac": sum(g.busy_s for g in self.generators)
+                / max(elapsed * len(self.generators), 1e-9),
+                "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
+                **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
+                **self.accounting(),
+            }
+        )
+        return metrics
+
+    async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
+        """Train to ``trainer.num_steps``; returns a summary with the eval history."""
+        await self.trainer.call("publish")  # version v to every generator before any request
+        first_eval = await self.evaluate()
+        if first_eval:
+            self._emit({"step": self.version, **first_eval})
+        gen_tasks = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
+        started = time.perf_counter()
+        base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
+        base_trained = self.counters.trained
+        try:
+            while self.version < self.cfg.trainer.num_steps:
+                record = await self._until_failure(self._train_one_step(started))
+                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
+                    record.update(await self.evaluate())
+                if checkpoint and (
+                    self.version % self.cfg.checkpoint.every_steps == 0
+                    or self.version == self.cfg.trainer.num_steps
+                ):
+                    await checkpoint(self.version)
+                trained = self.counters.trained - base_trained
+                record["throughput/samples_per_s"] = trained / max(record["timing/elapsed_s"], 1e-9)
+                self._emit(record)
+        finally:
+            self._stop = True
+            for task in gen_tasks:
+                task.cancel()
+            await asyncio.gather(*gen_tasks, return_exceptions=True)
+        final_eval = await self.evaluate()
+        elapsed = time.perf_counter() - started
+        summary = {
+            "steps": self.version,
+            "elapsed_s": elapsed,
+            "samples_per_s": (self.counters.trained - base_trained) / max(elapsed, 1e-9),
+            "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
+            "trainer_busy_s": self.trainer.busy_s - base_busy[1],
+            "eval_start": first_eval.get("eval/accuracy"),
+            "eval_end": final_eval.get("eval/accuracy"),
+            **{k.split("/")[1]: v for k, v in self.accounting().items()},
+        }
+        if final_eval:
+            self._emit({"step": self.version, **final_eval, **self.accounting()})
+        return summary
+
+    def _watch(self, task: asyncio.Task) -> asyncio.Task:
+        """Remember the first exception of a background task and wake the training loop."""
+
+        def done(t: asyncio.Task) -> None:
+            self.scoring.discard(t)
+            if not t.cancelled() and t.exception() is not None and self._failure is None:
+                self._failure = t.exception()
+                self._failed.set()
+
+        task.add_done_callback(done)
+        return task
+
+    async def _until_failure(self, coro) -> Any:
+        """Await ``coro`` unless a generation or scoring task fails first; then raise that."""
+        step = asyncio.create_task(coro)
+        failed = asyncio.create_task(self._failed.wait())
+        await asyncio.wait([step, failed], return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if self._failure is not None:
+            step.cancel()
+            raise self._failure
+        return step.result()
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.metrics.log(record, step=int(record.get("step", self.version)))
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "stream": self.stream.state_dict(), "counters": asdict(self.counters),
+                "in_flight": self.in_flight}

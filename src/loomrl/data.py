@@ -1,0 +1,99 @@
+"""Datasets from local JSONL or Parquet files, and the epoch-ordered prompt stream."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """A dataset file that is missing or malformed."""
+
+
+def load_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """All rows of a .jsonl/.json or .parquet file; every row must have ``prompt_key``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        rows = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or prompt_key not in row:
+            raise DatasetError(f"{path}: row {i} has no {prompt_key!r} column")
+    return rows
+
+
+class PromptStream:
+    """Prompts in a seeded per-epoch order, with exactly-once training per epoch.
+
+    ``trained`` holds the indices trained on in the current epoch. Prompts handed out but
+    not trained (dropped as stale, or lost in a crash) are handed out again: ``requeue``
+    puts them back at the front, and on resume every untrained prompt of the epoch is
+    still to come.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.trained: list[int] = []
+        self._start_epoch()
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _start_epoch(self) -> None:
+        done = set(self.trained)
+        self._pending = [i for i in self._order(self.epoch) if i not in done]
+        self._outstanding: set[int] = set()
+
+    def next(self) -> tuple[int, int]:
+        """``(epoch, row index)`` of the next prompt to dispatch."""
+        while not self._pending:
+            # Epoch over: groups of the old epoch still in flight train but are not
+            # recorded (or requeued) in the new one.
+            self.epoch += 1
+            self.trained = []
+            self._start_epoch()
+        index = self._pending.pop(0)
+        self._outstanding.add(index)
+        return self.epoch, index
+
+    def requeue(self, epoch: int, index: int) -> None:
+        if epoch == self.epoch and index in self._outstanding:
+            self._outstanding.discard(index)
+            self._pending.insert(0, index)
+
+    def mark_trained(self, epoch: int, index: int) -> None:
+        if epoch == self.epoch:
+            self._outstanding.discard(index)
+            self.trained.append(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "trained": list(self.trained), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.trained = list(state["trained"])
+        self._start_epoch()

@@ -1,0 +1,180 @@
+"""Hugging Face transformers generation engine.
+
+A batched sampling loop over the model's forward pass with a KV cache. Sampling is a pure
+function of (weights, prompt, sampling params, seed): each sequence draws its noise from its
+own ``torch.Generator``, so a rollout does not depend on what it was batched with, and a
+synchronous run is reproducible step by step on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from loomrl.generation.base import Generator
+from loomrl.types import Completion, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.weights.publisher import DTYPES, Subscriber
+
+logger = logging.getLogger(__name__)
+
+
+def published_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The parameters a trainer publishes and a generator mirrors (tied weights once)."""
+    return {name: p.detach().to(dtype).clone() for name, p in model.named_parameters()}
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the smallest set of tokens with mass >= top_p; renormalise."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    outside = cumulative - sorted_probs > top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+class HFGenerator(Generator):
+    """Generation with a transformers causal LM, computing in fp32 on the CPU.
+
+    The weights are those of the last ``WeightUpdate`` applied: a mirror in the published
+    dtype is the base deltas apply to; the model's fp32 parameters are copied from it.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        subscriber: Subscriber | None = None,
+        publish_dtype: str = "bfloat16",
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.subscriber = subscriber
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        self.mirror = published_state(model, DTYPES[publish_dtype])
+        self.version = -1  # no version applied yet; the trainer publishes version 0 first
+        self.last_apply_s = 0.0
+        self.num_updates_applied = 0
+
+    # -- weights -------------------------------------------------------------------------
+
+    def _load_mirror(self) -> None:
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(self.mirror[name])
+
+    def update_weights(self, update) -> int:
+        from loomrl.weights import apply_update
+
+        t0 = time.perf_counter()
+        apply_update(self.mirror, update)
+        self._load_mirror()
+        self.version = update.version
+        self.last_apply_s = time.perf_counter() - t0
+        self.num_updates_applied += 1
+        return self.version
+
+    def sync_weights(self) -> int:
+        """Apply whatever the subscriber has (between requests); returns the version."""
+        if self.subscriber is None:
+            return self.version
+        update, _ = self.subscriber.poll(self.mirror, self.version if self.version >= 0 else None)
+        if update is not None:
+            t0 = time.perf_counter()
+            self._load_mirror()
+            self.version = update.version
+            self.last_apply_s = time.perf_counter() - t0
+            self.num_updates_applied += 1
+        return self.version
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        self.sync_weights()
+        if not requests:
+            return []
+        by_params: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            s = req.sampling
+            by_params.setdefault((s.temperature, s.top_p, s.max_new_tokens, s.greedy), []).append(i)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for indices in by_params.values():
+            sampling = requests[indices[0]].sampling
+            prompts, seeds, owners = [], [], []
+            for i in indices:
+                for k in range(requests[i].num_samples):
+                    prompts.append(requests[i].prompt_ids)
+                    seeds.append(requests[i].seed * 1_000_003 + k)
+                    owners.append(i)
+            completions = self._sample(prompts, seeds, sampling)
+            for i in indices:
+                results[i] = GenerationResult([], self.version)
+            for owner, completion in zip(owners, completions):
+                results[owner].completions.append(completion)
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
+    ) -> list[Completion]:
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p) :] = 1
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        rngs = [torch.Generator().manual_seed(s % (2**63)) for s in seeds]
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        tokens = [[] for _ in range(n)]
+        logprobs = [[] for _ in range(n)]
+        done = torch.zeros(n, dtype=torch.bool)
+        next_pos = positions[:, -1] + 1
+        for _ in range(sampling.max_new_tokens):
+            logits = out.logits[:, -1, :].float()
+            chosen, chosen_logp = self._pick(logits, rngs, sampling)
+            for row in range(n):
+                if not done[row]:
+                    tokens[row].append(int(chosen[row]))
+                    logprobs[row].append(float(chosen_logp[row]))
+            done |= chosen == self.eos_id
+            if bool(done.all()):
+                break
+            step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
+            attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=next_pos.unsqueeze(1),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+        return [
+            Completion(t, lp, "stop" if t and t[-1] == self.eos_id else "length")
+            for t, lp in zip(tokens, logprobs)
+        ]
+
+    @staticmethod
+    def _pick(
+        logits: torch.Tensor, rngs: list[torch.Generator], sampling: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token per row, and its log-prob under log_softmax(logits / temperature)."""
+        logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        if sampling.greedy:
+            chosen = logits.argmax(dim=-1)
+        else:
+            probs = logp.exp()
+            if sampling.top_p < 1.0:
+                probs = _top_p_filter(probs, sampling.top_p)
+            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in rngs])
+            cdf = probs.double().cumsum(dim=-1)
+            cdf = cdf / cdf[:, -1:]
+            chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1)).squeeze(1)
+            chosen = chosen.clamp(max=logits.shape[-1] - 1)
+        return chosen, logp.gather(1, chosen.unsqueeze(1)).squeeze(1)

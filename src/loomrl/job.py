@@ -1,0 +1,113 @@
+"""Job: the public one-call API. Built from keyword arguments or a TOML file.
+
+    import loomrl
+    job = loomrl.Job(model="tiny:llama", dataset="examples/arithmetic/train.jsonl",
+                     reward="examples.arithmetic.reward:exact_match", group_size=8, max_staleness=2)
+    result = job.run()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+
+logger = logging.getLogger(__name__)
+
+# Keyword shortcuts of ``Job(...)`` and the config keys they set.
+SHORTCUTS = {
+    "model": "model.path",
+    "dataset": "data.train",
+    "eval_dataset": "data.eval",
+    "reward": "task.reward",
+    "environment": "task.environment",
+    "group_size": "algorithm.group_size",
+    "groups_per_step": "algorithm.groups_per_step",
+    "max_staleness": "algorithm.max_staleness",
+    "loss": "algorithm.loss",
+    "lr": "trainer.lr",
+    "num_steps": "trainer.num_steps",
+    "name": "name",
+    "seed": "seed",
+    "output_dir": "output_dir",
+}
+
+
+@dataclass
+class JobResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+class Job:
+    """One RL training run. ``Job(config)``, ``Job(**shortcuts)`` or ``Job.from_toml(path)``."""
+
+    def __init__(self, config: JobConfig | None = None, *, overrides: list[str] | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError("pass either a JobConfig or keyword arguments, not both")
+        if config is None:
+            unknown = set(kwargs) - set(SHORTCUTS)
+            if unknown:
+                raise TypeError(f"unknown Job arguments {sorted(unknown)}; known: {sorted(SHORTCUTS)}")
+            raw: dict[str, Any] = {}
+            for key, value in kwargs.items():
+                _set(raw, SHORTCUTS[key], value)
+            config = build_config(apply_overrides(raw, overrides or []), "Job(...)")
+        elif overrides:
+            config = build_config(apply_overrides(config.model_dump(), overrides), "Job(...)")
+        self.config = config
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: list[str] | None = None) -> Job:
+        return cls(load_config(path, overrides))
+
+    def run(
+        self,
+        *,
+        resume: bool = False,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> JobResult:
+        """Train; with ``resume=True`` continue from the run folder's latest checkpoint."""
+        from loomrl.session import run_job
+
+        return run_job(self.config, resume=resume, on_record=on_record)
+
+
+def default_run_dir(cfg: JobConfig) -> Path:
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def load_run_config(run_dir: str | Path) -> JobConfig:
+    """The resolved config a run folder was started with."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a loomrl run folder (no config.json)")
+    raw = json.loads(path.read_text())
+    raw["output_dir"] = str(run_dir)
+    return build_config(raw, str(path))
+
+
+def resume_job(run_dir: str | Path, on_record: Callable[[dict[str, Any]], None] | None = None) -> JobResult:
+    return Job(load_run_config(run_dir)).run(resume=True, on_record=on_record)
+
+
+def run_async(coro) -> Any:
+    return asyncio.run(coro)

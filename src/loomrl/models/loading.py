@@ -1,0 +1,77 @@
+"""Load a model and tokenizer from a local folder or a ``tiny:`` spec. No hub access."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from loomrl.models.tiny import TINY_DEFAULTS, build_tiny_model
+
+
+class ModelLoadError(ValueError):
+    """A model spec that names nothing loadable."""
+
+
+def parse_tiny_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``'tiny:qwen2?hidden_size=64&num_layers=2'`` -> ``('qwen2', {...})``."""
+    body = spec.removeprefix("tiny:")
+    arch, _, query = body.partition("?")
+    opts: dict[str, Any] = {}
+    for key, value in parse_qsl(query, strict_parsing=bool(query)):
+        if key not in TINY_DEFAULTS:
+            raise ModelLoadError(f"{spec!r}: unknown option {key!r}; expected one of {sorted(TINY_DEFAULTS)}")
+        try:
+            opts[key] = int(value)
+        except ValueError:
+            raise ModelLoadError(f"{spec!r}: option {key} must be an integer, got {value!r}") from None
+    return arch or "llama", opts
+
+
+def load_model_and_tokenizer(spec: str, *, seed: int = 0):
+    """Returns ``(model, tokenizer)`` with the model in fp32 on the CPU, in train mode off."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if spec.startswith("tiny:"):
+        arch, opts = parse_tiny_spec(spec)
+        model, tok = build_tiny_model(arch, seed=seed, **opts)
+    else:
+        path = Path(spec)
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"model path {spec!r} is not a local Hugging Face model folder (no config.json); "
+                "use a folder written by save_pretrained, or a 'tiny:llama' spec"
+            )
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer alone (no model weights are read)."""
+    if spec.startswith("tiny:"):
+        from loomrl.models.tiny import build_char_tokenizer
+
+        parse_tiny_spec(spec)
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model path {spec!r} is not a local Hugging Face model folder (no config.json); "
+            "use a folder written by save_pretrained, or a 'tiny:llama' spec"
+        )
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,30 @@
+"""The Runtime interface: start executors and await their methods the same way everywhere."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+
+class ExecutorHandle(ABC):
+    """A started executor. ``await handle.call("method", *args)`` runs the method there."""
+
+    name: str
+
+    @abstractmethod
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    @property
+    @abstractmethod
+    def busy_s(self) -> float:
+        """Seconds this executor has spent running calls."""
+
+
+class Runtime(ABC):
+    @abstractmethod
+    def start(self, name: str, factory: Callable[[], Any]) -> ExecutorHandle:
+        """Build an executor object with ``factory`` where it will live, and return a handle."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

@@ -1,0 +1,66 @@
+"""The ``local`` runtime: every executor lives in its own thread of this process.
+
+Each executor thread runs one call at a time, so calls to one executor are serialized
+(a weight update queued behind a generate call runs between requests) while different
+executors run in parallel. Torch is limited to one intra-op thread per process, so a
+generator and a trainer each keep one core busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from loomrl.runtime.base import ExecutorHandle, Runtime
+
+
+class LocalHandle(ExecutorHandle):
+    def __init__(self, name: str, factory: Callable[[], Any]) -> None:
+        self.name = name
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
+        self._busy_s = 0.0
+        self._lock = threading.Lock()
+        self.obj = self._pool.submit(factory).result()
+
+    def _timed(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._busy_s += time.perf_counter() - t0
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self.obj, method)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._timed, fn, args, kwargs)
+
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy_s
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class LocalRuntime(Runtime):
+    def __init__(self, torch_threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        self.handles: list[LocalHandle] = []
+
+    def start(self, name: str, factory: Callable[[], Any]) -> LocalHandle:
+        handle = LocalHandle(name, factory)
+        self.handles.append(handle)
+        return handle
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            handle.close()
+        self.handles.clear()

@@ -1,0 +1,105 @@
+"""Assembles one run: run folder, data, executors, controller, checkpoints, final model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loomrl.config import JobConfig
+from loomrl.controller import Controller, Counters
+from loomrl.data import PromptStream, load_rows
+from loomrl.envs.scorer import Scorer
+from loomrl.job import JobResult, default_run_dir
+from loomrl.models import load_tokenizer
+from loomrl.runtime.local import LocalRuntime
+from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state,
+)
+from loomrl.training.executor import TrainerExecutor, build_generator
+from loomrl.weights.transports import make_transport
+
+logger = logging.getLogger(__name__)
+
+
+def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
+    if cfg.weight_sync.transport == "files":
+        return {"path": cfg.weight_sync.path or str(run_dir / "weight_updates")}
+    return {}
+
+
+def _restore(path: Path, trainer, controller_kwargs: dict[str, Any], stream: PromptStream) -> None:
+    state = load_checkpoint(path)
+    trainer.obj.load_state_dict(state["trainer"])
+    ctl = state["controller"]
+    stream.load_state_dict(ctl["stream"])
+    counters = Counters(**ctl["counters"])
+    counters.generated -= ctl["in_flight"]  # lost in the crash; they will be regenerated
+    counters.lost_on_resume += ctl["in_flight"]
+    controller_kwargs.update(version=ctl["version"], counters=counters)
+    restore_rng_state(state["rng"])
+    logger.info("resumed from %s at version %d", path, ctl["version"])
+
+
+def run_job(
+    cfg: JobConfig,
+    *,
+    resume: bool = False,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> JobResult:
+    import torch
+
+    run_dir = default_run_dir(cfg)
+    checkpoint_root = run_dir / "checkpoints"
+    resume_from = latest_checkpoint(checkpoint_root) if resume else None
+    if resume and resume_from is None:
+        raise CheckpointError(f"no checkpoint under {checkpoint_root}; nothing to resume")
+    # Validate everything cheap before loading any model.
+    train_rows = load_rows(cfg.data.train, cfg.data.prompt_key)
+    eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_key)[: cfg.data.max_eval_examples] if cfg.data.eval else []
+    scorer = Scorer(cfg.task)
+    tokenizer = load_tokenizer(cfg.model.path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    torch.manual_seed(cfg.seed)
+
+    runtime = LocalRuntime(torch_threads=1)
+    transport = make_transport(cfg.weight_sync.transport, **_transport_kwargs(cfg, run_dir))
+    metrics = MetricsLogger(run_dir)
+    try:
+        trainer = runtime.start("trainer", lambda: TrainerExecutor(cfg, transport.sender()))
+        generators = [
+            runtime.start(f"generator{i}", lambda i=i: build_generator(cfg, transport.receiver(i)))
+            for i in range(cfg.generation.num_generators)
+        ]
+        stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
+        kwargs: dict[str, Any] = {}
+        if resume_from is not None:
+            _restore(resume_from, trainer, kwargs, stream)
+        controller = Controller(
+            cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
+            train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
+            run_dir=run_dir, on_record=on_record, **kwargs,
+        )
+
+        async def checkpoint(step: int) -> None:
+            extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
+            await trainer.call("save_checkpoint", str(checkpoint_root), step, extra, cfg.checkpoint.keep)
+
+        summary = asyncio.run(controller.run(checkpoint=checkpoint))
+        trainer.obj.save_pretrained(str(run_dir / "final"))
+        summary["run_dir"] = str(run_dir)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return JobResult(run_dir, summary, controller.eval_history)
+    finally:
+        metrics.close()
+        runtime.shutdown()
+        transport.close()

@@ -1,0 +1,62 @@
+"""Executor objects for the runtime: a trainer with its publisher, a generator with its
+subscriber. Both are built where they live (a thread here, a Ray actor later)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from loomrl.config import JobConfig
+from loomrl.generation.hf import HFGenerator
+from loomrl.models import load_model_and_tokenizer
+from loomrl.training.checkpoint import save_checkpoint
+from loomrl.training.trainer import Trainer
+from loomrl.types import Group
+from loomrl.weights.publisher import Publisher, Subscriber
+
+
+class TrainerExecutor:
+    def __init__(self, cfg: JobConfig, sender) -> None:
+        model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
+        self.trainer = Trainer(
+            model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature
+        )
+        ws = cfg.weight_sync
+        self.publisher = Publisher(
+            sender, codec=ws.codec, full_every=ws.full_every, publish_dtype=ws.publish_dtype
+        )
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        return self.trainer.train_step(groups)
+
+    def publish(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.publisher.publish(dict(self.trainer.model.named_parameters()), self.trainer.version)
+        metrics["timing/publish_s"] = time.perf_counter() - t0
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+
+    def save_checkpoint(self, root: str, step: int, extra: dict, keep: int) -> str:
+        """Checkpoint the trainer (model, optimizer, version) plus ``extra`` atomically."""
+        return str(save_checkpoint(Path(root), step, {"trainer": self.state_dict(), **extra}, keep))
+
+    def save_pretrained(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.trainer.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def build_generator(cfg: JobConfig, receiver) -> HFGenerator:
+    model, tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
+    return HFGenerator(
+        model, tokenizer, subscriber=Subscriber(receiver), publish_dtype=cfg.weight_sync.publish_dtype
+    )

@@ -1,0 +1,214 @@
+"""The trainer executor: advantages, off-policy-corrected loss, AdamW on fp32 masters."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.types import Group, Rollout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [batch, seq] prompt + completion, right-padded
+    attention_mask: torch.Tensor  # [batch, seq]
+    target_mask: torch.Tensor  # [batch, seq-1] 1 where the next token is a trained completion token
+    behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
+    advantages: torch.Tensor  # [batch]
+    same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
+
+
+def build_token_batch(
+    rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int
+) -> TokenBatch:
+    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    n = len(rollouts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    target_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    behaviour = torch.zeros((n, width - 1), dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        ids = r.prompt_ids + r.completion_ids
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[row, : len(ids)] = 1
+        start = len(r.prompt_ids) - 1  # logits at position p predict token p + 1
+        end = start + len(r.completion_ids)
+        target_mask[row, start:end] = torch.tensor(r.loss_mask, dtype=torch.float32)
+        behaviour[row, start:end] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+    return TokenBatch(
+        input_ids,
+        attention,
+        target_mask,
+        behaviour,
+        torch.tensor(advantages, dtype=torch.float32),
+        torch.tensor([r.version == version for r in rollouts]),
+    )
+
+
+def token_logprobs(
+    model: torch.nn.Module, batch: TokenBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of each next token ``[batch, seq-1]`` and the entropy of each prediction."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1, :].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    logp = logp_all.gather(-1, targets).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], list[float]]:
+    """Advantages within each group over its successfully scored rollouts."""
+    rollouts, advantages = [], []
+    for group in groups:
+        ok = [r for r in group.rollouts if r.status == "ok"]
+        if not ok:
+            continue
+        rewards = torch.tensor([[float(r.reward) for r in ok]])
+        adv = group_advantages(rewards, scale=scale)[0] if len(ok) > 1 else torch.zeros(1)
+        rollouts.extend(ok)
+        advantages.extend(adv.tolist())
+    return rollouts, advantages
+
+
+class Trainer:
+    """Holds the fp32 policy, AdamW, and an optional frozen reference for the KL penalty."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        algorithm: AlgorithmConfig,
+        trainer: TrainerConfig,
+        temperature: float,
+    ) -> None:
+        self.model = model.float().train()
+        self.pad_id = tokenizer.pad_token_id
+        self.algo = algorithm
+        self.cfg = trainer
+        self.temperature = temperature
+        self.version = 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
+        )
+        self.reference = None
+        if algorithm.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on ``groups``; the version grows by one."""
+        t0 = time.perf_counter()
+        rollouts, advantages = compute_advantages(groups, self.algo.advantage_scale)
+        if not rollouts:
+            raise ValueError("train_step got no successfully scored rollout")
+        batch_stats = _Accumulator()
+        total_tokens = sum(sum(r.loss_mask) for r in rollouts)
+        total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
+        self.optimizer.zero_grad(set_to_none=True)
+        size = self.cfg.micro_batch_size
+        for start in range(0, len(rollouts), size):
+            micro = build_token_batch(
+                rollouts[start : start + size], advantages[start : start + size], self.version, self.pad_id
+            )
+            self._micro_step(micro, total_tokens, total_seqs, batch_stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        metrics = batch_stats.finish()
+        metrics.update(
+            {
+                "train/grad_norm": float(grad_norm),
+                "train/num_rollouts": float(len(rollouts)),
+                "train/num_tokens": float(total_tokens),
+                "train/advantage_abs_mean": sum(abs(a) for a in advantages) / len(advantages),
+                "timing/train_step_s": time.perf_counter() - t0,
+            }
+        )
+        if not math.isfinite(metrics["train/loss"]):
+            raise FloatingPointError(f"non-finite loss at version {self.version - 1}")
+        return metrics
+
+    def _micro_step(
+        self, batch: TokenBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
+    ) -> None:
+        logp, entropy = token_logprobs(self.model, batch, self.temperature)
+        mask = batch.target_mask
+        loss, stats = policy_loss_with_stats(
+            self.algo.loss, logp, batch.behaviour, batch.advantages, mask,
+            clip_eps=self.algo.clip_eps, delta=self.algo.delta, aggregation=self.algo.aggregation,
+        )
+        n_tokens = float(mask.sum())
+        if self.algo.aggregation == "token":
+            weight = n_tokens / max(total_tokens, 1)
+        else:
+            weight = float((mask.sum(1) > 0).sum()) / max(total_seqs, 1)
+        total = loss * weight
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(self.reference, batch, self.temperature)
+            kl = kl_penalty(logp, ref_logp, mask)
+            total = total + self.algo.kl_coef * kl * weight
+            acc.add("train/kl", float(kl), n_tokens)
+        total.backward()
+        with torch.no_grad():
+            acc.add("train/loss", float(loss), weight, weighted_sum=True)
+            acc.add("train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens)
+            acc.add("train/clip_fraction", stats.clip_fraction, n_tokens)
+            acc.add("train/importance_ratio_mean", stats.ratio_mean, n_tokens)
+            acc.add("train/importance_weight_mean", stats.weight_mean, n_tokens)
+            acc.max("train/importance_ratio_max", stats.ratio_max)
+            same = batch.same_version.unsqueeze(1).float() * mask
+            if same.sum() > 0:
+                diff = ((logp.detach() - batch.behaviour).abs() * same).sum() / same.sum()
+                acc.add("train/logprob_mismatch_same_version", float(diff), float(same.sum()))
+
+    # -- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+
+class _Accumulator:
+    """Weighted means (and maxima) of per-micro-batch statistics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+        self.plain_sums: set[str] = set()
+
+    def add(self, key: str, value: float, weight: float, weighted_sum: bool = False) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value * weight
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+        if weighted_sum:
+            self.plain_sums.add(key)
+
+    def max(self, key: str, value: float) -> None:
+        self.maxima[key] = max(self.maxima.get(key, float("-inf")), value)
+
+    def finish(self) -> dict[str, float]:
+        out = {}
+        for key, total in self.sums.items():
+            out[key] = total if key in self.plain_sums else total / max(self.weights[key], 1e-12)
+        out.update(self.maxima)
+        return out
