@@ -258,6 +258,8 @@ class Controller:
             for task in gen_tasks:
                 task.cancel()
             await asyncio.gather(*gen_tasks, return_exceptions=True)
+            # Let scoring in progress land in the buffer, so every rollout stays accounted.
+            await asyncio.gather(*list(self.scoring), return_exceptions=True)
         final_eval = await self.evaluate()
         elapsed = time.perf_counter() - started
         summary = {

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny job config that runs in seconds on one CPU core."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # examples.* reward functions are importable by path
+    sys.path.insert(0, str(ROOT))
+
+TINY_MODEL = "tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_size=64"
+
+
+@pytest.fixture
+def tiny_data(tmp_path: Path) -> tuple[Path, Path]:
+    src = [json.loads(line) for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()]
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in src[:400]))
+    evals.write_text("".join(json.dumps(r) + "\n" for r in src[400:416]))
+    return train, evals
+
+
+def tiny_job_raw(tmp_path: Path, train: Path, evals: Path | None = None, **sections) -> dict:
+    raw = {
+        "name": "tiny",
+        "seed": 0,
+        "output_dir": str(tmp_path / "run"),
+        "model": {"path": TINY_MODEL},
+        "data": {"train": str(train), **({"eval": str(evals)} if evals else {})},
+        "task": {"reward": "examples.arithmetic.reward:exact_match", "reward_timeout_s": 2.0},
+        "generation": {"max_new_tokens": 3, "prompts_per_request": 2},
+        "algorithm": {"group_size": 4, "groups_per_step": 4, "max_staleness": 1},
+        "trainer": {"num_steps": 4, "lr": 1e-3, "micro_batch_size": 8},
+        "checkpoint": {"every_steps": 2},
+        "eval": {"every_steps": 100},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:
+            raw[section] = values
+    return raw
+
+
+@pytest.fixture
+def tiny_job(tmp_path: Path, tiny_data):
+    """``tiny_job(**sections)`` -> a JobConfig for a 4-step job on 400 arithmetic rows."""
+    from loomrl.config import build_config
+
+    train, evals = tiny_data
+
+    def make(**sections):
+        return build_config(tiny_job_raw(tmp_path, train, evals, **sections))
+
+    return make

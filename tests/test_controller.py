@@ -1,0 +1,199 @@
+"""The controller with fake executors: the staleness bound under randomized timings, the
+accounting identity, stale drops, and failure handling of reward functions."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loomrl.buffer import RolloutBuffer
+from loomrl.controller import Controller
+from loomrl.data import PromptStream, load_rows
+from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.models import build_char_tokenizer
+from loomrl.runtime.local import LocalRuntime
+from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.types import Completion, GenerationResult, Group, Rollout
+
+
+class Published:
+    def __init__(self) -> None:
+        self.version = -1
+        self.lock = threading.Lock()
+
+
+class FakeGenerator:
+    """Applies the latest published version before each request, like the real engine."""
+
+    def __init__(self, published: Published, delays: list[float], seed: int) -> None:
+        self.published, self.delays, self.rng = published, delays, random.Random(seed)
+        self.calls = 0
+
+    def generate(self, requests):
+        with self.published.lock:
+            version = self.published.version
+        time.sleep(self.delays[self.calls % len(self.delays)])
+        self.calls += 1
+        digits = [c for c in range(5, 15)]
+        return [
+            GenerationResult(
+                [Completion([self.rng.choice(digits) for _ in range(2)], [-1.0, -1.0], "length")
+                 for _ in range(r.num_samples)],
+                version,
+            )
+            for r in requests
+        ]
+
+
+class FakeTrainer:
+    def __init__(self, published: Published, delays: list[float]) -> None:
+        self.published, self.delays = published, delays
+        self.version = 0
+        self.staleness: list[int] = []
+
+    def train_step(self, groups):
+        self.staleness.extend(self.version - g.min_version for g in groups)
+        time.sleep(self.delays[self.version % len(self.delays)])
+        self.version += 1
+        return {"train/loss": 0.0}
+
+    def publish(self):
+        with self.published.lock:
+            self.published.version = self.version
+        return {}
+
+
+def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None):
+    if reward_path:
+        cfg.task.reward = reward_path
+    runtime = LocalRuntime()
+    published = Published()
+    trainer = runtime.start("trainer", lambda: FakeTrainer(published, train_delays))
+    gens = [runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i))
+            for i in range(cfg.generation.num_generators)]
+    rows = load_rows(cfg.data.train)
+    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    ctl = Controller(
+        cfg, trainer=trainer, generators=gens, scorer=Scorer(cfg.task), tokenizer=build_char_tokenizer(),
+        train_rows=rows, eval_rows=[], stream=PromptStream(len(rows), 0), metrics=metrics, run_dir=tmp_path,
+    )
+    try:
+        summary = asyncio.run(ctl.run())
+    finally:
+        metrics.close()
+        runtime.shutdown()
+    return ctl, trainer.obj, summary
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    max_staleness=st.integers(0, 3),
+    num_generators=st.integers(1, 2),
+    per_request=st.integers(1, 3),
+    gen_delays=st.lists(st.floats(0, 0.004), min_size=1, max_size=5),
+    train_delays=st.lists(st.floats(0, 0.004), min_size=1, max_size=5),
+)
+def test_staleness_bound_and_accounting_hold_under_random_timings(
+    tiny_job, tmp_path, max_staleness, num_generators, per_request, gen_delays, train_delays
+):
+    cfg = tiny_job(
+        algorithm={"max_staleness": max_staleness, "groups_per_step": 3, "group_size": 2},
+        generation={"num_generators": num_generators, "prompts_per_request": per_request},
+        trainer={"num_steps": 8},
+    )
+    ctl, trainer, summary = run_fake(cfg, tmp_path, gen_delays, train_delays)
+    assert len(trainer.staleness) == 8 * 3
+    assert max(trainer.staleness) <= max_staleness
+    if max_staleness == 0:
+        assert set(trainer.staleness) == {0}
+    c = ctl.counters
+    assert c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+    assert c.trained == 8 * 3 * 2
+
+
+def test_buffer_drops_stale_groups_and_counts_them():
+    def group(index, version):
+        r = Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0)
+        return Group(index, 0, [r, r])
+
+    async def scenario():
+        buf = RolloutBuffer(max_staleness=1)
+        dropped = []
+
+        async def on_drop(g):
+            dropped.append(g.prompt_index)
+
+        for i, v in enumerate([0, 2, 1, 3, 2]):
+            await buf.put(group(i, v))
+        batch = await buf.take(3, version=3, on_drop=on_drop)
+        return dropped, [g.prompt_index for g in batch.groups], batch.staleness
+
+    dropped, taken, staleness = asyncio.run(scenario())
+    assert dropped == [0, 2]  # versions 0 and 1 are more than 1 behind version 3
+    assert taken == [1, 3, 4] and staleness == [1, 0, 1]
+
+
+def test_prompt_stream_hands_out_each_prompt_once_per_epoch_and_resumes():
+    stream = PromptStream(10, seed=3)
+    got = [stream.next() for _ in range(6)]
+    for epoch, i in got[:4]:
+        stream.mark_trained(epoch, i)
+    stream.requeue(*got[4])  # dropped stale: comes back first
+    assert stream.next() == got[4]
+    resumed = PromptStream(10, seed=3)
+    resumed.load_state_dict(stream.state_dict())
+    rest = [resumed.next()[1] for _ in range(6)]
+    assert sorted(rest + [i for _, i in got[:4]]) == list(range(10))  # nothing lost, nothing twice
+    assert resumed.next()[0] == 1  # then the next epoch
+
+
+def raising_reward(prompt, completion, **row):
+    raise RuntimeError("reward backend down")
+
+
+def nan_reward(prompt, completion, **row):
+    return math.nan if len(completion) % 2 else None
+
+
+def sometimes_hangs(prompt, completion, answer, **row):
+    if completion.endswith(("1", "3")):
+        time.sleep(1.5)
+    return 0.5
+
+
+async def async_reward(prompt, completion, **row):
+    await asyncio.sleep(0)
+    return 1.0
+
+
+@pytest.mark.parametrize("reward,reason", [("raising_reward", "raised"), ("nan_reward", "invalid")])
+def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(tiny_job, tmp_path, reward, reason):
+    cfg = tiny_job(task={"reward": f"test_controller:{reward}", "max_failure_rate": 0.5})
+    with pytest.raises(JobFailedError, match=r"rollouts failed scoring .*max_failure_rate=0.5"):
+        run_fake(cfg, tmp_path, [0.0], [0.0])
+
+
+def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_path):
+    cfg = tiny_job(
+        task={"reward": "test_controller:sometimes_hangs", "reward_timeout_s": 0.2, "max_failure_rate": 0.9},
+        trainer={"num_steps": 3},
+    )
+    ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0], [0.0])
+    assert ctl.counters.failed > 0
+    assert ctl.scorer.failures_by_reason["timeout"] == ctl.counters.failed
+    assert 0 < ctl.counters.trained < 3 * 4 * 4  # groups lose their timed-out rollouts
+    c = ctl.counters
+    assert c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+
+
+def test_async_reward_functions_are_awaited(tiny_job, tmp_path):
+    cfg = tiny_job(task={"reward": "test_controller:async_reward"}, trainer={"num_steps": 2})
+    ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0], [0.0])
+    assert ctl.counters.failed == 0 and ctl.counters.trained == 2 * 4 * 4
