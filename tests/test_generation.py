@@ -1,0 +1,152 @@
+"""The HF generation engine, weight updates into it, and the trainer's view of the same
+log-probs; micro-batching; dataset formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_MODEL
+
+from loomrl.algorithms import group_advantages
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.data import DatasetError, load_rows
+from loomrl.generation.hf import HFGenerator, published_state
+from loomrl.models import build_tiny_model, load_model_and_tokenizer, parse_tiny_spec
+from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
+from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
+from loomrl.weights import encode_update
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    return load_model_and_tokenizer(TINY_MODEL, seed=1)
+
+
+def make_generator(model, tok, dtype="float32"):
+    gen = HFGenerator(model, tok, publish_dtype=dtype)
+    state = published_state(model, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    gen.update_weights(encode_update(None, state, version=0, base_version=None))
+    return gen
+
+
+def test_sampling_is_deterministic_per_seed_and_independent_of_batching(model_and_tok):
+    model, tok = model_and_tok
+    gen = make_generator(model, tok)
+    sp = SamplingParams(max_new_tokens=5)
+    a = GenerationRequest(tok("12+3=").input_ids, 3, sp, seed=7)
+    b = GenerationRequest(tok("1+1=").input_ids, 2, sp, seed=8)
+    alone = gen.generate([a])[0]
+    together = gen.generate([b, a])[1]
+    assert [c.token_ids for c in alone.completions] == [c.token_ids for c in together.completions]
+    other_seed = gen.generate([GenerationRequest(a.prompt_ids, 3, sp, seed=9)])[0]
+    assert [c.token_ids for c in other_seed.completions] != [c.token_ids for c in alone.completions]
+    assert alone.version == 0
+    for c in alone.completions:
+        assert len(c.token_ids) == len(c.logprobs) <= 5
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+
+
+def test_behaviour_logprobs_match_the_trainer_at_equal_weights(model_and_tok):
+    model, tok = model_and_tok
+    gen = make_generator(model, tok)  # fp32 publishing: identical weights
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6)
+    result = gen.generate([GenerationRequest(tok("45+17=").input_ids, 4, sp, seed=1),
+                           GenerationRequest(tok("3+4=").input_ids, 4, sp, seed=2)])
+    rollouts = [Rollout(0, tok(p).input_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0)
+                for p, res in zip(["45+17=", "3+4="], result) for c in res.completions]
+    batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=0.7)
+    diff = ((logp - batch.behaviour).abs() * batch.target_mask).max()
+    assert diff < 1e-4  # left-padded sampling with a KV cache vs right-padded training
+
+
+def test_greedy_and_eos_stop_and_weight_update_changes_outputs(model_and_tok):
+    model, tok = model_and_tok
+    gen = make_generator(model, tok, dtype="bfloat16")
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    req = GenerationRequest(tok("9+9=").input_ids, 1, greedy, seed=0)
+    first = gen.generate([req])[0].completions[0]
+    again = gen.generate([req])[0].completions[0]
+    assert first.token_ids == again.token_ids
+    state = {k: v + 0.5 for k, v in gen.mirror.items()}
+    assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
+    assert gen.generate([req])[0].version == 1
+    for name, param in gen.model.named_parameters():
+        assert torch.equal(param.detach(), state[name].float())  # fp32 compute on bf16 weights
+
+
+class ScriptedLM(torch.nn.Module):
+    """Prefill favours token 5, every decode step favours EOS."""
+
+    def __init__(self, vocab: int, eos: int) -> None:
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.eos = vocab, eos
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], self.vocab)
+        logits[:, -1, 5 if past_key_values is None else self.eos] = 30.0
+        return SimpleNamespace(logits=logits, past_key_values="cache")
+
+
+def test_generation_stops_at_eos_per_sequence(model_and_tok):
+    _, tok = model_and_tok
+    gen = HFGenerator(ScriptedLM(len(tok), tok.eos_token_id), tok, publish_dtype="float32")
+    out = gen.generate([GenerationRequest(tok("1+2=").input_ids, 2, SamplingParams(max_new_tokens=8), 3)])[0]
+    for c in out.completions:
+        assert c.token_ids == [5, tok.eos_token_id] and c.finish_reason == "stop"
+        assert c.logprobs[1] > -1e-6  # EOS was near-certain
+
+
+def test_micro_batching_matches_one_big_batch():
+    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    rollouts = [Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * (1 + i % 3), [-1.5] * (1 + i % 3),
+                        [1] * (1 + i % 3), 0, reward=float(i % 2)) for i in range(8)]
+    groups = [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(2)]
+    grads = []
+    for micro in (8, 3):
+        m = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)[0]
+        trainer = Trainer(m, tok, AlgorithmConfig(), TrainerConfig(micro_batch_size=micro, lr=1e-3), 1.0)
+        metrics = trainer.train_step(groups)
+        grads.append((metrics["train/loss"], [p.detach().clone() for p in m.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert trainer.version == 1
+    assert torch.equal(group_advantages(torch.tensor([[0.0, 1, 0, 1]])), torch.tensor([[-0.5, 0.5, -0.5, 0.5]]))
+
+
+def test_tiny_specs_and_bad_specs():
+    assert parse_tiny_spec("tiny:qwen2?hidden_size=64&num_layers=2") == ("qwen2", {"hidden_size": 64, "num_layers": 2})
+    model, tok = load_model_and_tokenizer("tiny:qwen2?hidden_size=32&num_layers=1&num_heads=2&intermediate_size=32")
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_tiny_spec("tiny:llama?hidden=3")
+    with pytest.raises(ValueError, match="unknown tiny architecture"):
+        load_model_and_tokenizer("tiny:gpt9")
+
+
+def test_jsonl_and_parquet_datasets(tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_rows(jsonl) == rows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_rows(tmp_path / "d.parquet") == rows
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{oops\n')
+    with pytest.raises(DatasetError, match="bad.jsonl:2: not valid JSON"):
+        load_rows(bad)
+    with pytest.raises(DatasetError, match="has no 'question' column"):
+        load_rows(jsonl, prompt_key="question")
+    with pytest.raises(DatasetError, match="unsupported dataset format"):
+        load_rows(tmp_path / "d.csv") if (tmp_path / "d.csv").write_text("a") else None
