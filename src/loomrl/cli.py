@@ -19,7 +19,13 @@ EPILOG = """examples:
 
 def _progress_callback(total_steps: int):
     """A rich progress bar with ETA and the headline numbers; returns (callback, progress)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
