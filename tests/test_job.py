@@ -156,3 +156,19 @@ def _to_toml(raw: dict) -> str:
 def test_build_config_rejects_unknown_section():
     with pytest.raises(ValueError, match="unknown key"):
         build_config({"data": {"train": "x"}, "task": {"reward": "a:b"}, "trainr": {}})
+
+
+def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
+    cfg = tiny_job(model={"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+                   task={"reward": LENGTH_REWARD}, trainer={"num_steps": 2})
+    result = Job(cfg).run()
+    records = [r for r in read_metrics(result.run_dir) if "weight_sync/bytes_full" in r]
+    full_model = Job(tiny_job(trainer={"num_steps": 1}, output_dir=str(result.run_dir) + "-full")).run()
+    full_records = [r for r in read_metrics(full_model.run_dir) if "weight_sync/bytes_full" in r]
+    assert records[-1]["weight_sync/bytes_full"] < full_records[-1]["weight_sync/bytes_full"] / 5
+    mismatch = [r["train/logprob_mismatch_same_version"] for r in records if "train/logprob_mismatch_same_version" in r]
+    assert mismatch and max(mismatch) < 0.01  # the generator runs the trainer's adapter (bf16-rounded)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(result.run_dir / "final")  # merged: loads without peft
+    assert (result.run_dir / "final" / "adapter" / "adapter_config.json").is_file()

@@ -75,6 +75,8 @@ class Controller:
         self.scoring_rollouts = 0
         self.eval_history: list[dict[str, Any]] = []
         self._stop = False
+        self._trained_tokens = 0
+        self._apply_s = 0.0  # generator pauses for weight updates since the last step
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
         self._sampling = SamplingParams(
@@ -126,6 +128,7 @@ class Controller:
                 for epoch, i in picks
             ]
             results = await generator.call("generate", requests)
+            self._apply_s += sum(r.weight_apply_s for r in results)
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
                 rollouts = [
@@ -211,6 +214,8 @@ class Controller:
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
         completion_tokens = sum(sum(r.loss_mask) for r in rollouts)
+        self._trained_tokens += completion_tokens
+        apply_s, self._apply_s = self._apply_s, 0.0
         metrics.update(
             {
                 "step": self.version,
@@ -219,6 +224,8 @@ class Controller:
                 "rollout/staleness_max": max(batch.staleness),
                 "rollout/completion_len_mean": completion_tokens / len(rollouts),
                 "timing/wait_for_batch_s": wait_s,
+                "weight_sync/apply_s": apply_s,
+                "throughput/tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
                 "timing/step_s": time.perf_counter() - t0,
                 "timing/elapsed_s": elapsed,
                 "executor/generator_busy_frac": sum(g.busy_s for g in self.generators)

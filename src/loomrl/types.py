@@ -39,6 +39,7 @@ class Completion:
 class GenerationResult:
     completions: list[Completion]
     version: int  # the policy version of the weights that produced every completion
+    weight_apply_s: float = 0.0  # seconds the generator paused to apply updates before this call
 
 
 RolloutStatus = Literal["ok", "failed"]

@@ -20,9 +20,19 @@ from loomrl.weights.publisher import DTYPES, Subscriber
 logger = logging.getLogger(__name__)
 
 
+def synced_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors weight sync carries, detached and sharing storage with the model: every
+    parameter (tied weights once), or for a PEFT model only the adapter, all that changes."""
+    from loomrl.weights.lora import adapter_state, is_peft_model
+
+    if is_peft_model(model):
+        return adapter_state(model)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
 def published_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The parameters a trainer publishes and a generator mirrors (tied weights once)."""
-    return {name: p.detach().to(dtype).clone() for name, p in model.named_parameters()}
+    """A copy of ``synced_params`` in the published dtype."""
+    return {name: t.to(dtype).clone() for name, t in synced_params(model).items()}
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -63,6 +73,11 @@ class HFGenerator(Generator):
     # -- weights -------------------------------------------------------------------------
 
     def _load_mirror(self) -> None:
+        from loomrl.weights.lora import is_peft_model, load_adapter_state
+
+        if is_peft_model(self.model):
+            load_adapter_state(self.model, self.mirror)
+            return
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.copy_(self.mirror[name])
@@ -94,7 +109,10 @@ class HFGenerator(Generator):
     # -- sampling ------------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        applied_before = self.num_updates_applied
+        t0 = time.perf_counter()
         self.sync_weights()
+        apply_s = time.perf_counter() - t0 if self.num_updates_applied > applied_before else 0.0
         if not requests:
             return []
         by_params: dict[tuple, list[int]] = {}
@@ -115,6 +133,7 @@ class HFGenerator(Generator):
                 results[i] = GenerationResult([], self.version)
             for owner, completion in zip(owners, completions):
                 results[owner].completions.append(completion)
+        results[0].weight_apply_s = apply_s
         return results  # type: ignore[return-value]
 
     @torch.no_grad()

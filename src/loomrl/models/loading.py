@@ -75,3 +75,15 @@ def load_tokenizer(spec: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def apply_lora(model, r: int, alpha: float, target_modules: list[str]):
+    """Wrap ``model`` with a fresh PEFT LoRA adapter; only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in target_modules if m not in names]
+    if missing:
+        raise ModelLoadError(f"LoRA target modules {missing} not found in the model")
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    return get_peft_model(model, config)

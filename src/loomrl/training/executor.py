@@ -3,21 +3,32 @@ subscriber. Both are built where they live (a thread here, a Ray actor later).""
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
 from loomrl.config import JobConfig
 from loomrl.generation.hf import HFGenerator
+from loomrl.generation.hf import synced_params
 from loomrl.models import load_model_and_tokenizer
+from loomrl.models.loading import apply_lora
 from loomrl.training.checkpoint import save_checkpoint
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.publisher import Publisher, Subscriber
 
 
+def _load(cfg: JobConfig):
+    model, tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
+    if cfg.model.lora is not None:
+        lora = cfg.model.lora
+        model = apply_lora(model, lora.r, lora.alpha, lora.target_modules)
+    return model, tokenizer
+
+
 class TrainerExecutor:
     def __init__(self, cfg: JobConfig, sender) -> None:
-        model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
+        model, self.tokenizer = _load(cfg)
         self.trainer = Trainer(
             model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature
         )
@@ -35,7 +46,7 @@ class TrainerExecutor:
 
     def publish(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = self.publisher.publish(dict(self.trainer.model.named_parameters()), self.trainer.version)
+        metrics = self.publisher.publish(synced_params(self.trainer.model), self.trainer.version)
         metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
 
@@ -50,13 +61,21 @@ class TrainerExecutor:
         return str(save_checkpoint(Path(root), step, {"trainer": self.state_dict(), **extra}, keep))
 
     def save_pretrained(self, path: str) -> None:
+        """The final model in ``save_pretrained`` format; a LoRA job also keeps its adapter
+        in ``adapter/`` and saves the merged model, which transformers and vLLM load."""
+        from loomrl.weights.lora import is_peft_model
+
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.trainer.model.save_pretrained(path)
+        model = self.trainer.model
+        if is_peft_model(model):
+            model.save_pretrained(str(Path(path) / "adapter"))
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
 
 def build_generator(cfg: JobConfig, receiver) -> HFGenerator:
-    model, tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
+    model, tokenizer = _load(cfg)
     return HFGenerator(
         model, tokenizer, subscriber=Subscriber(receiver), publish_dtype=cfg.weight_sync.publish_dtype
     )
