@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora]'
 	touch $(STAMP)
 

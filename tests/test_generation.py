@@ -150,3 +150,14 @@ def test_jsonl_and_parquet_datasets(tmp_path):
         load_rows(jsonl, prompt_key="question")
     with pytest.raises(DatasetError, match="unsupported dataset format"):
         load_rows(tmp_path / "d.csv") if (tmp_path / "d.csv").write_text("a") else None
+
+
+def test_learning_rate_schedules():
+    from loomrl.training.trainer import lr_factor
+
+    cfg = TrainerConfig(num_steps=10, warmup_steps=2, lr_schedule="linear")
+    f = lr_factor(cfg)
+    assert [f(s) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    cos = lr_factor(TrainerConfig(num_steps=4, lr_schedule="cosine"))
+    assert cos(0) == 1.0 and abs(cos(2) - 0.5) < 1e-12 and abs(cos(4)) < 1e-12
+    assert lr_factor(TrainerConfig(num_steps=4))(3) == 1.0

@@ -81,6 +81,22 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
     return rollouts, advantages
 
 
+def lr_factor(cfg: TrainerConfig):
+    """Multiplier of the base learning rate at a step: linear warmup, then the schedule."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps))
+        if cfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
 class Trainer:
     """Holds the fp32 policy, AdamW, and an optional frozen reference for the KL penalty."""
 
@@ -102,6 +118,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         self.reference = None
         if algorithm.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -123,9 +140,12 @@ class Trainer:
             )
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.scheduler.step()
         self.version += 1
         metrics = batch_stats.finish()
+        metrics["train/lr"] = lr
         metrics.update(
             {
                 "train/grad_norm": float(grad_norm),
@@ -179,12 +199,14 @@ class Trainer:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
 
 
