@@ -108,6 +108,10 @@ class TrainerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_size: int = Field(64, gt=0, description="Rollouts per forward/backward.")
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after warmup: to 0 at num_steps for linear/cosine."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warmup.")
 
 
 class WeightSyncConfig(_Section):
@@ -123,6 +127,15 @@ class WeightSyncConfig(_Section):
     )
     sync_every: int = Field(1, gt=0, description="Publish every this many optimizer steps.")
     path: str | None = Field(None, description="Folder or fsspec URL for the 'files' transport.")
+    zstd_level: int = Field(1, ge=1, le=22, description="zstd level of the delta codec (1 is fastest).")
+    prefetch: bool = Field(
+        False, description="Generators receive and verify updates in a background thread and "
+        "pause only to apply them."
+    )
+    keep_fulls: int = Field(
+        2, gt=0, description="'files' transport: full snapshots kept (with the deltas after them)."
+    )
+    bucket_mb: int = Field(64, gt=0, description="'torch_dist' transport: broadcast bucket size in MiB.")
 
 
 class SandboxConfig(_Section):
@@ -134,6 +147,18 @@ class SandboxConfig(_Section):
     max_sandboxes: int = Field(32, gt=0, description="Sandboxes alive at most (backpressure).")
     timeout_s: float = Field(5.0, gt=0, description="Default wall time per exec.")
     memory_mb: int = Field(512, gt=0, description="Address-space / memory limit per sandbox.")
+    cpu_s: int = Field(10, gt=0, description="CPU seconds per exec (RLIMIT_CPU).")
+    max_processes: int = Field(64, gt=0, description="Processes per sandbox (RLIMIT_NPROC, pids cgroup).")
+    max_output_bytes: int = Field(
+        1 << 20, gt=0, description="stdout+stderr bytes kept per exec; more kills it (output_cap)."
+    )
+    ttl_s: float = Field(600.0, gt=0, description="A sandbox retires after this many seconds.")
+    max_retries: int = Field(
+        2, ge=0, description="Retries of an exec after sandbox infrastructure failures (never for the code's own failures)."
+    )
+    uid_base: int = Field(
+        880_000, gt=0, description="First of the dedicated unprivileged uids sandboxes run code as."
+    )
 
 
 class CheckpointConfig(_Section):
