@@ -59,11 +59,13 @@ class Controller:
         version: int = 0,
         counters: Counters | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        env_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
         self.metrics, self.run_dir, self.on_record = metrics, run_dir, on_record
+        self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         algo = cfg.algorithm
         self.version = version
         self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
@@ -118,6 +120,10 @@ class Controller:
         while not self._stop:
             n = await self.gate.acquire(per_request)
             picks = [self.stream.next() for _ in range(n)]
+            if self.env_factory is not None:
+                for epoch, index in picks:
+                    self._watch(asyncio.create_task(self._episode_group(generator, epoch, index)))
+                continue
             requests = [
                 GenerationRequest(
                     self._encode(self.train_rows[i][self._prompt_key]),
@@ -152,6 +158,29 @@ class Controller:
                 self.scoring.add(task)
                 self._watch(task)
 
+    async def _episode_group(self, generator: ExecutorHandle, epoch: int, index: int) -> None:
+        """One group of multi-turn episodes (environment tasks): generated and scored together."""
+        from loomrl.envs.episode import run_group_episodes
+
+        envs = [self.env_factory() for _ in range(self.cfg.algorithm.group_size)]
+        try:
+            rollouts = await run_group_episodes(
+                envs, self.train_rows[index], index,
+                generate=lambda requests: generator.call("generate", requests),
+                encode=self._encode, decode=self._decode, sampling=self._sampling,
+                max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
+            )
+        finally:
+            for env in envs:
+                env.close()
+        for r in rollouts:
+            if r.status == "failed":
+                self.scorer.failures_by_reason["environment"] += 1
+                self.scorer.last_error = r.error
+        self.counters.generated += len(rollouts)
+        self.scoring_rollouts += len(rollouts)
+        await self._score_and_put(Group(index, epoch, rollouts))
+
     async def _score_and_put(self, group: Group) -> None:
         try:
             await self.scorer.score(group.rollouts)
@@ -173,28 +202,48 @@ class Controller:
     # -- evaluation ----------------------------------------------------------------------
 
     async def evaluate(self) -> dict[str, Any]:
-        """Greedy completions of the held-out prompts, scored: mean reward = accuracy."""
+        """Greedy completions (or episodes) of the held-out prompts, scored: mean reward."""
         if not self.eval_rows:
             return {}
         t0 = time.perf_counter()
         greedy = SamplingParams(max_new_tokens=self.cfg.generation.max_new_tokens, greedy=True)
-        requests = [GenerationRequest(self._encode(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
-        results = await self.generators[0].call("generate", requests)
-        rollouts = [
-            Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
-                    [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
-            for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
-        ]
-        await self.scorer.score(rollouts)
-        ok = [r.reward for r in rollouts if r.status == "ok"]
+        if self.env_factory is not None:
+            rollouts = await self._evaluate_episodes(greedy)
+        else:
+            requests = [GenerationRequest(self._encode(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
+            results = await self.generators[0].call("generate", requests)
+            rollouts = [
+                Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
+                        [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
+                for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
+            ]
+            await self.scorer.score(rollouts)
+        rewards = [r.reward for r in rollouts if r.status == "ok"]
         record = {
-            "eval/accuracy": sum(ok) / len(rollouts),
-            "eval/num_failed": len(rollouts) - len(ok),
-            "eval/version": results[0].version if results else self.version,
+            "eval/accuracy": sum(rewards) / len(rollouts),
+            "eval/num_failed": len(rollouts) - len(rewards),
+            "eval/version": min(r.version for r in rollouts),
             "timing/eval_s": time.perf_counter() - t0,
         }
         self.eval_history.append(record)
         return record
+
+    async def _evaluate_episodes(self, greedy: SamplingParams) -> list[Rollout]:
+        from loomrl.envs.episode import run_group_episodes
+
+        async def one(i: int, row: dict[str, Any]) -> Rollout:
+            env = self.env_factory()
+            try:
+                (rollout,) = await run_group_episodes(
+                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", reqs),
+                    encode=self._encode, decode=self._decode, sampling=greedy,
+                    max_turns=self.cfg.task.max_turns, seed=0,
+                )
+            finally:
+                env.close()
+            return rollout
+
+        return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(self.eval_rows))))
 
     # -- training ------------------------------------------------------------------------
 

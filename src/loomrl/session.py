@@ -36,6 +36,19 @@ def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
     return {}
 
 
+def _environment_factory(cfg: JobConfig):
+    if cfg.task.environment is None:
+        return None
+    from loomrl.envs.base import Environment
+    from loomrl.envs.reward import load_object
+
+    cls = load_object(cfg.task.environment)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"task.environment {cfg.task.environment!r} is not an Environment subclass")
+    args = dict(cfg.task.environment_args)
+    return lambda: cls(**args)
+
+
 def _restore(path: Path, trainer, controller_kwargs: dict[str, Any], stream: PromptStream) -> None:
     state = load_checkpoint(path)
     trainer.obj.load_state_dict(state["trainer"])
@@ -66,6 +79,7 @@ def run_job(
     train_rows = load_rows(cfg.data.train, cfg.data.prompt_key)
     eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_key)[: cfg.data.max_eval_examples] if cfg.data.eval else []
     scorer = Scorer(cfg.task)
+    env_factory = _environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
@@ -87,7 +101,7 @@ def run_job(
         controller = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
-            run_dir=run_dir, on_record=on_record, **kwargs,
+            run_dir=run_dir, on_record=on_record, env_factory=env_factory, **kwargs,
         )
 
         async def checkpoint(step: int) -> None:

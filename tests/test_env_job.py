@@ -1,0 +1,54 @@
+"""A multi-turn environment task driven end to end by the controller with a tiny model."""
+
+from __future__ import annotations
+
+from loomrl.envs.base import Environment, StepResult
+from loomrl.job import Job
+from loomrl.telemetry.metrics import read_metrics
+
+
+class GuessTwice(Environment):
+    """Two turns: the first answer gets feedback, the second is scored on its length."""
+
+    def __init__(self, bonus: float = 0.0) -> None:
+        self.turn, self.bonus = 0, bonus
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult(observation=" again:", reward=0.0, done=False)
+        return StepResult(observation="", reward=len(completion.strip()) / 3 + self.bonus, done=True)
+
+
+class Broken(Environment):
+    def reset(self, row):
+        raise RuntimeError("environment backend down")
+
+    def step(self, completion):  # pragma: no cover - never reached
+        return StepResult("", 0.0, True)
+
+
+def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_job):
+    cfg = tiny_job(task={"reward": None, "environment": "test_env_job:GuessTwice",
+                         "environment_args": {"bonus": 0.5}, "max_turns": 3},
+                   trainer={"num_steps": 2})
+    result = Job(cfg).run()
+    s = result.summary
+    assert s["trained"] == 2 * 4 * 4 and s["failed"] == 0
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert all(r["rollout/reward_mean"] >= 0.5 for r in steps)  # every episode reached turn 2
+    assert result.eval_history and result.eval_history[-1]["eval/accuracy"] >= 0.5
+
+
+def test_environment_that_raises_fails_rollouts_and_stops_the_job(tiny_job):
+    import pytest
+
+    from loomrl.envs.scorer import JobFailedError
+
+    cfg = tiny_job(task={"reward": None, "environment": "test_env_job:Broken"})
+    with pytest.raises(JobFailedError, match="environment backend down"):
+        Job(cfg).run()
