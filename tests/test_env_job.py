@@ -52,3 +52,24 @@ def test_environment_that_raises_fails_rollouts_and_stops_the_job(tiny_job):
     cfg = tiny_job(task={"reward": None, "environment": "test_env_job:Broken"})
     with pytest.raises(JobFailedError, match="environment backend down"):
         Job(cfg).run()
+
+
+async def sandboxed_length(prompt, completion, **row):
+    """Computes the reward inside the job's sandbox pool."""
+    from loomrl.sandbox import default_pool
+
+    result = await default_pool().aexec(f"print(len({completion!r}))", timeout_s=5.0)
+    return float(result.stdout.strip()) / 3 if result.ok else 0.0
+
+
+def test_sandboxed_reward_job_reports_pool_metrics(tiny_job):
+    import json
+
+    cfg = tiny_job(task={"reward": "test_env_job:sandboxed_length"},
+                   sandbox={"min_warm": 1, "max_warm": 2, "max_sandboxes": 4},
+                   trainer={"num_steps": 2})
+    result = Job(cfg).run()
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert records[-1]["sandbox/exec_p50_ms"] > 0
+    assert result.summary["failed"] == 0 and result.summary["trained"] == 2 * 4 * 4
+    assert json.loads((result.run_dir / "config.json").read_text())["sandbox"]["max_warm"] == 2

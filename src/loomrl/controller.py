@@ -60,12 +60,14 @@ class Controller:
         counters: Counters | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
         env_factory: Callable[[], Any] | None = None,
+        extra_metrics: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
         self.metrics, self.run_dir, self.on_record = metrics, run_dir, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
+        self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
         algo = cfg.algorithm
         self.version = version
         self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
@@ -281,6 +283,7 @@ class Controller:
                 / max(elapsed * len(self.generators), 1e-9),
                 "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
                 **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
+                **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
             }
         )

@@ -85,6 +85,13 @@ def run_job(
     (run_dir / "config.json").write_text(cfg.to_json())
     torch.manual_seed(cfg.seed)
 
+    from loomrl.sandbox.default import (
+        close_default_pool,
+        configure_default_pool,
+        default_pool_metrics,
+    )
+
+    configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
     runtime = LocalRuntime(torch_threads=1)
     transport = make_transport(cfg.weight_sync.transport, **_transport_kwargs(cfg, run_dir))
     metrics = MetricsLogger(run_dir)
@@ -101,7 +108,8 @@ def run_job(
         controller = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
-            run_dir=run_dir, on_record=on_record, env_factory=env_factory, **kwargs,
+            run_dir=run_dir, on_record=on_record, env_factory=env_factory,
+            extra_metrics=default_pool_metrics, **kwargs,
         )
 
         async def checkpoint(step: int) -> None:
@@ -117,3 +125,4 @@ def run_job(
         metrics.close()
         runtime.shutdown()
         transport.close()
+        close_default_pool()

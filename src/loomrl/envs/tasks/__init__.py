@@ -1,0 +1,1 @@
+"""Built-in tasks whose answers run in the sandbox: ``countdown`` and ``code``."""

@@ -1,0 +1,283 @@
+"""``ForkServerSandbox``: the host side of one sandbox (either backend).
+
+It launches the backend's fork server (through a tiny ``sh`` that first joins the
+sandbox's cgroups, when there are any), sends the server its config, waits for it to say
+it is ready, then turns each ``exec`` into one request frame and one answer frame. Any
+failure of the channel (EOF, garbage, no answer well past the exec's own timeout) raises
+``SandboxError`` and leaves the sandbox dead: it is infrastructure, never the code's fault.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from loomrl.sandbox import backends, forkserver
+from loomrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+from loomrl.sandbox.cgroups import CgroupLimits, cgroups_writable
+from loomrl.sandbox.uids import UidAllocator, UidLease
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 30.0
+ANSWER_GRACE_S = 10.0  # how long past an exec's timeout the server may take to answer
+_JOIN_CGROUPS = (
+    'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f"; shift; done; shift; exec "$@"'
+)
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _read_frame_until(fd: int, deadline: float) -> dict:
+    remaining = deadline - time.monotonic()
+    ready, _, _ = select.select([fd], [], [], max(0.0, remaining))
+    if not ready:
+        raise TimeoutError("sandbox server did not answer in time")
+    return forkserver.read_frame(fd)
+
+
+class ForkServerSandbox(Sandbox):
+    """One sandbox: a fork server in ``bwrap`` or a plain process, under a dedicated uid."""
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        limits: SandboxLimits | None = None,
+        uids: UidAllocator | None = None,
+        use_cgroups: bool = True,
+    ) -> None:
+        self.backend = backends.resolve_backend(backend)
+        self.limits = limits or SandboxLimits()
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._dead = False
+        self.num_execs = 0
+        self.started_at = time.monotonic()
+        self.lease: UidLease | None = None
+        self.cgroup: CgroupLimits | None = None
+        self._host_work_dir: str | None = None
+        try:
+            self._start(uids, use_cgroups)
+        except BaseException:
+            self.close()
+            raise
+        self.ready_s = time.monotonic() - self.started_at
+
+    # --- start-up -------------------------------------------------------------------
+    def _start(self, uids: UidAllocator | None, use_cgroups: bool) -> None:
+        if os.geteuid() == 0:
+            self.lease = (uids or UidAllocator()).acquire()
+        if use_cgroups and self.lease and cgroups_writable():
+            self.cgroup = CgroupLimits.create(
+                f"sb-{self.lease.uid}",
+                memory_bytes=(self.limits.memory_mb + 128) << 20,
+                max_pids=self.limits.processes + 16,
+            )
+        server_config = {
+            "uid": self.lease.uid if self.lease else None,
+            "gid": self.lease.gid if self.lease else None,
+            "limits": self.limits.for_server(),
+            "env": backends.CHILD_ENV,
+        }
+        if self.backend == "bwrap":
+            spec = backends.bwrap_launch(server_config)
+        else:
+            if self.cgroup:
+                server_config["pids_current_file"] = str(self.cgroup.pids_dir / "pids.current")
+            self._host_work_dir = tempfile.mkdtemp(prefix="loomrl-sandbox-")
+            os.chmod(self._host_work_dir, 0o711)
+            spec = backends.process_launch(server_config, os.path.join(self._host_work_dir, "w"))
+        argv = spec.argv
+        if self.cgroup:
+            argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroup.procs_files, "--", *argv]
+        self._stderr_file = tempfile.TemporaryFile()
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr_file,
+                pass_fds=spec.pass_fds,
+                start_new_session=True,
+                env=dict(backends.CHILD_ENV),
+            )
+        finally:
+            for fd in spec.pass_fds:
+                os.close(fd)
+        forkserver.write_frame(self._proc.stdin.fileno(), spec.server_config)
+        try:
+            hello = _read_frame_until(
+                self._proc.stdout.fileno(), time.monotonic() + READY_TIMEOUT_S
+            )
+        except (EOFError, TimeoutError, ValueError) as err:
+            raise SandboxError(
+                f"{self.backend} sandbox failed to start: {err}; {self._stderr_tail()}"
+            ) from None
+        if hello.get("op") != "ready":
+            raise SandboxError(f"{self.backend} sandbox sent {hello!r} instead of ready")
+
+    def _stderr_tail(self) -> str:
+        try:
+            self._stderr_file.seek(0)
+            return self._stderr_file.read()[-2000:].decode(errors="replace").strip()
+        except (OSError, AttributeError, ValueError):
+            return ""
+
+    # --- exec -----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._proc is not None and self._proc.poll() is None
+
+    def exec(
+        self,
+        code: str | None = None,
+        *,
+        command: list[str] | None = None,
+        files: dict[str, str | bytes] | None = None,
+        stdin: str | bytes = b"",
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        if (code is None) == (command is None):
+            raise ValueError("exec needs exactly one of code (a Python snippet) or command (argv)")
+        if command is not None and (not command or not all(isinstance(a, str) for a in command)):
+            raise ValueError(f"command must be a non-empty list of strings, got {command!r}")
+        timeout_s = float(timeout_s if timeout_s is not None else self.limits.timeout_s)
+        request = {
+            "code": code,
+            "argv": command,
+            "files": {name: _b64(content) for name, content in (files or {}).items()},
+            "stdin": _b64(stdin),
+            "timeout_s": timeout_s,
+            "max_output_bytes": int(max_output_bytes or self.limits.max_output_bytes),
+        }
+        with self._lock:
+            if not self.alive:
+                raise SandboxError("sandbox is not running")
+            return self._roundtrip(request, timeout_s)
+
+    def _roundtrip(self, request: dict, timeout_s: float) -> ExecResult:
+        t0 = time.perf_counter()
+        oom_before = self.cgroup.oom_kills() if self.cgroup else 0
+        try:
+            forkserver.write_frame(self._proc.stdin.fileno(), request)
+            answer = _read_frame_until(
+                self._proc.stdout.fileno(), time.monotonic() + timeout_s + ANSWER_GRACE_S
+            )
+        except (OSError, EOFError, TimeoutError, ValueError) as err:
+            self._dead = True
+            raise SandboxError(f"sandbox channel failed: {err!r}; {self._stderr_tail()}") from None
+        self.num_execs += 1
+        if answer.get("reason") == "sandbox_error":
+            self._dead = True
+            raise SandboxError(f"sandbox server error: {answer.get('error')}")
+        if answer.get("dirty"):
+            self._dead = True  # served this exec, but must not serve another
+            logger.warning("sandbox left dirty after exec: %s", answer["dirty"])
+        reason = answer["reason"]
+        if reason == "signal" and answer["signal"] == signal.SIGKILL and self.cgroup:
+            if self.cgroup.oom_kills() > oom_before:
+                reason = "oom"
+        timings = dict(answer.get("timings_ms", {}))
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        return ExecResult(
+            stdout=base64.b64decode(answer["stdout"]).decode(errors="replace"),
+            stderr=base64.b64decode(answer["stderr"]).decode(errors="replace"),
+            exit_code=answer["exit_code"],
+            signal=answer["signal"],
+            reason=reason,
+            truncated=answer["truncated"],
+            leftover_killed=answer.get("leftover_killed", 0),
+            timings_ms=timings,
+        )
+
+    @property
+    def dirty(self) -> bool:
+        """True once the sandbox must not serve again (failed channel or unclean exec)."""
+        return self._dead
+
+    # --- shutdown -------------------------------------------------------------------
+    def close(self) -> None:
+        self._dead = True
+        proc = self._proc
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            self._proc = None
+        if self.lease is not None:
+            leftovers = kill_uid_processes(self.lease.uid)
+            if leftovers:
+                logger.warning(
+                    "killed %d leftover processes of sandbox uid %d", leftovers, self.lease.uid
+                )
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self._host_work_dir:
+            shutil.rmtree(self._host_work_dir, ignore_errors=True)
+            self._host_work_dir = None
+        if hasattr(self, "_stderr_file"):
+            self._stderr_file.close()
+
+
+def uid_processes(uids: set[int] | range) -> dict[int, list[int]]:
+    """Host pids per uid, for the given uids (one pass over /proc)."""
+    found: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue
+        if uid in uids:
+            found.setdefault(uid, []).append(int(name))
+    return found
+
+
+def kill_uid_processes(uid: int, rounds: int = 50) -> int:
+    """SIGKILL every host process of ``uid`` until none is left; returns how many were killed."""
+    killed = 0
+    for _ in range(rounds):
+        pids = uid_processes({uid}).get(uid, [])
+        live = [p for p in pids if not _is_zombie(p)]
+        if not live:
+            return killed
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    logger.error("processes of sandbox uid %d survive %d kill rounds", uid, rounds)
+    return killed
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
