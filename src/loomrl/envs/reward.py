@@ -67,7 +67,7 @@ async def call_reward(
     if inspect.iscoroutinefunction(fn):
         try:
             value = await asyncio.wait_for(fn(prompt, completion, **kwargs), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
         except Exception as err:  # noqa: BLE001 - user code: any error fails the rollout
             raise RewardFailure("raised", f"reward function raised {type(err).__name__}: {err}") from None
@@ -88,7 +88,7 @@ async def call_reward(
     threading.Thread(target=target, name="reward", daemon=True).start()
     try:
         status, value = await asyncio.wait_for(future, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
     if status == "raised":
         raise RewardFailure("raised", f"reward function raised {type(value).__name__}: {value}")
