@@ -1,15 +1,28 @@
 """Versioned, verified weight updates from the trainer to the generators.
 
-Public API: ``encode_update``, ``apply_update``, ``WeightUpdate`` and the transports in
-``loomrl.weights.transports``.
+Public API: ``encode_update``, ``apply_update`` (``prepare_update`` + commit), ``WeightUpdate``
+(``to_bytes`` / ``from_bytes``), the ``Publisher`` / ``Subscriber`` pair, and the transports in
+``loomrl.weights.transports`` (``make_transport("inproc" | "shm" | "torch_dist" | "files")``).
 """
 
+from loomrl.weights.codec import CodecOptions
 from loomrl.weights.update import (
+    PreparedUpdate,
     WeightUpdate,
     WeightUpdateError,
     apply_update,
     encode_update,
+    prepare_update,
     state_digest,
 )
 
-__all__ = ["WeightUpdate", "WeightUpdateError", "apply_update", "encode_update", "state_digest"]
+__all__ = [
+    "CodecOptions",
+    "PreparedUpdate",
+    "WeightUpdate",
+    "WeightUpdateError",
+    "apply_update",
+    "encode_update",
+    "prepare_update",
+    "state_digest",
+]

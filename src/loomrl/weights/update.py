@@ -1,54 +1,62 @@
 """WeightUpdate: a manifest plus payload taking a receiver from version a to version b.
 
-This first version carries full copies only; the delta codec plugs in behind the same API.
+``encode_update(None, new, ...)`` gives a full update (raw bytes); with a base it gives a
+lossless delta (``loomrl.weights.codec``). ``apply_update`` decodes every tensor into
+temporaries, verifies each tensor's crc32 and the whole-model digest, and only then writes
+into ``state``: on any error ``state`` is left unchanged and a ``WeightUpdateError`` says why.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import struct
+import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-MAGIC = b"LOOMWU1\0"
+from loomrl.weights.codec import CodecOptions, DecodedTensor, decode_tensor, encode_delta
+from loomrl.weights.manifest import (
+    FORMAT_VERSION,
+    MODE_RAW,
+    TensorEntry,
+    WeightUpdateError,
+    bits_view,
+    check_tiling,
+    checksum,
+    digest_of,
+    pack_frame,
+    parse_dtype,
+    state_digest,
+    unpack_frame,
+)
 
+logger = logging.getLogger(__name__)
 
-class WeightUpdateError(ValueError):
-    """An update that cannot be applied: wrong base, failed checksum, truncated payload."""
+CODEC_FULL = "raw"
+CODEC_DELTA = "xor-zstd"
 
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    if t.numel() == 0:
-        return b""
-    return t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
-
-
-def _checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """Digest of a whole state dict: names, dtypes, shapes and exact bits."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state):
-        t = state[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(_tensor_bytes(t))
-    return h.hexdigest()
+__all__ = [
+    "WeightUpdate",
+    "WeightUpdateError",
+    "PreparedUpdate",
+    "apply_update",
+    "encode_update",
+    "prepare_update",
+    "state_digest",
+]
 
 
 @dataclass
 class WeightUpdate:
+    """Takes a state from ``base_version`` (None: from anything, a full update) to ``version``."""
+
     version: int
     base_version: int | None  # None: a full update
     codec: str
-    tensors: list[dict] = field(default_factory=list)  # name, shape, dtype, checksum, offset, nbytes
-    digest: str = ""
-    payload: bytes = b""
+    tensors: list[TensorEntry] = field(default_factory=list)
+    digest: str = ""  # digest of the model this update produces
+    payload: bytes | bytearray | memoryview = b""
+    base_digest: str = ""  # digest of the model a delta applies to ("" for a full update)
 
     @property
     def is_full(self) -> bool:
@@ -56,48 +64,78 @@ class WeightUpdate:
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload)
+        """Serialized size: manifest plus payload."""
+        return len(self.header()) + memoryview(self.payload).nbytes
+
+    @property
+    def model_nbytes(self) -> int:
+        """Size of the model this update produces, as raw tensors."""
+        return sum(e.numel * parse_dtype(e.dtype).itemsize for e in self.tensors)
+
+    @property
+    def changed_fraction(self) -> float:
+        """Fraction of elements whose bits differ from the base (1.0 for a full update)."""
+        numel = sum(e.numel for e in self.tensors)
+        return sum(e.changed for e in self.tensors) / numel if numel else 0.0
 
     def manifest(self) -> dict:
         return {
+            "format": FORMAT_VERSION,
             "version": self.version,
             "base_version": self.base_version,
             "codec": self.codec,
-            "tensors": self.tensors,
             "digest": self.digest,
-            "payload_nbytes": len(self.payload),
+            "base_digest": self.base_digest,
+            "payload_nbytes": memoryview(self.payload).nbytes,
+            "tensors": [e.to_json() for e in self.tensors],
         }
 
+    def header(self) -> bytes:
+        """The serialized bytes before the payload."""
+        return pack_frame(self.manifest())
+
+    def frames(self) -> tuple[bytes, memoryview]:
+        """``to_bytes()`` as two pieces (header, payload), for transports that avoid a copy."""
+        return self.header(), memoryview(self.payload).cast("B")
+
     def to_bytes(self) -> bytes:
-        head = json.dumps(self.manifest(), separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<Q", len(head)) + head + self.payload
+        header, payload = self.frames()
+        return header + payload
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> WeightUpdate:
-        if len(data) < len(MAGIC) + 8 or data[: len(MAGIC)] != MAGIC:
-            raise WeightUpdateError("not a loomrl weight update (bad magic or too short)")
-        (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
-        start = len(MAGIC) + 8
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> WeightUpdate:
+        """Parse and check the framing (the payload is referenced, not copied)."""
+        return cls.from_frames(data, None)
+
+    @classmethod
+    def from_frames(
+        cls, header: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview | None
+    ) -> WeightUpdate:
+        """Inverse of ``frames()``; ``payload`` None: ``header`` holds the whole update."""
+        manifest, payload = unpack_frame(header, payload)
+        raw_tensors = manifest.get("tensors")
+        if not isinstance(raw_tensors, list):
+            raise WeightUpdateError("malformed manifest: no tensor list")
+        tensors = [TensorEntry.from_json(t) for t in raw_tensors]
+        check_tiling(tensors, len(payload))
         try:
-            manifest = json.loads(data[start : start + head_len])
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise WeightUpdateError(f"corrupted manifest: {err}") from None
-        payload = data[start + head_len :]
-        if len(payload) != manifest.get("payload_nbytes"):
-            raise WeightUpdateError(
-                f"truncated payload: {len(payload)} bytes, manifest says {manifest.get('payload_nbytes')}"
+            version = int(manifest["version"])
+            base = manifest["base_version"]
+            base_version = None if base is None else int(base)
+            update = cls(
+                version,
+                base_version,
+                str(manifest["codec"]),
+                tensors,
+                str(manifest["digest"]),
+                payload,
+                str(manifest["base_digest"]),
             )
-        return cls(
-            version=manifest["version"],
-            base_version=manifest["base_version"],
-            codec=manifest["codec"],
-            tensors=manifest["tensors"],
-            digest=manifest["digest"],
-            payload=payload,
-        )
-
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool)}
+        except (KeyError, TypeError, ValueError) as err:
+            raise WeightUpdateError(f"malformed manifest: {err!r}") from None
+        if update.is_full and any(t.mode != MODE_RAW for t in tensors):
+            raise WeightUpdateError("a full update may only hold raw tensors")
+        return update
 
 
 def encode_update(
@@ -106,40 +144,175 @@ def encode_update(
     *,
     version: int,
     base_version: int | None,
+    base_digest: str | None = None,
+    options: CodecOptions | None = None,
 ) -> WeightUpdate:
-    """Encode ``new`` (full copy; ``base`` is accepted for API compatibility)."""
-    buf = io.BytesIO()
-    tensors = []
+    """Encode ``new`` as a full update (``base`` None) or as a delta against ``base``.
+
+    Both are state dicts in the published dtype. ``base_digest`` (the digest of ``base``,
+    which a publisher already knows) saves a pass over ``base``.
+    """
+    opts = options or CodecOptions()
+    if base is not None and base_version is None:
+        raise ValueError("a delta needs base_version (the version of `base`)")
+    entries: list[TensorEntry] = []
+    chunks: list = []
+    offset = 0
     for name in sorted(new):
-        data = _tensor_bytes(new[name])
-        tensors.append(
-            {
-                "name": name,
-                "shape": list(new[name].shape),
-                "dtype": str(new[name].dtype),
-                "checksum": _checksum(data),
-                "offset": buf.tell(),
-                "nbytes": len(data),
-            }
-        )
-        buf.write(data)
-    return WeightUpdate(version, None, "full", tensors, state_digest(new), buf.getvalue())
-
-
-def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
-    """Apply ``update`` to ``state`` in place; on any error ``state`` is left unchanged."""
-    decoded: dict[str, torch.Tensor] = {}
-    for meta in update.tensors:
-        chunk = update.payload[meta["offset"] : meta["offset"] + meta["nbytes"]]
-        if len(chunk) != meta["nbytes"] or _checksum(chunk) != meta["checksum"]:
-            raise WeightUpdateError(f"checksum mismatch in tensor {meta['name']!r}")
-        dtype = _DTYPES[meta["dtype"]]
-        t = torch.frombuffer(bytearray(chunk), dtype=torch.uint8) if chunk else torch.empty(0, dtype=torch.uint8)
-        decoded[meta["name"]] = t.view(dtype).reshape(meta["shape"]).clone()
-    if state_digest(decoded) != update.digest:
-        raise WeightUpdateError(f"digest mismatch for version {update.version}")
-    for name, t in decoded.items():
-        if name in state and state[name].shape == t.shape and state[name].dtype == t.dtype:
-            state[name].copy_(t)
+        t = new[name]
+        bits = bits_view(t)
+        shape, dtype = tuple(t.shape), str(t.dtype)
+        old = base.get(name) if base is not None else None
+        if old is None or tuple(old.shape) != shape or old.dtype != t.dtype:
+            entry = TensorEntry(
+                name, shape, dtype, checksum(bits), MODE_RAW, offset, bits.nbytes, bits.size
+            )
+            chunks.append(bits)
         else:
-            state[name] = t
+            enc = encode_delta(bits_view(old), bits, opts)
+            nbytes = len(enc.chunk)
+            entry = TensorEntry(
+                name,
+                shape,
+                dtype,
+                enc.checksum,
+                enc.mode,
+                offset,
+                nbytes,
+                enc.changed,
+                checksum(enc.chunk) if nbytes else 0,
+                enc.gap_bytes,
+            )
+            chunks.append(enc.chunk)
+        entries.append(entry)
+        offset += entry.nbytes
+    payload = bytearray(offset)
+    out = np.frombuffer(payload, dtype=np.uint8)
+    for entry, chunk in zip(entries, chunks, strict=True):
+        if entry.nbytes:
+            out[entry.offset : entry.offset + entry.nbytes] = np.frombuffer(chunk, dtype=np.uint8)
+    if base is None:
+        return WeightUpdate(version, None, CODEC_FULL, entries, digest_of(entries), payload)
+    if base_digest is None:
+        base_digest = state_digest(base)
+    return WeightUpdate(
+        version, base_version, CODEC_DELTA, entries, digest_of(entries), payload, base_digest
+    )
+
+
+@dataclass
+class PreparedUpdate:
+    """A decoded and verified update, ready to be written into the state it was checked
+    against. Preparing only reads the state, so it may run while the state is in use."""
+
+    update: WeightUpdate
+    decoded: list[DecodedTensor]
+
+    def commit(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Write the update into ``state``; returns the names of the tensors it changed."""
+        changed = []
+        for d in self.decoded:
+            if d.values is None:
+                continue
+            changed.append(d.entry.name)
+            _commit_tensor(state, d)
+        return changed
+
+
+def _as_tensor(bits: np.ndarray, entry: TensorEntry) -> torch.Tensor:
+    dtype = parse_dtype(entry.dtype)
+    signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[bits.dtype.itemsize]
+    return torch.from_numpy(bits.view(signed)).view(dtype).reshape(entry.shape)
+
+
+def _commit_tensor(state: dict[str, torch.Tensor], d: DecodedTensor) -> None:
+    entry, target = d.entry, state.get(d.entry.name)
+    fits = (
+        target is not None
+        and tuple(target.shape) == entry.shape
+        and str(target.dtype) == entry.dtype
+    )
+    if not fits:  # a new tensor, or a full update that changes its shape or dtype
+        state[entry.name] = _as_tensor(d.values.copy(), entry)
+        return
+    in_place = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0
+    if in_place:
+        bits = bits_view(target)  # shares memory with target
+        if d.where is None:
+            bits[:] = d.values
+        else:
+            bits[d.where] = d.values
+        return
+    if d.where is None:
+        target.copy_(_as_tensor(d.values, entry))
+    else:
+        bits = bits_view(target).copy()
+        bits[d.where] = d.values
+        target.copy_(_as_tensor(bits, entry))
+
+
+def prepare_update(
+    state: dict[str, torch.Tensor],
+    update: WeightUpdate,
+    *,
+    have_version: int | None = None,
+    have_digest: str | None = None,
+) -> PreparedUpdate:
+    """Decode and verify ``update`` against ``state`` without modifying it.
+
+    ``have_version`` / ``have_digest`` (the version and digest the caller knows ``state`` to
+    be at) reject a delta for another base before any decoding; without them a wrong base is
+    still caught by the checksums.
+    """
+    if not update.is_full:
+        if have_version is not None and have_version != update.base_version:
+            raise WeightUpdateError(
+                f"delta {update.base_version}->{update.version} does not apply to version "
+                f"{have_version}"
+            )
+        if have_digest and update.base_digest and have_digest != update.base_digest:
+            raise WeightUpdateError(
+                f"delta {update.base_version}->{update.version}: state digest {have_digest} "
+                f"is not the base digest {update.base_digest}"
+            )
+    payload = memoryview(update.payload).cast("B")
+    check_tiling(update.tensors, len(payload))
+    decoded = []
+    for entry in update.tensors:
+        base_bits = None
+        target = state.get(entry.name)
+        if entry.mode != MODE_RAW:
+            if (
+                target is None
+                or tuple(target.shape) != entry.shape
+                or str(target.dtype) != entry.dtype
+            ):
+                raise WeightUpdateError(
+                    f"delta {update.base_version}->{update.version}: state has no tensor "
+                    f"{entry.name!r} of shape {list(entry.shape)} and dtype {entry.dtype} "
+                    "(wrong base?)"
+                )
+            base_bits = bits_view(target)
+        bits_dtype = bits_view(torch.empty(0, dtype=parse_dtype(entry.dtype))).dtype
+        chunk = payload[entry.offset : entry.offset + entry.nbytes]
+        decoded.append(decode_tensor(entry, chunk, base_bits, bits_dtype))
+    digest = digest_of(update.tensors)  # each entry's checksum was verified on its result
+    if digest != update.digest:
+        raise WeightUpdateError(
+            f"update {update.version}: model digest {digest} does not match the manifest's "
+            f"{update.digest}"
+        )
+    return PreparedUpdate(update, decoded)
+
+
+def apply_update(
+    state: dict[str, torch.Tensor],
+    update: WeightUpdate,
+    *,
+    have_version: int | None = None,
+    have_digest: str | None = None,
+) -> list[str]:
+    """Apply ``update`` to ``state`` in place; on any error ``state`` is left unchanged and
+    ``WeightUpdateError`` is raised. Returns the names of the tensors that changed."""
+    prepared = prepare_update(state, update, have_version=have_version, have_digest=have_digest)
+    return prepared.commit(state)

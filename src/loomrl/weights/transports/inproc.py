@@ -1,65 +1,85 @@
-"""In-process transport: receivers in the same process read the sender's latest updates."""
+"""In-process transport: receivers in the same process read the sender's latest updates.
+
+Updates are handed over as objects (no serialization); the channel keeps the latest full
+snapshot and the deltas after it.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
-import time
 
-from loomrl.weights.transports.base import Receiver, Sender, TransferStats, Transport
+from loomrl.weights.transports.base import (
+    Receiver,
+    Sender,
+    TransferStats,
+    Transport,
+    UpdateRef,
+)
 from loomrl.weights.update import WeightUpdate
 
+logger = logging.getLogger(__name__)
 
-class _Channel:
+
+class UpdateStore:
+    """Thread-safe store of the latest full snapshot and the chain of deltas after it."""
+
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.latest_full: WeightUpdate | None = None
-        self.deltas: dict[int, WeightUpdate] = {}  # base_version -> delta
-        self.latest_version: int | None = None
+        self.cond = threading.Condition()
+        self.updates: dict[tuple[int, int | None], WeightUpdate] = {}
+
+    def put(self, update: WeightUpdate) -> None:
+        with self.cond:
+            if update.is_full:
+                self.updates.clear()
+            self.updates[(update.version, update.base_version)] = update
+            self.cond.notify_all()
+
+    def refs(self) -> list[UpdateRef]:
+        with self.cond:
+            return [UpdateRef(v, b, (v, b)) for v, b in self.updates]
+
+    def get(self, ref: UpdateRef) -> WeightUpdate | None:
+        with self.cond:
+            return self.updates.get(ref.key)
+
+    def wait(self, seconds: float) -> None:
+        with self.cond:
+            self.cond.wait(seconds)
 
 
 class InprocSender(Sender):
-    def __init__(self, channel: _Channel) -> None:
-        self.channel = channel
+    def __init__(self, store: UpdateStore) -> None:
+        self.store = store
         self.stats = TransferStats()
 
-    def send(self, update: WeightUpdate) -> None:
-        t0 = time.perf_counter()
-        with self.channel.lock:
-            if update.is_full:
-                self.channel.latest_full = update
-                self.channel.deltas.clear()
-            else:
-                self.channel.deltas[update.base_version] = update
-            self.channel.latest_version = update.version
-        self.stats.bytes_sent += update.nbytes
-        self.stats.seconds += time.perf_counter() - t0
+    def _put(self, update: WeightUpdate) -> None:
+        self.store.put(update)
 
 
 class InprocReceiver(Receiver):
-    def __init__(self, channel: _Channel) -> None:
-        self.channel = channel
+    def __init__(self, store: UpdateStore) -> None:
+        self.store = store
         self.stats = TransferStats()
 
-    def receive(self, have_version: int | None) -> WeightUpdate | None:
-        with self.channel.lock:
-            if self.channel.latest_version is None or self.channel.latest_version == have_version:
-                return None
-            if have_version is not None and have_version in self.channel.deltas:
-                return self.channel.deltas[have_version]
-            full = self.channel.latest_full
-        if full is None or full.version == have_version:
-            return None
-        return full
+    def _list(self) -> list[UpdateRef]:
+        return self.store.refs()
+
+    def _fetch(self, ref: UpdateRef) -> WeightUpdate | None:
+        return self.store.get(ref)
+
+    def _wait(self, seconds: float) -> None:
+        self.store.wait(seconds)
 
 
 class InprocTransport(Transport):
     name = "inproc"
 
     def __init__(self) -> None:
-        self._channel = _Channel()
+        self._store = UpdateStore()
 
-    def sender(self) -> Sender:
-        return InprocSender(self._channel)
+    def sender(self) -> InprocSender:
+        return InprocSender(self._store)
 
-    def receiver(self, rank: int = 0) -> Receiver:
-        return InprocReceiver(self._channel)
+    def receiver(self, rank: int = 0) -> InprocReceiver:
+        return InprocReceiver(self._store)

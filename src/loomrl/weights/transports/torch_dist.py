@@ -1,0 +1,238 @@
+"""Transport over a ``torch.distributed`` group: the sender (rank 0) broadcasts each update.
+
+The group is gloo on CPU and NCCL when ``backend="nccl"`` (or ``"auto"`` with CUDA), and
+is built for this transport alone (its own store prefix), so it does not disturb a
+training job's default process group. Per update the sender sets a store key
+``ready/<n>`` (so idle receivers wait on the store, with no collective timing out), then
+broadcasts ``[header_len, payload_len]``, the header, and the payload in buckets of
+``bucket_bytes`` (zero-copy views on CPU; one reused device bucket with NCCL).
+
+Each receiver runs a thread that takes part in every broadcast and files the update into
+a local store (latest full snapshot plus the deltas after it), so ``receive`` never
+blocks. The sender blocks until every receiver has joined the broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from loomrl.weights.transports.base import (
+    BufferPool,
+    Receiver,
+    Sender,
+    TransferStats,
+    Transport,
+    UpdateRef,
+)
+from loomrl.weights.transports.inproc import UpdateStore
+from loomrl.weights.update import WeightUpdate, WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "loomrl-weights"
+
+
+def _as_uint8(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
+    if len(buffer) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only buffers: the sender only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+class _Group:
+    """A process group plus its store and the device the bytes travel on."""
+
+    def __init__(self, t: TorchDistTransport) -> None:
+        timeout = timedelta(seconds=t.timeout_s)
+        store = t.store
+        if store is None:
+            url = urlparse(t.init_method)
+            store = dist.TCPStore(url.hostname, url.port, t.world_size, t.rank == 0, timeout)
+        self.store = dist.PrefixStore(_PREFIX, store)
+        backend = t.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.device = torch.device("cpu")
+        if t.group is not None:
+            self.pg = t.group
+        elif backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(self.store, t.rank, t.world_size, timeout)
+        elif backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.pg = dist.ProcessGroupNCCL(self.store, t.rank, t.world_size)
+        else:
+            raise ValueError(f"torch_dist backend must be gloo, nccl or auto, got {backend!r}")
+        self.bucket = None
+        if self.device.type != "cpu":
+            self.bucket = torch.empty(t.bucket_bytes, dtype=torch.uint8, device=self.device)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def move(self, cpu: torch.Tensor, bucket_bytes: int, sending: bool) -> None:
+        """Broadcast ``cpu`` (filled on the sender, written on receivers) in buckets."""
+        for start in range(0, cpu.numel(), bucket_bytes):
+            part = cpu[start : start + bucket_bytes]
+            if self.bucket is None:
+                self.broadcast(part)
+                continue
+            dev = self.bucket[: part.numel()]
+            if sending:
+                dev.copy_(part)
+            self.broadcast(dev)
+            if not sending:
+                part.copy_(dev)
+
+
+class TorchDistSender(Sender):
+    def __init__(self, t: TorchDistTransport) -> None:
+        self.t = t
+        self.stats = TransferStats()
+        self.group = _Group(t)
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def _announce(self, value: str) -> None:
+        self.count += 1
+        self.group.store.set(f"ready/{self.count}", value)
+
+    def _put(self, update: WeightUpdate) -> None:
+        header, payload = update.frames()
+        with self.lock:
+            self._announce("update")
+            self.group.broadcast(torch.tensor([len(header), len(payload)], dtype=torch.int64))
+            self.group.move(_as_uint8(header).clone(), self.t.bucket_bytes, sending=True)
+            self.group.move(_as_uint8(payload), self.t.bucket_bytes, sending=True)
+
+    def close(self) -> None:
+        with self.lock:
+            self._announce("close")  # receivers stop on the store key, no collective needed
+
+
+class TorchDistReceiver(Receiver):
+    def __init__(self, t: TorchDistTransport) -> None:
+        self.t = t
+        self.stats = TransferStats()
+        self.store = UpdateStore()
+        self.pool = BufferPool()
+        self.group = _Group(t)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="loomrl-weights-recv", daemon=True)
+        self.thread.start()
+
+    def _next(self, count: int) -> str | None:
+        """Wait for the sender's next announcement, polling the store (a store ``wait``
+        that times out logs a warning each time) with a backoff of at most 5 ms."""
+        key, sleep_s = f"ready/{count}", 0.0002
+        while not self.stop.is_set():
+            if self.group.store.check([key]):
+                return self.group.store.get(key).decode()
+            self.stop.wait(sleep_s)
+            sleep_s = min(sleep_s * 2, 0.005)
+        return None
+
+    def _receive_one(self) -> WeightUpdate:
+        meta = torch.empty(2, dtype=torch.int64)
+        self.group.broadcast(meta)
+        header_len, payload_len = (int(x) for x in meta)
+        header = torch.empty(header_len, dtype=torch.uint8)
+        payload = self.pool.get(payload_len)  # reused once the previous update is dropped
+        self.group.move(header, self.t.bucket_bytes, sending=False)
+        self.group.move(_as_uint8(payload), self.t.bucket_bytes, sending=False)
+        return WeightUpdate.from_frames(memoryview(header.numpy()), payload)
+
+    def _run(self) -> None:
+        count = 0
+        while not self.stop.is_set():
+            count += 1
+            if self._next(count) in (None, "close"):
+                return
+            try:
+                update = self._receive_one()
+            except WeightUpdateError as err:
+                self.stats.failures += 1
+                logger.warning("torch_dist: rejected an update: %s", err)
+                continue
+            except Exception as err:  # the group is broken (peer gone, timeout): stop here
+                self.stats.failures += 1
+                logger.error("torch_dist receiver stopped: %r", err)
+                return
+            self.store.put(update)
+
+    def _list(self) -> list[UpdateRef]:
+        return self.store.refs()
+
+    def _fetch(self, ref: UpdateRef) -> WeightUpdate | None:
+        return self.store.get(ref)
+
+    def _wait(self, seconds: float) -> None:
+        self.store.wait(seconds)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+class TorchDistTransport(Transport):
+    """One process's end of the weight group: ``rank`` 0 sends, ranks 1.. receive.
+
+    Give either a ``store`` (any ``torch.distributed.Store``), an ``init_method``
+    (``tcp://host:port``; rank 0 hosts the store), or an existing ``group``. The group is
+    built by ``sender()`` / ``receiver()``, which block until every rank has joined.
+    """
+
+    name = "torch_dist"
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 2,
+        init_method: str | None = None,
+        store: dist.Store | None = None,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        bucket_bytes: int = 64 << 20,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if init_method is None and store is None and group is None:
+            raise ValueError(
+                "torch_dist transport needs init_method='tcp://host:port', a store "
+                "or a group, and one TorchDistTransport(rank=...) per process"
+            )
+        self.rank, self.world_size = rank, world_size
+        self.init_method, self.store, self.group = init_method, store, group
+        self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
+        self._sides: list = []
+
+    def sender(self) -> TorchDistSender:
+        if self.rank != 0:
+            raise ValueError(f"only rank 0 sends weight updates; this is rank {self.rank}")
+        side = TorchDistSender(self)
+        self._sides.append(side)
+        return side
+
+    def receiver(self, rank: int = 0) -> TorchDistReceiver:
+        """This process's receiver (its rank was fixed at construction; ``rank`` is unused)."""
+        if self.rank == 0:
+            raise ValueError("rank 0 is the sender; receivers are ranks 1..world_size-1")
+        side = TorchDistReceiver(self)
+        self._sides.append(side)
+        return side
+
+    def close(self) -> None:
+        for side in reversed(self._sides):
+            side.close()
+        self._sides.clear()
