@@ -80,6 +80,7 @@ class Controller:
         self.eval_history: list[dict[str, Any]] = []
         self._stop = False
         self._trained_tokens = 0
+        self._generator_weight_metrics: dict[str, float] = {}
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
@@ -137,6 +138,8 @@ class Controller:
             ]
             results = await generator.call("generate", requests)
             self._apply_s += sum(r.weight_apply_s for r in results)
+            if results and results[0].weight_metrics:
+                self._generator_weight_metrics = results[0].weight_metrics
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
                 rollouts = [
@@ -275,6 +278,8 @@ class Controller:
                 "rollout/staleness_max": max(batch.staleness),
                 "rollout/completion_len_mean": completion_tokens / len(rollouts),
                 "timing/wait_for_batch_s": wait_s,
+                **{k.replace("weight_sync/", "weight_sync/generator_"): v
+                   for k, v in self._generator_weight_metrics.items()},
                 "weight_sync/apply_s": apply_s,
                 "throughput/tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
                 "timing/step_s": time.perf_counter() - t0,

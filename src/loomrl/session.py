@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
-    if cfg.weight_sync.transport == "files":
-        return {"path": cfg.weight_sync.path or str(run_dir / "weight_updates")}
+    ws = cfg.weight_sync
+    if ws.transport == "files":
+        return {"path": ws.path or str(run_dir / "weight_updates"), "keep_fulls": ws.keep_fulls}
+    if ws.transport == "torch_dist":
+        raise ValueError(
+            "weight_sync.transport='torch_dist' needs one process per executor; the local "
+            "runtime runs executors as threads: use 'inproc' or 'shm' here"
+        )
     return {}
 
 

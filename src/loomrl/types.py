@@ -40,6 +40,7 @@ class GenerationResult:
     completions: list[Completion]
     version: int  # the policy version of the weights that produced every completion
     weight_apply_s: float = 0.0  # seconds the generator paused to apply updates before this call
+    weight_metrics: dict[str, float] = field(default_factory=dict)  # the generator's weight_sync/*
 
 
 RolloutStatus = Literal["ok", "failed"]

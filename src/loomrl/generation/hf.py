@@ -106,6 +106,11 @@ class HFGenerator(Generator):
             self.num_updates_applied += 1
         return self.version
 
+    def close(self) -> None:
+        """Stop the subscriber's background work (prefetch thread), if any."""
+        if self.subscriber is not None:
+            self.subscriber.close()
+
     # -- sampling ------------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -134,6 +139,8 @@ class HFGenerator(Generator):
             for owner, completion in zip(owners, completions):
                 results[owner].completions.append(completion)
         results[0].weight_apply_s = apply_s
+        if self.subscriber is not None:
+            results[0].weight_metrics = self.subscriber.metrics()
         return results  # type: ignore[return-value]
 
     @torch.no_grad()

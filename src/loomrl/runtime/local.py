@@ -45,6 +45,10 @@ class LocalHandle(ExecutorHandle):
             return self._busy_s
 
     def close(self) -> None:
+        """Let the executor release what it holds (its ``close()``), then end its thread."""
+        closer = getattr(self.obj, "close", None)
+        if callable(closer):
+            self._pool.submit(closer).result()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

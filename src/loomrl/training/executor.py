@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 from loomrl.config import JobConfig
-from loomrl.generation.hf import HFGenerator
-from loomrl.generation.hf import synced_params
+from loomrl.generation.hf import HFGenerator, synced_params
 from loomrl.models import load_model_and_tokenizer
 from loomrl.models.loading import apply_lora
 from loomrl.training.checkpoint import save_checkpoint
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
+from loomrl.weights.codec import CodecOptions
 from loomrl.weights.publisher import Publisher, Subscriber
 
 
@@ -34,7 +34,8 @@ class TrainerExecutor:
         )
         ws = cfg.weight_sync
         self.publisher = Publisher(
-            sender, codec=ws.codec, full_every=ws.full_every, publish_dtype=ws.publish_dtype
+            sender, codec=ws.codec, full_every=ws.full_every, publish_dtype=ws.publish_dtype,
+            options=CodecOptions(level=ws.zstd_level),
         )
 
     @property
@@ -76,6 +77,7 @@ class TrainerExecutor:
 
 def build_generator(cfg: JobConfig, receiver) -> HFGenerator:
     model, tokenizer = _load(cfg)
+    ws = cfg.weight_sync
     return HFGenerator(
-        model, tokenizer, subscriber=Subscriber(receiver), publish_dtype=cfg.weight_sync.publish_dtype
+        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype
     )
