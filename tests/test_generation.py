@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_MODEL
 
 from loomrl.algorithms import group_advantages
 from loomrl.config import AlgorithmConfig, TrainerConfig
@@ -17,6 +16,8 @@ from loomrl.models import build_tiny_model, load_model_and_tokenizer, parse_tiny
 from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
 from loomrl.weights import encode_update
+
+from conftest import TINY_MODEL
 
 
 @pytest.fixture(scope="module")
