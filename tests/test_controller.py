@@ -82,7 +82,7 @@ def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None):
     metrics = MetricsLogger(tmp_path, tensorboard=False)
     ctl = Controller(
         cfg, trainer=trainer, generators=gens, scorer=Scorer(cfg.task), tokenizer=build_char_tokenizer(),
-        train_rows=rows, eval_rows=[], stream=PromptStream(len(rows), 0), metrics=metrics, run_dir=tmp_path,
+        train_rows=rows, eval_rows=[], stream=PromptStream(len(rows), 0), metrics=metrics,
     )
     try:
         summary = asyncio.run(ctl.run())

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from loomrl.buffer import RolloutBuffer, StalenessGate
@@ -55,7 +54,6 @@ class Controller:
         eval_rows: list[dict[str, Any]],
         stream: PromptStream,
         metrics: MetricsLogger,
-        run_dir: Path,
         version: int = 0,
         counters: Counters | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -65,7 +63,7 @@ class Controller:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
-        self.metrics, self.run_dir, self.on_record = metrics, run_dir, on_record
+        self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
         algo = cfg.algorithm

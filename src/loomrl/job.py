@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -107,7 +106,3 @@ def load_run_config(run_dir: str | Path) -> JobConfig:
 
 def resume_job(run_dir: str | Path, on_record: Callable[[dict[str, Any]], None] | None = None) -> JobResult:
     return Job(load_run_config(run_dir)).run(resume=True, on_record=on_record)
-
-
-def run_async(coro) -> Any:
-    return asyncio.run(coro)

@@ -114,7 +114,7 @@ def run_job(
         controller = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
-            run_dir=run_dir, on_record=on_record, env_factory=env_factory,
+            on_record=on_record, env_factory=env_factory,
             extra_metrics=default_pool_metrics, **kwargs,
         )
 
