@@ -155,20 +155,23 @@ class HFGenerator(Generator):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p) :] = 1
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        rngs = [torch.Generator().manual_seed(s % (2**63)) for s in seeds]
+        # Each sequence's uniforms come from its own generator, drawn once for all steps.
+        uniforms = torch.stack([
+            torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(s % (2**63)),
+                       dtype=torch.float64)
+            for s in seeds
+        ], dim=1)  # [max_new_tokens, n]
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-        tokens = [[] for _ in range(n)]
-        logprobs = [[] for _ in range(n)]
+        step_tokens, step_logprobs, step_live = [], [], []
         done = torch.zeros(n, dtype=torch.bool)
         next_pos = positions[:, -1] + 1
-        for _ in range(sampling.max_new_tokens):
+        for step in range(sampling.max_new_tokens):
             logits = out.logits[:, -1, :].float()
-            chosen, chosen_logp = self._pick(logits, rngs, sampling)
-            for row in range(n):
-                if not done[row]:
-                    tokens[row].append(int(chosen[row]))
-                    logprobs[row].append(float(chosen_logp[row]))
-            done |= chosen == self.eos_id
+            chosen, chosen_logp = self._pick(logits, uniforms[step], sampling)
+            step_tokens.append(chosen)
+            step_logprobs.append(chosen_logp)
+            step_live.append(~done)
+            done = done | (chosen == self.eos_id)
             if bool(done.all()):
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
@@ -181,14 +184,22 @@ class HFGenerator(Generator):
                 use_cache=True,
             )
             next_pos = next_pos + 1
-        return [
-            Completion(t, lp, "stop" if t and t[-1] == self.eos_id else "length")
-            for t, lp in zip(tokens, logprobs)
-        ]
+        return self._completions(step_tokens, step_logprobs, step_live)
+
+    def _completions(self, tokens: list, logprobs: list, live: list) -> list[Completion]:
+        """Per-sequence token lists from per-step tensors, up to and including EOS."""
+        lengths = torch.stack(live, dim=1).sum(dim=1).tolist()  # tokens kept per sequence
+        all_tokens = torch.stack(tokens, dim=1).tolist()
+        all_logprobs = torch.stack(logprobs, dim=1).tolist()
+        result = []
+        for row_tokens, row_logprobs, length in zip(all_tokens, all_logprobs, lengths):
+            t = row_tokens[:length]
+            result.append(Completion(t, row_logprobs[:length], "stop" if t and t[-1] == self.eos_id else "length"))
+        return result
 
     @staticmethod
     def _pick(
-        logits: torch.Tensor, rngs: list[torch.Generator], sampling: SamplingParams
+        logits: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token per row, and its log-prob under log_softmax(logits / temperature)."""
         logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
@@ -198,7 +209,6 @@ class HFGenerator(Generator):
             probs = logp.exp()
             if sampling.top_p < 1.0:
                 probs = _top_p_filter(probs, sampling.top_p)
-            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in rngs])
             cdf = probs.double().cumsum(dim=-1)
             cdf = cdf / cdf[:, -1:]
             chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1)).squeeze(1)
