@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -59,6 +60,43 @@ def _check_value(value: Any) -> float:
     return value
 
 
+class DaemonThreads:
+    """A pool of daemon worker threads for sync reward calls.
+
+    Workers are reused (a thread per call costs more than most rewards), and are daemons,
+    so a reward that hangs forever never blocks interpreter exit. Each timed-out call adds
+    one worker in place of the one it may still be holding.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._size = size
+        self._started = 0
+
+    def _work(self) -> None:
+        while True:
+            self._tasks.get()()
+
+    def _spawn(self) -> None:
+        threading.Thread(target=self._work, name="reward", daemon=True).start()
+        self._started += 1
+
+    def submit(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            while self._started < self._size:
+                self._spawn()
+        self._tasks.put(task)
+
+    def replace_hung_worker(self) -> None:
+        with self._lock:
+            self._size += 1
+            self._spawn()
+
+
+_REWARD_THREADS = DaemonThreads()
+
+
 async def call_reward(
     fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], timeout_s: float
 ) -> float:
@@ -85,10 +123,11 @@ async def call_reward(
         except RuntimeError:  # the loop closed while a timed-out call was still running
             pass
 
-    threading.Thread(target=target, name="reward", daemon=True).start()
+    _REWARD_THREADS.submit(target)
     try:
         status, value = await asyncio.wait_for(future, timeout_s)
     except TimeoutError:
+        _REWARD_THREADS.replace_hung_worker()
         raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
     if status == "raised":
         raise RewardFailure("raised", f"reward function raised {type(value).__name__}: {value}")
