@@ -84,7 +84,11 @@ def _execute(job_fn, total_steps: int) -> int:
         with progress:
             result = job_fn(on_record)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
+        # a one-line message; `loomrl -v ...` shows the traceback too.
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            logging.getLogger(__name__).exception("job failed")
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     _print_summary(result)
     return 0
