@@ -55,9 +55,10 @@ def _environment_factory(cfg: JobConfig):
     return lambda: cls(**args)
 
 
-def _restore(path: Path, trainer, controller_kwargs: dict[str, Any], stream: PromptStream) -> None:
+def _restore(path: Path, controller_kwargs: dict[str, Any], stream: PromptStream) -> dict[str, Any]:
+    """Restore the controller side (data cursor, counters, RNG) from a verified checkpoint;
+    returns the trainer's state for the trainer executor to load."""
     state = load_checkpoint(path)
-    trainer.obj.load_state_dict(state["trainer"])
     ctl = state["controller"]
     stream.load_state_dict(ctl["stream"])
     counters = Counters(**ctl["counters"])
@@ -66,6 +67,7 @@ def _restore(path: Path, trainer, controller_kwargs: dict[str, Any], stream: Pro
     controller_kwargs.update(version=ctl["version"], counters=counters)
     restore_rng_state(state["rng"])
     logger.info("resumed from %s at version %d", path, ctl["version"])
+    return state["trainer"]
 
 
 def run_job(
@@ -109,8 +111,7 @@ def run_job(
         ]
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
-        if resume_from is not None:
-            _restore(resume_from, trainer, kwargs, stream)
+        trainer_state = _restore(resume_from, kwargs, stream) if resume_from is not None else None
         controller = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
@@ -122,8 +123,14 @@ def run_job(
             extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
             await trainer.call("save_checkpoint", str(checkpoint_root), step, extra, cfg.checkpoint.keep)
 
-        summary = asyncio.run(controller.run(checkpoint=checkpoint))
-        trainer.obj.save_pretrained(str(run_dir / "final"))
+        async def main() -> dict[str, Any]:
+            if trainer_state is not None:
+                await trainer.call("load_state_dict", trainer_state)
+            summary = await controller.run(checkpoint=checkpoint)
+            await trainer.call("save_pretrained", str(run_dir / "final"))
+            return summary
+
+        summary = asyncio.run(main())
         summary["run_dir"] = str(run_dir)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return JobResult(run_dir, summary, controller.eval_history)

@@ -67,7 +67,6 @@ class HFGenerator(Generator):
         self.pad_id = tokenizer.pad_token_id
         self.mirror = published_state(model, DTYPES[publish_dtype])
         self.version = -1  # no version applied yet; the trainer publishes version 0 first
-        self.last_apply_s = 0.0
         self.num_updates_applied = 0
 
     # -- weights -------------------------------------------------------------------------
@@ -82,29 +81,25 @@ class HFGenerator(Generator):
             for name, param in self.model.named_parameters():
                 param.copy_(self.mirror[name])
 
+    def _adopt(self, version: int) -> int:
+        """The mirror now holds ``version``: copy it into the model's compute weights."""
+        self._load_mirror()
+        self.version = version
+        self.num_updates_applied += 1
+        return version
+
     def update_weights(self, update) -> int:
         from loomrl.weights import apply_update
 
-        t0 = time.perf_counter()
         apply_update(self.mirror, update)
-        self._load_mirror()
-        self.version = update.version
-        self.last_apply_s = time.perf_counter() - t0
-        self.num_updates_applied += 1
-        return self.version
+        return self._adopt(update.version)
 
     def sync_weights(self) -> int:
         """Apply whatever the subscriber has (between requests); returns the version."""
         if self.subscriber is None:
             return self.version
         update, _ = self.subscriber.poll(self.mirror, self.version if self.version >= 0 else None)
-        if update is not None:
-            t0 = time.perf_counter()
-            self._load_mirror()
-            self.version = update.version
-            self.last_apply_s = time.perf_counter() - t0
-            self.num_updates_applied += 1
-        return self.version
+        return self._adopt(update.version) if update is not None else self.version
 
     def close(self) -> None:
         """Stop the subscriber's background work (prefetch thread), if any."""
