@@ -4,10 +4,10 @@ a baseline measured in the same run.
     .venv/bin/python bench/weight_sync.py            # ~10M, ~100M, ~1B parameters
     .venv/bin/python bench/weight_sync.py --quick    # ~10M only
 
-1. Real consecutive weights: a ~20M-parameter Llama (built from a LlamaConfig, character
-   vocabulary) is warm-started on the arithmetic example's data (supervised), then trained
-   with a GRPO-style policy gradient on sampled answers with AdamW, fp32 masters, publishing
-   bf16 after every step, at several learning rates. Every consecutive pair is encoded.
+1. Real consecutive weights: the arithmetic example's RL job itself (the demo's ~1M-parameter
+   tiny Llama, its 350-step supervised warm-start, then async RL with AdamW on fp32 masters), with a
+   checkpoint after every step, at several learning rates; each checkpoint cast to bf16 is
+   what the trainer published. Every consecutive pair is encoded.
 2. Synthetic bf16 models of ~10M/~100M/~1B parameters with a chosen fraction of elements
    moved by 1-2 ulp (as fp32 masters crossing a bf16 rounding boundary do): payload, and
    encode / decode GB/s of model bytes on one core next to a memcpy of the same bytes.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import mmap
 import os
 import socket
@@ -68,135 +67,64 @@ def table(title: str, header: list[str], rows: list[list]) -> None:
 
 # -- 1. real consecutive weights ---------------------------------------------------------------
 
-VOCAB = ["<pad>", "<bos>", "<eos>"] + list("0123456789+=")
+REAL_MODEL = "tiny:llama"  # the demo model
 
 
-def encode_text(s: str) -> list[int]:
-    return [VOCAB.index(c) for c in s]
+def _published(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's fp32 masters cast to bf16: the weights the trainer published at that
+    version (tied tensors once)."""
+    from loomrl.training.checkpoint import load_checkpoint
 
-
-def load_problems() -> list[tuple[str, str]]:
-    path = ROOT / "examples/arithmetic/train.jsonl"
-    if path.exists():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [(r["prompt"], str(r["answer"])) for r in rows]
-    rng = np.random.default_rng(0)
-    return [(f"{a}+{b}=", str(a + b)) for a, b in rng.integers(10, 100, size=(2000, 2))]
-
-
-def build_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def sequence_logprobs(
-    model, prompts: list[list[int]], completions: list[list[int]]
-) -> torch.Tensor:
-    """Sum of log-probs of each completion given its prompt  # [batch]"""
-    seqs = [[1] + p + c for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
-        mask[i, 1 + len(p) : 1 + len(p) + len(c)] = 1
-    logits = model(input_ids=ids).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    return (logp * mask[:, 1:]).sum(-1)
-
-
-def warm_start(model, problems, steps: int) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        batch = [problems[i] for i in rng.integers(0, len(problems), 32)]
-        prompts = [encode_text(p) for p, _ in batch]
-        answers = [encode_text(a) + [2] for _, a in batch]
-        loss = -sequence_logprobs(model, prompts, answers).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
-@torch.no_grad()
-def sample(model, prompts: list[list[int]], max_new: int, gen: torch.Generator) -> list[list[int]]:
-    ids = torch.tensor([[1] + p for p in prompts])  # prompts have equal length here
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    for _ in range(max_new):
-        probs = torch.softmax(model(input_ids=ids).logits[:, -1].float(), -1)
-        nxt = torch.multinomial(probs, 1, generator=gen)
-        ids = torch.cat([ids, nxt], 1)
-        for i, t in enumerate(nxt[:, 0].tolist()):
-            if not done[i]:
-                out[i].append(t)
-                done[i] = t == 2
-    return out
-
-
-def rl_step(model, opt, problems, rng, gen, group: int = 8, num_prompts: int = 8) -> float:
-    """One GRPO-style step: sample a group per prompt, reward the fraction of answer
-    characters right (1.0: exact), advantage = reward minus the group mean, policy gradient
-    on the sampled tokens. Returns the exact-match accuracy."""
-    picks = [problems[i] for i in rng.integers(0, len(problems), num_prompts)]
-    picks = [p for p in picks if len(p[0]) == len(picks[0][0])] or picks[:1]
-    prompts = [encode_text(p) for p, _ in picks for _ in range(group)]
-    completions = sample(model.eval(), prompts, 4, gen)
-    model.train()
-    answers = [encode_text(a) + [2] for _, a in picks for _ in range(group)]
-    rewards = torch.tensor(
-        [
-            sum(x == y for x, y in zip(c, a, strict=False)) / max(len(a), len(c))
-            for c, a in zip(completions, answers, strict=True)
-        ]
-    )
-    adv = rewards.view(-1, group) - rewards.view(-1, group).mean(1, keepdim=True)
-    loss = -(adv.flatten() * sequence_logprobs(model, prompts, completions)).mean()
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return float((rewards == 1).float().mean())
-
-
-def published(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.named_parameters()}
+    seen: set[int] = set()
+    state = {}
+    for name, t in load_checkpoint(checkpoint)["trainer"]["model"].items():
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            state[name] = t.to(torch.bfloat16)
+    return state
 
 
 def real_weights(lrs: list[float], rl_steps: int, warm_steps: int) -> dict[float, list[dict]]:
-    """bf16 states published after each RL step, for each learning rate."""
-    problems = load_problems()
+    """bf16 states published after each step of the arithmetic RL job, for each learning
+    rate: the project's own warm-start, generator, trainer (AdamW, fp32 masters) and
+    checkpoints, with a checkpoint after every step."""
+    import logging
+
+    from loomrl.data import load_rows
+    from loomrl.job import Job
+    from loomrl.training.checkpoint import list_checkpoints
+    from loomrl.training.sft import supervised_warmstart
+
+    logging.disable(logging.INFO)
     torch.set_num_threads(2)
-    model = build_llama()
+    tmp = Path(tempfile.mkdtemp(prefix="loomrl-bench-"))
     t0 = time.perf_counter()
-    warm_start(model, problems, warm_steps)
-    warm = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rows = load_rows(ROOT / "examples/arithmetic/train.jsonl")
+    supervised_warmstart(REAL_MODEL, rows, tmp / "warm", steps=warm_steps, batch_size=64, lr=2e-3, seed=0)
     print(f"# warm start: {warm_steps} supervised steps in {time.perf_counter() - t0:.0f}s")
     runs = {}
     for lr in lrs:
-        model.load_state_dict(warm)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        rng, gen = np.random.default_rng(1), torch.Generator().manual_seed(1)
-        states, accs = [published(model)], []
-        for _ in range(rl_steps):
-            accs.append(rl_step(model, opt, problems, rng, gen))
-            states.append(published(model))
-        print(f"# RL lr={lr:g}: sampled accuracy per step {[round(a, 2) for a in accs]}")
-        runs[lr] = states
+        out = tmp / f"lr{lr:g}"
+        overrides = [
+            f'model.path="{tmp / "warm"}"', f"trainer.lr={lr}", 'trainer.lr_schedule="constant"',
+            "trainer.warmup_steps=0", f"trainer.num_steps={rl_steps}", "checkpoint.every_steps=1",
+            f"checkpoint.keep={rl_steps + 1}", "eval.every_steps=1000000", "data.max_eval_examples=8",
+            f'output_dir="{out}"',
+        ]
+        result = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run()
+        runs[lr] = [_published(c) for c in list_checkpoints(out / "checkpoints")]
+        print(f"# RL lr={lr:g}: {rl_steps} steps of the arithmetic job, reward per step "
+              f"{[round(r['rollout/reward_mean'], 2) for r in _step_records(out)]}, "
+              f"eval {result.summary['eval_start']:.2f} -> {result.summary['eval_end']:.2f}")
     torch.set_num_threads(1)
+    logging.disable(logging.NOTSET)
     return runs
+
+
+def _step_records(run_dir: Path) -> list[dict]:
+    from loomrl.telemetry.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
 
 
 def codec_row(label: str, pairs: list[tuple[dict, dict]], repeats: int) -> list:
@@ -558,7 +486,7 @@ def main() -> None:
     rows, observed = [], [0.02, 0.1]
     if not args.no_real:
         runs = real_weights(
-            [1e-6, 1e-5, 1e-3], rl_steps=3 if args.quick else 5, warm_steps=30 if args.quick else 50
+            [1e-6, 1e-5, 1e-3], rl_steps=3 if args.quick else 5, warm_steps=350
         )
         rows = [
             codec_row(f"real RL, AdamW lr={lr:g}", list(zip(s, s[1:], strict=False)), args.repeats)
