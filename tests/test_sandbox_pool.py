@@ -112,8 +112,15 @@ def test_infra_failure_is_retried_and_quarantined_code_failure_is_not(backend):
     with small_pool(backend, min_warm=1, max_warm=1, max_sandboxes=2) as pool:
         assert pool.exec("import sys; sys.exit(3)").exit_code == 3
         assert pool.metrics()["sandbox/infra_retries"] == 0
+        # The first claim found no idle sandbox and started one beside the filler's, so a
+        # second may still be starting: wait for it, or the claim below gets a healthy one.
+        deadline = time.monotonic() + 30
         with pool._cond:
+            while pool._num_starting and time.monotonic() < deadline:
+                pool._cond.wait(0.05)
+            assert pool._num_starting == 0
             victims = list(pool._idle)
+        assert victims
         for sandbox in victims:  # the infrastructure dies under the pool's feet
             os.killpg(sandbox._proc.pid, signal.SIGKILL)
             sandbox._proc.wait()
