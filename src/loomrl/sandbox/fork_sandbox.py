@@ -257,22 +257,26 @@ def uid_processes(uids: set[int] | range) -> dict[int, list[int]]:
 
 
 def kill_uid_processes(uid: int, rounds: int = 50) -> int:
-    """SIGKILL every host process of ``uid`` until none is left; returns how many were killed."""
-    killed = 0
+    """SIGKILL every host process of ``uid`` until none is left; returns how many were killed.
+
+    A killed process can still look alive on the next round (a loaded machine takes a while
+    to deliver SIGKILL), so it is signalled again but counted once.
+    """
+    killed: set[int] = set()
     for _ in range(rounds):
         pids = uid_processes({uid}).get(uid, [])
         live = [p for p in pids if not _is_zombie(p)]
         if not live:
-            return killed
+            return len(killed)
         for pid in live:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.add(pid)
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
     logger.error("processes of sandbox uid %d survive %d kill rounds", uid, rounds)
-    return killed
+    return len(killed)
 
 
 def _is_zombie(pid: int) -> bool:
