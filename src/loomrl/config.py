@@ -176,7 +176,11 @@ class JobConfig(_Section):
     output_dir: str | None = Field(
         None, description="Run folder; default runs/<name>-<timestamp>."
     )
-    runtime: Literal["local"] = Field("local", description="Where executors live.")
+    runtime: Literal["local", "process"] = Field(
+        "local",
+        description="Where executors live: 'local' (threads of this process) or 'process' "
+        "(one spawned process each, no shared GIL; weights travel by shm, files or torch_dist).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     task: TaskConfig
@@ -187,6 +191,23 @@ class JobConfig(_Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _transport_fits_runtime(self) -> JobConfig:
+        ws = self.weight_sync
+        if self.runtime == "process" and ws.transport == "inproc":
+            if "transport" in ws.model_fields_set:
+                raise ValueError(
+                    "weight_sync.transport='inproc' only reaches executors in this process; "
+                    "runtime='process' needs 'shm' (the default there), 'files' or 'torch_dist'"
+                )
+            ws.transport = "shm"
+        if self.runtime == "local" and ws.transport == "torch_dist":
+            raise ValueError(
+                "weight_sync.transport='torch_dist' needs one process per executor; the local "
+                "runtime runs executors as threads: use runtime='process', or 'inproc' or 'shm'"
+            )
+        return self
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -36,6 +36,7 @@ SHORTCUTS = {
     "name": "name",
     "seed": "seed",
     "output_dir": "output_dir",
+    "runtime": "runtime",
 }
 
 

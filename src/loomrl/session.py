@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from loomrl.data import PromptStream, load_rows
 from loomrl.envs.scorer import Scorer
 from loomrl.job import JobResult, default_run_dir
 from loomrl.models import load_tokenizer
+from loomrl.runtime.base import Runtime
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import (
@@ -24,22 +28,55 @@ from loomrl.training.checkpoint import (
     restore_rng_state,
     rng_state,
 )
-from loomrl.training.executor import TrainerExecutor, build_generator
+from loomrl.training.executor import start_generator, start_trainer
 from loomrl.weights.transports import make_transport
 
 logger = logging.getLogger(__name__)
 
 
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
+    """Arguments shared by every end of the job's transport (the config already checked
+    that the transport fits the runtime)."""
     ws = cfg.weight_sync
     if ws.transport == "files":
         return {"path": ws.path or str(run_dir / "weight_updates"), "keep_fulls": ws.keep_fulls}
+    if ws.transport == "shm":
+        return {"name": uuid.uuid4().hex[:16]}
     if ws.transport == "torch_dist":
-        raise ValueError(
-            "weight_sync.transport='torch_dist' needs one process per executor; the local "
-            "runtime runs executors as threads: use 'inproc' or 'shm' here"
-        )
+        return {
+            "init_method": f"tcp://127.0.0.1:{_free_loopback_port()}",
+            "world_size": 1 + cfg.generation.num_generators,
+            "bucket_bytes": ws.bucket_mb << 20,
+        }
     return {}
+
+
+def _start_executors(
+    cfg: JobConfig, runtime: Runtime, run_dir: Path
+) -> tuple[Any, list[Any], Callable[[], None]]:
+    """The trainer and the generators, each holding its end of the weight transport, and
+    what cleans the transport up after them. Threads of one process share one transport
+    object; separate processes each build their own end from ``(kind, kwargs)``."""
+    kind, kwargs = cfg.weight_sync.transport, _transport_kwargs(cfg, run_dir)
+    if isinstance(runtime, LocalRuntime):
+        transport = make_transport(kind, **kwargs)
+        trainer_end, generator_end, cleanup = transport, lambda rank: transport, transport.close
+    else:
+        with_rank = (lambda rank: {**kwargs, "rank": rank}) if kind == "torch_dist" else (lambda rank: kwargs)
+        trainer_end, generator_end = (kind, with_rank(0)), lambda rank: (kind, with_rank(rank))
+        cleanup = (lambda: make_transport(kind, **kwargs).unlink()) if kind == "shm" else (lambda: None)
+    trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end))
+    generators = [
+        runtime.start(f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i))
+        for i in range(cfg.generation.num_generators)
+    ]
+    return trainer, generators, cleanup
 
 
 def _environment_factory(cfg: JobConfig):
@@ -68,6 +105,14 @@ def _restore(path: Path, controller_kwargs: dict[str, Any], stream: PromptStream
     restore_rng_state(state["rng"])
     logger.info("resumed from %s at version %d", path, ctl["version"])
     return state["trainer"]
+
+
+def _make_runtime(kind: str) -> Runtime:
+    if kind == "process":
+        from loomrl.runtime.process import ProcessRuntime
+
+        return ProcessRuntime(torch_threads=1)
+    return LocalRuntime(torch_threads=1)
 
 
 def run_job(
@@ -100,15 +145,11 @@ def run_job(
     )
 
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
-    runtime = LocalRuntime(torch_threads=1)
-    transport = make_transport(cfg.weight_sync.transport, **_transport_kwargs(cfg, run_dir))
+    runtime = _make_runtime(cfg.runtime)
     metrics = MetricsLogger(run_dir)
+    cleanup_transport = None
     try:
-        trainer = runtime.start("trainer", lambda: TrainerExecutor(cfg, transport.sender()))
-        generators = [
-            runtime.start(f"generator{i}", lambda i=i: build_generator(cfg, transport.receiver(i)))
-            for i in range(cfg.generation.num_generators)
-        ]
+        trainer, generators, cleanup_transport = _start_executors(cfg, runtime, run_dir)
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
         trainer_state = _restore(resume_from, kwargs, stream) if resume_from is not None else None
@@ -124,6 +165,7 @@ def run_job(
             await trainer.call("save_checkpoint", str(checkpoint_root), step, extra, cfg.checkpoint.keep)
 
         async def main() -> dict[str, Any]:
+            await runtime.wait_ready()  # model loading is not training time
             if trainer_state is not None:
                 await trainer.call("load_state_dict", trainer_state)
             summary = await controller.run(checkpoint=checkpoint)
@@ -137,5 +179,6 @@ def run_job(
     finally:
         metrics.close()
         runtime.shutdown()
-        transport.close()
+        if cleanup_transport is not None:
+            cleanup_transport()
         close_default_pool()

@@ -26,5 +26,9 @@ class Runtime(ABC):
     def start(self, name: str, factory: Callable[[], Any]) -> ExecutorHandle:
         """Build an executor object with ``factory`` where it will live, and return a handle."""
 
+    async def wait_ready(self) -> None:  # noqa: B027 - executors built in start() are ready
+        """Wait until every started executor is built (a runtime may build them in the
+        background, so that executors which must meet, like a torch_dist group, can)."""
+
     @abstractmethod
     def shutdown(self) -> None: ...

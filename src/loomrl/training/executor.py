@@ -16,6 +16,11 @@ from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.codec import CodecOptions
 from loomrl.weights.publisher import Publisher, Subscriber
+from loomrl.weights.transports import Transport, make_transport
+
+# Where an executor is built: a transport object shared with the controller (threads of
+# one process), or ``(kind, kwargs)`` for the executor to build its own end (a process).
+TransportSpec = Transport | tuple[str, dict]
 
 
 def _load(cfg: JobConfig):
@@ -27,7 +32,8 @@ def _load(cfg: JobConfig):
 
 
 class TrainerExecutor:
-    def __init__(self, cfg: JobConfig, sender) -> None:
+    def __init__(self, cfg: JobConfig, sender, owned_transport: Transport | None = None) -> None:
+        self.owned_transport = owned_transport  # built here for this executor: closed with it
         model, self.tokenizer = _load(cfg)
         self.trainer = Trainer(
             model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature
@@ -61,6 +67,11 @@ class TrainerExecutor:
         """Checkpoint the trainer (model, optimizer, version) plus ``extra`` atomically."""
         return str(save_checkpoint(Path(root), step, {"trainer": self.state_dict(), **extra}, keep))
 
+    def close(self) -> None:
+        if self.owned_transport is not None:
+            self.owned_transport.close()
+            self.owned_transport = None
+
     def save_pretrained(self, path: str) -> None:
         """The final model in ``save_pretrained`` format; a LoRA job also keeps its adapter
         in ``adapter/`` and saves the merged model, which transformers and vLLM load."""
@@ -81,3 +92,21 @@ def build_generator(cfg: JobConfig, receiver) -> HFGenerator:
     return HFGenerator(
         model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype
     )
+
+
+def start_trainer(cfg: JobConfig, transport: TransportSpec) -> TrainerExecutor:
+    """The trainer executor with the sending end of ``transport`` (module-level, so a
+    ``functools.partial`` of it pickles into a spawned process)."""
+    if isinstance(transport, tuple):
+        kind, kwargs = transport
+        owned = make_transport(kind, **kwargs)
+        return TrainerExecutor(cfg, owned.sender(), owned_transport=owned)
+    return TrainerExecutor(cfg, transport.sender())
+
+
+def start_generator(cfg: JobConfig, transport: TransportSpec, rank: int) -> HFGenerator:
+    """A generator executor with receiving end ``rank`` of ``transport``."""
+    if isinstance(transport, tuple):
+        kind, kwargs = transport
+        transport = make_transport(kind, **kwargs)
+    return build_generator(cfg, transport.receiver(rank))

@@ -316,5 +316,12 @@ class ShmTransport(Transport):
             side.close()
         self._owned.clear()
 
+    def unlink(self) -> None:
+        """Remove the channel's files, whichever process made them (a sender that was
+        killed could not): for whoever owns the channel's lifetime, once every end is gone."""
+        self.index_path.unlink(missing_ok=True)
+        for path in self.root.glob(f"loomrl-{self.channel}.data.*"):
+            path.unlink(missing_ok=True)
+
     def __getstate__(self) -> dict:  # picklable for a spawned receiver process
         return {**self.__dict__, "_owned": []}

@@ -1,0 +1,211 @@
+"""The ``process`` runtime: every executor lives in its own (spawned) process on this host.
+
+Same contract as ``local``: calls to one executor run one at a time, in order; different
+executors run in parallel. Each executor has its own interpreter, so a generator and a
+trainer no longer take turns on one GIL (the ``local`` runtime's limit for small models,
+where per-op Python overhead dominates; see ``bench/async_vs_sync.py``).
+
+Calls and results travel pickled over a pipe (the executor protocol carries plain data:
+requests, rollouts, metrics, state dicts); weights travel through the job's transport
+(``shm``, ``files`` or ``torch_dist``), never through the pipe. An exception raised by a
+method is re-raised in the controller with its remote traceback attached. An executor
+that dies (killed, out of memory, segfault) fails its pending and later calls with
+``ExecutorDiedError``, naming the exit code or signal. An executor whose controller dies
+sees its pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from loomrl.runtime.base import ExecutorHandle, Runtime
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # building an executor loads a model: generous, but not forever
+
+
+class ExecutorDiedError(RuntimeError):
+    """The process of an executor ended while the controller still needed it."""
+
+
+class RemoteError(RuntimeError):
+    """An executor raised an exception that could not be sent back as itself."""
+
+
+def _dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _error_reply(err: BaseException, busy_s: float) -> bytes:
+    tb = "".join(traceback.format_exception(err))
+    try:
+        return _dumps(("error", err, tb, busy_s))
+    except Exception:  # an exception that does not pickle still arrives, as its text
+        return _dumps(("error", RemoteError(f"{type(err).__name__}: {err}"), tb, busy_s))
+
+
+def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_threads: int,
+           log_level: int) -> None:  # fmt: skip
+    """The executor process: build the object, then answer calls until told to stop."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    try:  # building is not a call: it does not count as busy time (as in ``local``)
+        obj = factory()
+    except BaseException as err:  # noqa: BLE001 - reported to the controller, then exit
+        conn.send_bytes(_error_reply(err, 0.0))
+        return
+    conn.send_bytes(_dumps(("ok", None, None, 0.0)))
+    while True:
+        try:
+            method, args, kwargs = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the controller is gone
+            break
+        t0 = time.perf_counter()
+        try:
+            if method is None:  # shutdown: let the object release what it holds
+                closer = getattr(obj, "close", None)
+                if callable(closer):
+                    closer()
+                conn.send_bytes(_dumps(("ok", None, None, 0.0)))
+                break
+            result = getattr(obj, method)(*args, **kwargs)
+            reply = _dumps(("ok", result, None, time.perf_counter() - t0))
+        except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
+            reply = _error_reply(err, time.perf_counter() - t0)
+        try:
+            conn.send_bytes(reply)
+        except OSError:  # the controller died while this call ran
+            break
+
+
+class ProcessHandle(ExecutorHandle):
+    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int) -> None:
+        self.name = name
+        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded controller
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_serve, name=f"loomrl-{name}", daemon=True,
+            args=(child, name, factory, torch_threads, logging.getLogger().getEffectiveLevel()),
+        )  # fmt: skip
+        self.process.start()
+        child.close()
+        self._busy_s = 0.0
+        self._lock = threading.Lock()
+        self._dead: ExecutorDiedError | None = None
+        # One thread talks to the process, so calls are serialized in submission order.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
+        # Building the object (loading a model) runs in the background; the first call
+        # waits for it, so executors that must meet (a torch_dist group) start together.
+        self._ready = self._pool.submit(self._reply, START_TIMEOUT_S)
+
+    def _died(self) -> ExecutorDiedError:
+        if self._dead is None:
+            self.process.join(timeout=5)
+            code = self.process.exitcode
+            how = (
+                f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                else f"exited with code {code}"
+            )  # fmt: skip
+            self._dead = ExecutorDiedError(
+                f"executor {self.name!r} (pid {self.process.pid}) {how}; its call was lost"
+            )
+        return self._dead
+
+    def _reply(self, timeout_s: float | None = None) -> Any:
+        try:
+            if timeout_s is not None and not self._conn.poll(timeout_s):
+                raise TimeoutError(f"executor {self.name!r} did not start within {timeout_s:.0f}s")
+            status, value, tb, busy_s = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError, ConnectionError) as err:
+            raise self._died() from err
+        with self._lock:
+            self._busy_s += busy_s
+        if status == "error":
+            value.add_note(f"raised in executor {self.name!r} (pid {self.process.pid}):\n{tb}")
+            raise value
+        return value
+
+    def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
+        if self._dead is not None:
+            raise self._dead
+        payload = _dumps((method, args, kwargs))
+        try:
+            self._conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionError, OSError) as err:
+            raise self._died() from err
+        return self._reply()
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        await asyncio.wrap_future(self._ready)
+        return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
+
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy_s
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
+        try:
+            started = self._ready.exception(timeout=timeout_s) is None  # else: already reported
+            if started and self.process.is_alive():
+                self._pool.submit(self._call, None, (), {}).result(timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - closing must go on; the cause is logged
+            logger.warning("executor %r did not close cleanly: %s", self.name, err)
+        self.process.join(timeout=timeout_s)
+        if self.process.is_alive():
+            logger.warning("killing executor %r (pid %d)", self.name, self.process.pid)
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._conn.close()
+
+
+class ProcessRuntime(Runtime):
+    """``factory`` must pickle (a module-level function or a ``functools.partial`` of one):
+    it runs in the new process. Scripts that start a job need the usual
+    ``if __name__ == "__main__":`` guard, as with any spawned process."""
+
+    def __init__(self, torch_threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        self.torch_threads = torch_threads
+        self.handles: list[ProcessHandle] = []
+
+    def start(self, name: str, factory: Callable[[], Any]) -> ProcessHandle:
+        try:
+            pickle.dumps(factory)
+        except Exception as err:
+            raise TypeError(
+                f"the factory of executor {name!r} must pickle to reach its process (a "
+                f"module-level function or a functools.partial of one): {err}"
+            ) from err
+        handle = ProcessHandle(name, factory, self.torch_threads)
+        self.handles.append(handle)
+        return handle
+
+    async def wait_ready(self) -> None:
+        await asyncio.gather(*(asyncio.wrap_future(h._ready) for h in self.handles))
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            handle.close()
+        self.handles.clear()

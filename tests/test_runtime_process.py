@@ -1,0 +1,192 @@
+"""The ``process`` runtime: executors in spawned processes, same contract as ``local``."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from loomrl.config import ConfigError, build_config
+from loomrl.job import Job, resume_job
+from loomrl.runtime.process import ExecutorDiedError, ProcessRuntime, RemoteError
+from loomrl.telemetry.metrics import read_metrics
+
+from conftest import tiny_job_raw
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Worker:
+    """A picklable executor for the runtime tests (built in the child process)."""
+
+    def __init__(self, closed_marker: str | None = None) -> None:
+        self.calls: list[str] = []
+        self.closed_marker = closed_marker
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def record(self, tag: str, sleep_s: float = 0.0) -> list[str]:
+        time.sleep(sleep_s)
+        self.calls.append(tag)
+        return list(self.calls)
+
+    def fail(self) -> None:
+        raise KeyError("no such thing")
+
+    def fail_unpicklable(self) -> None:
+        err = ValueError("carries a lock")
+        err.lock = threading.Lock()  # exceptions holding unpicklable state still arrive
+        raise err
+
+    def close(self) -> None:
+        if self.closed_marker:
+            Path(self.closed_marker).write_text("closed")
+
+
+def broken_factory() -> Worker:
+    raise FileNotFoundError("model weights missing")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_calls_run_in_a_separate_process_in_order_and_count_busy_time(tmp_path):
+    runtime = ProcessRuntime()
+    marker = tmp_path / "closed"
+    try:
+        handle = runtime.start("w", partial(Worker, str(marker)))
+
+        async def main():
+            await runtime.wait_ready()
+            slow = asyncio.ensure_future(handle.call("record", "a", sleep_s=0.3))
+            await asyncio.sleep(0.05)  # submitted second, so it runs second
+            fast = asyncio.ensure_future(handle.call("record", "b"))
+            return await handle.call("pid"), await slow, await fast
+
+        pid, first, second = run(main())
+        assert pid != os.getpid() and pid == handle.process.pid
+        assert first == ["a"] and second == ["a", "b"]
+        assert 0.3 <= handle.busy_s < 5.0
+    finally:
+        runtime.shutdown()
+    assert marker.read_text() == "closed"  # the executor's close() ran in its process
+    assert not handle.process.is_alive()
+
+
+def test_remote_exceptions_keep_their_type_and_traceback():
+    runtime = ProcessRuntime()
+    try:
+        handle = runtime.start("w", Worker)
+        with pytest.raises(KeyError, match="no such thing") as info:
+            run(handle.call("fail"))
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "raised in executor 'w'" in notes and "in fail" in notes
+        with pytest.raises(RemoteError, match="ValueError: carries a lock"):
+            run(handle.call("fail_unpicklable"))
+        with pytest.raises(AttributeError):
+            run(handle.call("no_such_method"))
+        assert run(handle.call("record", "still serving")) == ["still serving"]
+    finally:
+        runtime.shutdown()
+
+
+def test_a_factory_that_fails_is_reported_on_the_first_call():
+    runtime = ProcessRuntime()
+    try:
+        handle = runtime.start("w", broken_factory)
+        with pytest.raises(FileNotFoundError, match="model weights missing"):
+            run(runtime.wait_ready())
+        with pytest.raises(FileNotFoundError):
+            run(handle.call("pid"))
+    finally:
+        runtime.shutdown()
+
+
+def test_a_factory_that_cannot_reach_a_process_is_a_clear_error():
+    runtime = ProcessRuntime()
+    with pytest.raises(TypeError, match="factory of executor 'w' must pickle"):
+        runtime.start("w", lambda: Worker())
+    assert not runtime.handles and not multiprocessing.active_children()
+
+
+def test_a_killed_executor_fails_its_calls_with_the_cause():
+    runtime = ProcessRuntime()
+    try:
+        handle = runtime.start("w", Worker)
+        pid = run(handle.call("pid"))
+
+        async def main():
+            pending = asyncio.ensure_future(handle.call("record", "x", sleep_s=30))
+            await asyncio.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            return await pending
+
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorDiedError, match=r"'w' \(pid \d+\) killed by SIGKILL"):
+            run(main())
+        assert time.monotonic() - t0 < 10  # reported at once, not after the call's 30 s
+        with pytest.raises(ExecutorDiedError):
+            run(handle.call("pid"))
+    finally:
+        runtime.shutdown()
+
+
+def test_config_picks_a_transport_that_crosses_processes(tmp_path):
+    raw = tiny_job_raw(tmp_path, tmp_path / "train.jsonl", runtime="process")
+    assert build_config(raw).weight_sync.transport == "shm"  # the default follows the runtime
+    job = Job(dataset=str(tmp_path / "train.jsonl"), reward="m:f", runtime="process")
+    assert (job.config.runtime, job.config.weight_sync.transport) == ("process", "shm")
+    with pytest.raises(ConfigError, match="runtime='process' needs 'shm'"):
+        build_config({**raw, "weight_sync": {"transport": "inproc"}})
+    with pytest.raises(ConfigError, match="needs one process per executor"):
+        build_config({**raw, "runtime": "local", "weight_sync": {"transport": "torch_dist"}})
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path, transport):
+    sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": "test_job:length_reward"}}
+    shm_before = _shm_files()
+    local = Job(tiny_job(**sync, output_dir=str(tmp_path / "local"))).run()
+    spawned = Job(tiny_job(**sync, runtime="process", output_dir=str(tmp_path / "process"),
+                           weight_sync={"transport": transport, "codec": "delta"})).run()  # fmt: skip
+
+    def losses(run_dir):
+        return [(r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"])
+                for r in read_metrics(run_dir) if "train/loss" in r]  # fmt: skip
+
+    assert len(losses(local.run_dir)) == 4 and losses(local.run_dir)[0][0] != 0.0
+    assert losses(spawned.run_dir) == losses(local.run_dir)  # bit-identical at fp32 on CPU
+    assert spawned.summary["trained"] == local.summary["trained"]
+    assert not multiprocessing.active_children()
+    assert _shm_files() <= shm_before  # the channel's files are gone
+
+
+def test_a_generator_killed_mid_job_is_reported_and_the_job_resumes(tiny_job, tmp_path):
+    cfg = tiny_job(runtime="process", trainer={"num_steps": 6}, checkpoint={"every_steps": 2},
+                   output_dir=str(tmp_path / "run"))  # fmt: skip
+
+    def kill_generator(record):
+        if record.get("step") == 3:
+            (gen,) = [p for p in multiprocessing.active_children() if p.name == "loomrl-generator0"]
+            os.kill(gen.pid, signal.SIGKILL)
+
+    with pytest.raises(ExecutorDiedError, match="'generator0'.*killed by SIGKILL"):
+        Job(cfg).run(on_record=kill_generator)
+    assert not multiprocessing.active_children()
+    result = resume_job(tmp_path / "run")
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert records[-1]["step"] == 6
+    assert result.summary["trained"] == 6 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
