@@ -1,15 +1,18 @@
 """Asynchronous vs synchronous RL on the same workload, in one run.
 
-Runs the arithmetic job twice with identical settings except ``algorithm.max_staleness``
-(0 = synchronous baseline, N = asynchronous) and prints samples/s for each, their ratio,
-and the ideal ratio from the stage times measured in the synchronous run:
+Runs the arithmetic job with identical settings except ``algorithm.max_staleness``
+(0 = synchronous baseline, N = asynchronous), on each runtime asked for (``local``:
+executors are threads of one process; ``process``: one spawned process each), and prints
+samples/s for each, the async/sync ratio per runtime, and the ideal ratio from the stage
+times measured in the synchronous run:
 
     ideal = (gen + train + sync) / max(gen, train)
 
 where gen is the generator's busy time, train the trainer's (without publishing) and sync
-the time spent publishing weights. Repeats each mode and reports medians.
+the time spent publishing weights. The baseline of every row is sync on ``local``.
+Repeats each configuration, interleaved, and reports medians.
 
-    python bench/async_vs_sync.py --steps 40 --repeats 3
+    python bench/async_vs_sync.py --steps 40 --repeats 3 --runtimes local,process
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_once(max_staleness: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
+def run_once(runtime: str, max_staleness: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     from loomrl.job import Job
     from loomrl.telemetry.metrics import read_metrics
 
     overrides = [
         f'model.path="{args.model}"',
+        f'runtime="{runtime}"',
         f"algorithm.max_staleness={max_staleness}",
         f"trainer.num_steps={args.steps}",
         f"algorithm.groups_per_step={args.groups_per_step}",
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument("--async-staleness", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=16)
     parser.add_argument("--model", default="tiny:llama", help="model spec (default: random tiny Llama)")
+    parser.add_argument("--runtimes", default="local,process", help="comma-separated: local, process")
     args = parser.parse_args()
     import logging
 
@@ -67,30 +72,40 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    runtimes = [r.strip() for r in args.runtimes.split(",") if r.strip()]
+    configs = [(rt, mode) for rt in runtimes for mode in ("sync", "async")]
+    results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.repeats):  # interleave modes so machine noise hits both
-            for mode, staleness in (("sync", 0), ("async", args.async_staleness)):
-                results[mode].append(run_once(staleness, args, Path(tmp) / f"{mode}-{rep}"))
+        for rep in range(args.repeats):  # interleave configurations so machine noise hits all
+            for rt, mode in configs:
+                staleness = 0 if mode == "sync" else args.async_staleness
+                out = Path(tmp) / f"{rt}-{mode}-{rep}"
+                results[(rt, mode)].append(run_once(rt, staleness, args, out))
 
-    def med(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[mode])
+    def med(config: tuple[str, str], key: str) -> float:
+        return statistics.median(r[key] for r in results[config])
 
-    sync_sps, async_sps = med("sync", "samples_per_s"), med("async", "samples_per_s")
-    gen, train, sync = med("sync", "gen_s"), med("sync", "train_s"), med("sync", "sync_s")
-    ideal = (gen + train + sync) / max(gen, train)
+    baseline = med((runtimes[0], "sync"), "samples_per_s")
     table = Table(title=f"async vs sync: {args.steps} steps x {args.groups_per_step} groups, median of {args.repeats}")
-    for col in ("mode", "samples/s", "gen busy s", "train busy s", "sync s", "staleness", "wall s"):
+    cols = ("runtime", "mode", "samples/s", f"vs {runtimes[0]} sync", "gen busy s", "train busy s", "sync s", "staleness", "wall s")
+    for col in cols:
         table.add_column(col, justify="right")
-    for mode in ("sync", "async"):
+    for c in configs:
         table.add_row(
-            mode, f"{med(mode, 'samples_per_s'):.1f}", f"{med(mode, 'gen_s'):.2f}", f"{med(mode, 'train_s'):.2f}",
-            f"{med(mode, 'sync_s'):.2f}", f"{med(mode, 'staleness_mean'):.2f}", f"{med(mode, 'elapsed_s'):.2f}",
-        )
-    console = Console()
+            *c, f"{med(c, 'samples_per_s'):.1f}", f"{med(c, 'samples_per_s') / baseline:.2f}x",
+            f"{med(c, 'gen_s'):.2f}", f"{med(c, 'train_s'):.2f}", f"{med(c, 'sync_s'):.2f}",
+            f"{med(c, 'staleness_mean'):.2f}", f"{med(c, 'elapsed_s'):.2f}",
+        )  # fmt: skip
+    console = Console(width=max(Console().width, 120))
     console.print(table)
-    console.print(f"async / sync samples/s ratio: {async_sps / sync_sps:.2f}x")
-    console.print(f"ideal ratio (gen + train + sync) / max(gen, train) from the sync run: {ideal:.2f}x")
+    for rt in runtimes:
+        sync_sps, async_sps = med((rt, "sync"), "samples_per_s"), med((rt, "async"), "samples_per_s")
+        gen, train, sync = (med((rt, "sync"), k) for k in ("gen_s", "train_s", "sync_s"))
+        ideal = (gen + train + sync) / max(gen, train)
+        console.print(
+            f"{rt}: async / sync samples/s {async_sps / sync_sps:.2f}x; ideal "
+            f"(gen + train + sync) / max(gen, train) from its sync run {ideal:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,9 @@ def test_cli_reports_bad_config_key_without_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "loomrl.cli", "run", str(job)], capture_output=True, text=True)
     assert out.returncode == 2
     assert "trainer.lrr: unknown key" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_docs_list_every_config_key_as_loomrl_config_prints_it():
+    out = subprocess.run([sys.executable, "-m", "loomrl.cli", "config"], capture_output=True, text=True, check=True)
+    docs = (Path(__file__).resolve().parents[1] / "docs/config.md").read_text()
+    assert out.stdout.strip() and out.stdout.strip() in docs, "docs/config.md is stale: paste `loomrl config`"
