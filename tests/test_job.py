@@ -110,14 +110,38 @@ def test_missing_model_and_dataset_paths_fail_clearly(tiny_job, tmp_path):
         Job(tiny_job()).run(resume=True)
 
 
-def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, tiny_data):
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.mark.parametrize("runtime", ["local", "process"])
+def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, tiny_data, runtime):
     train, evals = tiny_data
-    raw = tiny_job_raw(tmp_path, train, None, algorithm={"max_staleness": 2},
+    raw = tiny_job_raw(tmp_path, train, None, algorithm={"max_staleness": 2}, runtime=runtime,
                        trainer={"num_steps": 40}, checkpoint={"every_steps": 5, "keep": 50})
     job_file = tmp_path / "job.toml"
     job_file.write_text(_to_toml(raw))
     run_dir = Path(raw["output_dir"])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    shm_at_start = _shm_files()
     proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
@@ -126,8 +150,17 @@ def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, t
             break
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    job_shm = _shm_files() - shm_at_start
+    executors = _children(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 30  # executor processes notice the controller is gone and exit
+    while time.time() < deadline and any(_alive(p) for p in executors):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in executors)
+    if runtime == "process":
+        assert len(executors) >= 2 and job_shm  # trainer, generator; their weight channel
+        assert not job_shm & _shm_files()  # the trainer removed it on its way out
     killed_at = max(step_records(run_dir))
     last = latest_checkpoint(run_dir / "checkpoints")
     assert last is not None and int(last.name.split("_")[1]) < 40

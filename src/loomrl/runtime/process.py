@@ -71,19 +71,29 @@ def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_thread
         conn.send_bytes(_error_reply(err, 0.0))
         return
     conn.send_bytes(_dumps(("ok", None, None, 0.0)))
+    try:
+        _answer_calls(conn, obj)
+    finally:  # asked to stop, or the controller is gone: release what the object holds
+        closer = getattr(obj, "close", None)
+        if callable(closer):
+            closer()
+    try:
+        conn.send_bytes(_dumps(("ok", None, None, 0.0)))  # closed
+    except OSError:
+        pass
+
+
+def _answer_calls(conn: Connection, obj: Any) -> None:
+    """Run calls until a shutdown request (method None) or until the controller is gone."""
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the controller is gone
-            break
+            return
+        if method is None:
+            return
         t0 = time.perf_counter()
         try:
-            if method is None:  # shutdown: let the object release what it holds
-                closer = getattr(obj, "close", None)
-                if callable(closer):
-                    closer()
-                conn.send_bytes(_dumps(("ok", None, None, 0.0)))
-                break
             result = getattr(obj, method)(*args, **kwargs)
             reply = _dumps(("ok", result, None, time.perf_counter() - t0))
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
@@ -91,7 +101,7 @@ def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_thread
         try:
             conn.send_bytes(reply)
         except OSError:  # the controller died while this call ran
-            break
+            return
 
 
 class ProcessHandle(ExecutorHandle):
