@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -37,6 +38,9 @@ class Worker:
         time.sleep(sleep_s)
         self.calls.append(tag)
         return list(self.calls)
+
+    def warn(self, text: str) -> None:
+        logging.getLogger("loomrl.test_worker").warning("worker says %s", text)
 
     def fail(self) -> None:
         raise KeyError("no such thing")
@@ -80,6 +84,20 @@ def test_calls_run_in_a_separate_process_in_order_and_count_busy_time(tmp_path):
         runtime.shutdown()
     assert marker.read_text() == "closed"  # the executor's close() ran in its process
     assert not handle.process.is_alive()
+
+
+def test_executor_logs_reach_the_controllers_handlers(caplog):
+    runtime = ProcessRuntime()
+    try:
+        handle = runtime.start("w", Worker)
+        with caplog.at_level(logging.INFO):
+            run(handle.call("warn", "hello"))
+            runtime.shutdown()  # flushes the executors' records
+    finally:
+        runtime.shutdown()
+    records = [r for r in caplog.records if r.name == "loomrl.test_worker"]
+    assert [r.getMessage() for r in records] == ["[w] worker says hello"]
+    assert records[0].levelno == logging.WARNING and records[0].process == handle.process.pid
 
 
 def test_remote_exceptions_keep_their_type_and_traceback():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import logging.handlers
 import multiprocessing
 import os
 import pickle
@@ -35,6 +36,7 @@ from loomrl.runtime.base import ExecutorHandle, Runtime
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # building an executor loads a model: generous, but not forever
+_CTX = multiprocessing.get_context("spawn")  # never fork a controller that runs threads
 
 
 class ExecutorDiedError(RuntimeError):
@@ -57,10 +59,33 @@ def _error_reply(err: BaseException, busy_s: float) -> bytes:
         return _dumps(("error", RemoteError(f"{type(err).__name__}: {err}"), tb, busy_s))
 
 
+def _tag_with(name: str) -> Callable[[logging.LogRecord], bool]:
+    def tag(record: logging.LogRecord) -> bool:
+        record.msg, record.args = f"[{name}] {record.getMessage()}", None
+        return True
+
+    return tag
+
+
+class _Dispatch(logging.Handler):
+    """Controller side: hand an executor's log record to the controller's own loggers, so
+    it shows up where the controller's logs do (the CLI's rich console, a log file ...)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(record.name)
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
 def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_threads: int,
-           log_level: int) -> None:  # fmt: skip
+           log_queue: Any, log_level: int) -> None:  # fmt: skip
     """The executor process: build the object, then answer calls until told to stop."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    log_queue.cancel_join_thread()  # never hang at exit on logs nobody reads any more
+    handler = logging.handlers.QueueHandler(log_queue)
+    handler.addFilter(_tag_with(name))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     import torch
 
@@ -105,13 +130,12 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
 
 
 class ProcessHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int) -> None:
+    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, log_queue: Any) -> None:
         self.name = name
-        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded controller
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
+        self._conn, child = _CTX.Pipe()
+        self.process = _CTX.Process(
             target=_serve, name=f"loomrl-{name}", daemon=True,
-            args=(child, name, factory, torch_threads, logging.getLogger().getEffectiveLevel()),
+            args=(child, name, factory, torch_threads, log_queue, logging.getLogger().getEffectiveLevel()),
         )  # fmt: skip
         self.process.start()
         child.close()
@@ -199,6 +223,9 @@ class ProcessRuntime(Runtime):
         torch.set_num_threads(torch_threads)
         self.torch_threads = torch_threads
         self.handles: list[ProcessHandle] = []
+        self._log_queue = _CTX.Queue()
+        self._log_listener = logging.handlers.QueueListener(self._log_queue, _Dispatch())
+        self._log_listener.start()
 
     def start(self, name: str, factory: Callable[[], Any]) -> ProcessHandle:
         try:
@@ -208,7 +235,7 @@ class ProcessRuntime(Runtime):
                 f"the factory of executor {name!r} must pickle to reach its process (a "
                 f"module-level function or a functools.partial of one): {err}"
             ) from err
-        handle = ProcessHandle(name, factory, self.torch_threads)
+        handle = ProcessHandle(name, factory, self.torch_threads, self._log_queue)
         self.handles.append(handle)
         return handle
 
@@ -219,3 +246,7 @@ class ProcessRuntime(Runtime):
         for handle in self.handles:
             handle.close()
         self.handles.clear()
+        if self._log_listener is not None:
+            self._log_listener.stop()  # after the executors: their last records are shown
+            self._log_listener = None
+            self._log_queue.close()
