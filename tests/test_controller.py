@@ -4,6 +4,7 @@ accounting identity, stale drops, and failure handling of reward functions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import threading
@@ -19,7 +20,7 @@ from loomrl.data import PromptStream, load_rows
 from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.models import build_char_tokenizer
 from loomrl.runtime.local import LocalRuntime
-from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.telemetry.metrics import MetricsLogger, read_metrics
 from loomrl.types import Completion, GenerationResult, Group, Rollout
 
 
@@ -197,3 +198,17 @@ def test_async_reward_functions_are_awaited(tiny_job, tmp_path):
     cfg = tiny_job(task={"reward": "test_controller:async_reward"}, trainer={"num_steps": 2})
     ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0], [0.0])
     assert ctl.counters.failed == 0 and ctl.counters.trained == 2 * 4 * 4
+
+
+def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_path, caplog):
+    cfg = tiny_job(stall_warning_s=0.3, trainer={"num_steps": 3})
+    with caplog.at_level(logging.WARNING, logger="loomrl.controller"):
+        ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
+    stalls = [r.getMessage() for r in caplog.records if "stall_warning_s" in r.getMessage()]
+    assert len(stalls) == ctl.stall_warnings >= 1  # once per slow call, however long it runs
+    assert all(m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls)
+    records = [r for r in read_metrics(tmp_path) if "executor/stall_warnings" in r]
+    assert records[-1]["executor/stall_warnings"] == ctl.stall_warnings
+    quiet = tiny_job(trainer={"num_steps": 3})  # the default (300 s) stays quiet
+    (tmp_path / "quiet").mkdir()
+    assert run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].stall_warnings == 0

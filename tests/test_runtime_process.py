@@ -74,9 +74,12 @@ def test_calls_run_in_a_separate_process_in_order_and_count_busy_time(tmp_path):
             slow = asyncio.ensure_future(handle.call("record", "a", sleep_s=0.3))
             await asyncio.sleep(0.05)  # submitted second, so it runs second
             fast = asyncio.ensure_future(handle.call("record", "b"))
-            return await handle.call("pid"), await slow, await fast
+            running = [method for _, method, _ in handle.calls.running()]
+            return await handle.call("pid"), await slow, await fast, running
 
-        pid, first, second = run(main())
+        pid, first, second, running = run(main())
+        assert running == ["record"]  # the stall watchdog sees the slow call, not the queued one
+        assert handle.where == f"pid {pid}" and not handle.calls.running()
         assert pid != os.getpid() and pid == handle.process.pid
         assert first == ["a"] and second == ["a", "b"]
         assert 0.3 <= handle.busy_s < 5.0

@@ -181,6 +181,9 @@ class JobConfig(_Section):
         description="Where executors live: 'local' (threads of this process) or 'process' "
         "(one spawned process each, no shared GIL; weights travel by shm, files or torch_dist).",
     )
+    stall_warning_s: float = Field(
+        300.0, gt=0, description="Warn when one executor call (generate, train_step, publish ...) runs longer than this."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     task: TaskConfig

@@ -88,6 +88,7 @@ class Controller:
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
+        self.stall_warnings = 0
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class Controller:
                 "executor/generator_busy_frac": sum(g.busy_s for g in self.generators)
                 / max(elapsed * len(self.generators), 1e-9),
                 "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
+                "executor/stall_warnings": self.stall_warnings,
                 **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
@@ -299,6 +301,7 @@ class Controller:
         if first_eval:
             self._emit({"step": self.version, **first_eval})
         gen_tasks = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
+        gen_tasks.append(asyncio.create_task(self._stall_watchdog()))
         started = time.perf_counter()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         base_trained = self.counters.trained
@@ -337,6 +340,25 @@ class Controller:
         if final_eval:
             self._emit({"step": self.version, **final_eval, **self.accounting()})
         return summary
+
+    async def _stall_watchdog(self) -> None:
+        """Warn, once per call, when an executor call runs past ``stall_warning_s``, so a
+        hung generator, trainer or weight sync shows up in the log instead of as silence."""
+        limit = self.cfg.stall_warning_s
+        warned: set[tuple[str, int]] = set()
+        while True:
+            await asyncio.sleep(min(5.0, limit / 4))
+            for handle in (self.trainer, *self.generators):
+                for call_id, method, seconds in handle.calls.running():
+                    if seconds <= limit or (handle.name, call_id) in warned:
+                        continue
+                    warned.add((handle.name, call_id))
+                    self.stall_warnings += 1
+                    logger.warning(
+                        "%s (%s): %r has run for %.1f s, past stall_warning_s=%g; the job may "
+                        "be hung there (py-spy dump shows where)",
+                        handle.name, handle.where, method, seconds, limit,
+                    )  # fmt: skip
 
     def _watch(self, task: asyncio.Task) -> asyncio.Task:
         """Remember the first exception of a background task and wake the training loop."""

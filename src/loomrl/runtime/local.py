@@ -9,13 +9,14 @@ generator and a trainer each keep one core busy.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loomrl.runtime.base import ExecutorHandle, Runtime
+from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
 
 
 class LocalHandle(ExecutorHandle):
@@ -24,12 +25,14 @@ class LocalHandle(ExecutorHandle):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
         self._busy_s = 0.0
         self._lock = threading.Lock()
+        self.calls = CallTracker()
         self.obj = self._pool.submit(factory).result()
 
-    def _timed(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _timed(self, method: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            with self.calls.track(method):
+                return fn(*args, **kwargs)
         finally:
             with self._lock:
                 self._busy_s += time.perf_counter() - t0
@@ -37,7 +40,11 @@ class LocalHandle(ExecutorHandle):
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self.obj, method)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._timed, fn, args, kwargs)
+        return await loop.run_in_executor(self._pool, self._timed, method, fn, args, kwargs)
+
+    @property
+    def where(self) -> str:
+        return f"a thread of pid {os.getpid()}"
 
     @property
     def busy_s(self) -> float:

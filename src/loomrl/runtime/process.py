@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from loomrl.runtime.base import ExecutorHandle, Runtime
+from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class ProcessHandle(ExecutorHandle):
         child.close()
         self._busy_s = 0.0
         self._lock = threading.Lock()
+        self.calls = CallTracker()
         self._dead: ExecutorDiedError | None = None
         # One thread talks to the process, so calls are serialized in submission order.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
@@ -179,11 +180,12 @@ class ProcessHandle(ExecutorHandle):
         if self._dead is not None:
             raise self._dead
         payload = _dumps((method, args, kwargs))
-        try:
-            self._conn.send_bytes(payload)
-        except (BrokenPipeError, ConnectionError, OSError) as err:
-            raise self._died() from err
-        return self._reply()
+        with self.calls.track(method or "close"):
+            try:
+                self._conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionError, OSError) as err:
+                raise self._died() from err
+            return self._reply()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -194,6 +196,10 @@ class ProcessHandle(ExecutorHandle):
     def busy_s(self) -> float:
         with self._lock:
             return self._busy_s
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.process.pid}"
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
