@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import logging.handlers
 import multiprocessing
 import os
 import pickle
@@ -59,32 +58,46 @@ def _error_reply(err: BaseException, busy_s: float) -> bytes:
         return _dumps(("error", RemoteError(f"{type(err).__name__}: {err}"), tb, busy_s))
 
 
-def _tag_with(name: str) -> Callable[[logging.LogRecord], bool]:
-    def tag(record: logging.LogRecord) -> bool:
-        record.msg, record.args = f"[{name}] {record.getMessage()}", None
-        return True
+class _PipeLogHandler(logging.Handler):
+    """Executor side: send each log record, formatted and tagged with the executor's name,
+    to the controller over this executor's own log pipe. (Not a multiprocessing.Queue: its
+    write lock is shared by every process, and an executor killed while holding it would
+    hang every other writer, the controller included.)"""
 
-    return tag
-
-
-class _Dispatch(logging.Handler):
-    """Controller side: hand an executor's log record to the controller's own loggers, so
-    it shows up where the controller's logs do (the CLI's rich console, a log file ...)."""
+    def __init__(self, conn: Connection, name: str) -> None:
+        super().__init__()
+        self.conn, self.executor = conn, name
 
     def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.msg, record.args = f"[{self.executor}] {record.getMessage()}", None
+            if record.exc_info:
+                record.msg += "\n" + self.formatException(record.exc_info)
+                record.exc_info = record.exc_text = None
+            self.conn.send(record)
+        except Exception:  # noqa: BLE001 - the controller is gone, or the record won't pickle
+            pass
+
+
+def _forward_logs(conn: Connection) -> None:
+    """Controller side: hand an executor's records to the controller's own loggers, so they
+    show up where the controller's logs do (the CLI's rich console, a log file ...)."""
+    while True:
+        try:
+            record = conn.recv()
+        except (EOFError, OSError):  # the executor is gone
+            conn.close()
+            return
         target = logging.getLogger(record.name)
         if target.isEnabledFor(record.levelno):
             target.handle(record)
 
 
 def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_threads: int,
-           log_queue: Any, log_level: int) -> None:  # fmt: skip
+           log_conn: Connection, log_level: int) -> None:  # fmt: skip
     """The executor process: build the object, then answer calls until told to stop."""
-    log_queue.cancel_join_thread()  # never hang at exit on logs nobody reads any more
-    handler = logging.handlers.QueueHandler(log_queue)
-    handler.addFilter(_tag_with(name))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_PipeLogHandler(log_conn, name)]
     root.setLevel(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     import torch
@@ -130,15 +143,21 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
 
 
 class ProcessHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, log_queue: Any) -> None:
+    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int) -> None:
         self.name = name
         self._conn, child = _CTX.Pipe()
+        log_reader, log_writer = _CTX.Pipe(duplex=False)
         self.process = _CTX.Process(
             target=_serve, name=f"loomrl-{name}", daemon=True,
-            args=(child, name, factory, torch_threads, log_queue, logging.getLogger().getEffectiveLevel()),
+            args=(child, name, factory, torch_threads, log_writer, logging.getLogger().getEffectiveLevel()),
         )  # fmt: skip
         self.process.start()
         child.close()
+        log_writer.close()  # the executor holds the only writer: its exit ends the forwarder
+        self._log_forwarder = threading.Thread(
+            target=_forward_logs, args=(log_reader,), name=f"loomrl-{name}-logs", daemon=True
+        )
+        self._log_forwarder.start()
         self._busy_s = 0.0
         self._lock = threading.Lock()
         self.calls = CallTracker()
@@ -216,6 +235,7 @@ class ProcessHandle(ExecutorHandle):
             self.process.join()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._conn.close()
+        self._log_forwarder.join(timeout=5)  # the executor's last records are shown
 
 
 class ProcessRuntime(Runtime):
@@ -229,9 +249,6 @@ class ProcessRuntime(Runtime):
         torch.set_num_threads(torch_threads)
         self.torch_threads = torch_threads
         self.handles: list[ProcessHandle] = []
-        self._log_queue = _CTX.Queue()
-        self._log_listener = logging.handlers.QueueListener(self._log_queue, _Dispatch())
-        self._log_listener.start()
 
     def start(self, name: str, factory: Callable[[], Any]) -> ProcessHandle:
         try:
@@ -241,7 +258,7 @@ class ProcessRuntime(Runtime):
                 f"the factory of executor {name!r} must pickle to reach its process (a "
                 f"module-level function or a functools.partial of one): {err}"
             ) from err
-        handle = ProcessHandle(name, factory, self.torch_threads, self._log_queue)
+        handle = ProcessHandle(name, factory, self.torch_threads)
         self.handles.append(handle)
         return handle
 
@@ -252,7 +269,3 @@ class ProcessRuntime(Runtime):
         for handle in self.handles:
             handle.close()
         self.handles.clear()
-        if self._log_listener is not None:
-            self._log_listener.stop()  # after the executors: their last records are shown
-            self._log_listener = None
-            self._log_queue.close()
