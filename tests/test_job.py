@@ -128,6 +128,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _all_gone(pids: list[int], timeout_s: float = 30.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
 def _shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
 
@@ -154,10 +161,7 @@ def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, t
     executors = _children(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 30  # executor processes notice the controller is gone and exit
-    while time.time() < deadline and any(_alive(p) for p in executors):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in executors)
+    assert _all_gone(executors)  # executor processes notice the controller is gone and exit
     if runtime == "process":
         assert len(executors) >= 2 and job_shm  # trainer, generator; their weight channel
         assert not job_shm & _shm_files()  # the trainer removed it on its way out
@@ -205,3 +209,28 @@ def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
 
     AutoModelForCausalLM.from_pretrained(result.run_dir / "final")  # merged: loads without peft
     assert (result.run_dir / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("runtime", ["local", "process"])
+def test_ctrl_c_stops_cleanly_and_names_the_checkpoint_to_resume(tmp_path, tiny_data, runtime):
+    train, _ = tiny_data
+    raw = tiny_job_raw(tmp_path, train, None, runtime=runtime, trainer={"num_steps": 400},
+                       checkpoint={"every_steps": 2})  # fmt: skip
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(_to_toml(raw))
+    run_dir = Path(raw["output_dir"])
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and latest_checkpoint(run_dir / "checkpoints") is None:
+        time.sleep(0.1)
+    executors = _children(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    last = latest_checkpoint(run_dir / "checkpoints")
+    assert f"loomrl resume {run_dir}` continues from step_" in stderr and last.name in stderr
+    assert "Traceback" not in stderr
+    assert _all_gone(executors)

@@ -76,13 +76,24 @@ def _print_summary(result) -> None:
     Console().print(table)
 
 
-def _execute(job_fn, total_steps: int) -> int:
+def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     from loomrl.config import ConfigError
 
     on_record, progress = _progress_callback(total_steps)
     try:
         with progress:
             result = job_fn(on_record)
+    except KeyboardInterrupt:  # executors were shut down on the way out
+        from pathlib import Path
+
+        from loomrl.training.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(Path(run_dir) / "checkpoints")
+        if last is None:
+            print(f"interrupted before the first checkpoint: nothing to resume in {run_dir}", file=sys.stderr)
+        else:
+            print(f"interrupted: `loomrl resume {run_dir}` continues from {last.name}", file=sys.stderr)
+        return 130
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
         # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
         # a one-line message; `loomrl -v ...` shows the traceback too.
@@ -96,7 +107,7 @@ def _execute(job_fn, total_steps: int) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from loomrl.config import ConfigError, load_config
-    from loomrl.job import Job
+    from loomrl.job import Job, default_run_dir
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -106,7 +117,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return _execute(lambda cb: Job(cfg).run(on_record=cb), cfg.trainer.num_steps)
+    cfg.output_dir = str(default_run_dir(cfg))  # fixed now, so an interrupt can name it
+    return _execute(lambda cb: Job(cfg).run(on_record=cb), cfg.trainer.num_steps, cfg.output_dir)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -117,7 +129,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return _execute(lambda cb: resume_job(args.run_dir, on_record=cb), cfg.trainer.num_steps)
+    return _execute(lambda cb: resume_job(args.run_dir, on_record=cb), cfg.trainer.num_steps, args.run_dir)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
