@@ -212,10 +212,10 @@ def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
 
 
 @pytest.mark.parametrize("runtime", ["local", "process"])
-def test_ctrl_c_stops_cleanly_and_names_the_checkpoint_to_resume(tmp_path, tiny_data, runtime):
+def test_ctrl_c_checkpoints_the_current_step_and_names_it_for_resume(tmp_path, tiny_data, runtime):
     train, _ = tiny_data
     raw = tiny_job_raw(tmp_path, train, None, runtime=runtime, trainer={"num_steps": 400},
-                       checkpoint={"every_steps": 2})  # fmt: skip
+                       checkpoint={"every_steps": 1000})  # fmt: skip
     job_file = tmp_path / "job.toml"
     job_file.write_text(_to_toml(raw))
     run_dir = Path(raw["output_dir"])
@@ -224,13 +224,17 @@ def test_ctrl_c_stops_cleanly_and_names_the_checkpoint_to_resume(tmp_path, tiny_
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and latest_checkpoint(run_dir / "checkpoints") is None:
+    while time.time() < deadline and proc.poll() is None and max(step_records(run_dir), default=0) < 3:
         time.sleep(0.1)
     executors = _children(proc.pid)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-2000:]
     last = latest_checkpoint(run_dir / "checkpoints")
-    assert f"loomrl resume {run_dir}` continues from step_" in stderr and last.name in stderr
+    assert f"loomrl resume {run_dir}` continues from {last.name}" in stderr
     assert "Traceback" not in stderr
     assert _all_gone(executors)
+    # the run stopped after a whole step and checkpointed exactly that step
+    assert int(last.name.split("_")[1]) == max(step_records(run_dir)) < 400
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
+    assert not (run_dir / "final").exists()

@@ -60,7 +60,8 @@ def _print_summary(result) -> None:
     from rich.table import Table
 
     s = result.summary
-    table = Table(title=f"run finished: {result.run_dir}", show_header=False)
+    title = "run interrupted" if s.get("interrupted") else "run finished"
+    table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")
     if start is not None and end is not None:
         table.add_row("eval accuracy", f"{start:.1%} -> {end:.1%} ({(end - start) * 100:+.1f} points)")
@@ -72,7 +73,8 @@ def _print_summary(result) -> None:
         f"generated {s['generated']} = trained {s['trained']} + dropped stale {s['dropped_stale']}"
         f" + failed {s['failed']} + in flight {s['in_flight']}",
     )
-    table.add_row("final model", str(result.run_dir / "final"))
+    if not s.get("interrupted"):
+        table.add_row("final model", str(result.run_dir / "final"))
     Console().print(table)
 
 
@@ -83,17 +85,8 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     try:
         with progress:
             result = job_fn(on_record)
-    except KeyboardInterrupt:  # executors were shut down on the way out
-        from pathlib import Path
-
-        from loomrl.training.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(Path(run_dir) / "checkpoints")
-        if last is None:
-            print(f"interrupted before the first checkpoint: nothing to resume in {run_dir}", file=sys.stderr)
-        else:
-            print(f"interrupted: `loomrl resume {run_dir}` continues from {last.name}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
+        return _report_interrupt(run_dir)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
         # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
         # a one-line message; `loomrl -v ...` shows the traceback too.
@@ -102,7 +95,23 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     _print_summary(result)
+    if result.summary.get("interrupted"):  # a first Ctrl-C: stopped after a step, checkpointed
+        return _report_interrupt(run_dir)
     return 0
+
+
+def _report_interrupt(run_dir: str) -> int:
+    """Say what an interrupted run left to resume from; the exit status of a SIGINT."""
+    from pathlib import Path
+
+    from loomrl.training.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(Path(run_dir) / "checkpoints")
+    if last is None:
+        print(f"interrupted before the first checkpoint: nothing to resume in {run_dir}", file=sys.stderr)
+    else:
+        print(f"interrupted: `loomrl resume {run_dir}` continues from {last.name}", file=sys.stderr)
+    return 130
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -89,6 +89,7 @@ class Controller:
         )
         self._prompt_key = cfg.data.prompt_key
         self.stall_warnings = 0
+        self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -306,13 +307,14 @@ class Controller:
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         base_trained = self.counters.trained
         try:
-            while self.version < self.cfg.trainer.num_steps:
+            while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
                 record = await self._until_failure(self._train_one_step(started))
                 if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
                     record.update(await self.evaluate())
                 if checkpoint and (
                     self.version % self.cfg.checkpoint.every_steps == 0
                     or self.version == self.cfg.trainer.num_steps
+                    or self.stop_requested
                 ):
                     await checkpoint(self.version)
                 trained = self.counters.trained - base_trained
@@ -325,7 +327,7 @@ class Controller:
             await asyncio.gather(*gen_tasks, return_exceptions=True)
             # Let scoring in progress land in the buffer, so every rollout stays accounted.
             await asyncio.gather(*list(self.scoring), return_exceptions=True)
-        final_eval = await self.evaluate()
+        final_eval = {} if self.stop_requested else await self.evaluate()
         elapsed = time.perf_counter() - started
         summary = {
             "steps": self.version,
@@ -335,11 +337,18 @@ class Controller:
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
             "eval_start": first_eval.get("eval/accuracy"),
             "eval_end": final_eval.get("eval/accuracy"),
+            "interrupted": self.stop_requested and self.version < self.cfg.trainer.num_steps,
             **{k.split("/")[1]: v for k, v in self.accounting().items()},
         }
         if final_eval:
             self._emit({"step": self.version, **final_eval, **self.accounting()})
         return summary
+
+    def request_stop(self) -> None:
+        """End the run after the step in progress, with a checkpoint of it (for Ctrl-C)."""
+        if not self.stop_requested:
+            logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
+        self.stop_requested = True
 
     async def _stall_watchdog(self) -> None:
         """Warn, once per call, when an executor call runs past ``stall_warning_s``, so a

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,37 @@ def _restore(path: Path, controller_kwargs: dict[str, Any], stream: PromptStream
     return state["trainer"]
 
 
+@contextmanager
+def _graceful_interrupt(controller: Controller) -> Iterator[None]:
+    """While the controller runs, a first Ctrl-C asks it to stop after the current step
+    with a checkpoint; a second one goes to the handler from before (asyncio.run's, which
+    aborts with KeyboardInterrupt). Only in the main thread, and not where SIGINT is ignored."""
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield
+        return
+
+    def restore() -> None:
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+
+    def first_interrupt() -> None:
+        restore()
+        controller.request_stop()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, first_interrupt)
+    except (NotImplementedError, RuntimeError, ValueError):  # no signal support on this loop
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is not previous:
+            restore()
+
+
 def _make_runtime(kind: str) -> Runtime:
     if kind == "process":
         from loomrl.runtime.process import ProcessRuntime
@@ -168,8 +202,10 @@ def run_job(
             await runtime.wait_ready()  # model loading is not training time
             if trainer_state is not None:
                 await trainer.call("load_state_dict", trainer_state)
-            summary = await controller.run(checkpoint=checkpoint)
-            await trainer.call("save_pretrained", str(run_dir / "final"))
+            with _graceful_interrupt(controller):
+                summary = await controller.run(checkpoint=checkpoint)
+            if not summary["interrupted"]:
+                await trainer.call("save_pretrained", str(run_dir / "final"))
             return summary
 
         summary = asyncio.run(main())
