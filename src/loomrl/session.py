@@ -67,7 +67,7 @@ def _start_executors(
     what cleans the transport up after them. Threads of one process share one transport
     object; separate processes each build their own end from ``(kind, kwargs)``."""
     kind, kwargs = cfg.weight_sync.transport, _transport_kwargs(cfg, run_dir)
-    if isinstance(runtime, LocalRuntime):
+    if runtime.in_process:
         transport = make_transport(kind, **kwargs)
         trainer_end, generator_end, cleanup = transport, lambda rank: transport, transport.close
     else:

@@ -58,6 +58,10 @@ class ExecutorHandle(ABC):
 
 
 class Runtime(ABC):
+    # Executors live in the controller's process (and may share live objects with it, such
+    # as one in-process weight transport); False where only pickled data reaches them.
+    in_process: bool = True
+
     @abstractmethod
     def start(self, name: str, factory: Callable[[], Any]) -> ExecutorHandle:
         """Build an executor object with ``factory`` where it will live, and return a handle."""

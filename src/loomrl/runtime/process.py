@@ -243,6 +243,8 @@ class ProcessRuntime(Runtime):
     it runs in the new process. Scripts that start a job need the usual
     ``if __name__ == "__main__":`` guard, as with any spawned process."""
 
+    in_process = False
+
     def __init__(self, torch_threads: int = 1) -> None:
         import torch
 
