@@ -301,8 +301,8 @@ class Controller:
         first_eval = await self.evaluate()
         if first_eval:
             self._emit({"step": self.version, **first_eval})
-        gen_tasks = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
-        gen_tasks.append(asyncio.create_task(self._stall_watchdog()))
+        background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
+        background.append(asyncio.create_task(self._stall_watchdog()))
         started = time.perf_counter()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         base_trained = self.counters.trained
@@ -322,9 +322,9 @@ class Controller:
                 self._emit(record)
         finally:
             self._stop = True
-            for task in gen_tasks:
+            for task in background:
                 task.cancel()
-            await asyncio.gather(*gen_tasks, return_exceptions=True)
+            await asyncio.gather(*background, return_exceptions=True)
             # Let scoring in progress land in the buffer, so every rollout stays accounted.
             await asyncio.gather(*list(self.scoring), return_exceptions=True)
         final_eval = {} if self.stop_requested else await self.evaluate()
