@@ -71,9 +71,12 @@ def test_calls_run_in_a_separate_process_in_order_and_count_busy_time(tmp_path):
 
         async def main():
             await runtime.wait_ready()
-            slow = asyncio.ensure_future(handle.call("record", "a", sleep_s=0.3))
-            await asyncio.sleep(0.05)  # submitted second, so it runs second
-            fast = asyncio.ensure_future(handle.call("record", "b"))
+            slow = asyncio.ensure_future(handle.call("record", "a", sleep_s=0.5))
+            deadline = time.monotonic() + 10
+            while not handle.calls.running() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # until the slow call is under way
+            fast = asyncio.ensure_future(handle.call("record", "b"))  # queued behind it
+            await asyncio.sleep(0.05)
             running = [method for _, method, _ in handle.calls.running()]
             return await handle.call("pid"), await slow, await fast, running
 
@@ -82,7 +85,7 @@ def test_calls_run_in_a_separate_process_in_order_and_count_busy_time(tmp_path):
         assert handle.where == f"pid {pid}" and not handle.calls.running()
         assert pid != os.getpid() and pid == handle.process.pid
         assert first == ["a"] and second == ["a", "b"]
-        assert 0.3 <= handle.busy_s < 5.0
+        assert 0.5 <= handle.busy_s < 5.0
     finally:
         runtime.shutdown()
     assert marker.read_text() == "closed"  # the executor's close() ran in its process
