@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loomrl.algorithms import group_advantages, kl_penalty, policy_loss
+from loomrl.algorithms import group_advantages, kl_penalty, policy_loss, policy_loss_with_stats
 
 
 def test_group_advantages_centre_within_each_group():
@@ -82,6 +82,20 @@ def test_tis_loss_weights_by_truncated_proximal_ratio():
     terms = torch.where(adv[:, None] > 0, -1.2 * w * adv[:, None], -2.0 * w * adv[:, None])
     loss2 = policy_loss("tis", logp, beh, adv, mask, proximal_logprobs=prox, delta=2.0)
     assert math.isclose(loss2.item(), (terms * mask).sum().item() / 5, rel_tol=1e-5)
+
+
+def test_pg_loss_ignores_the_behaviour_policy():
+    logp, beh, adv, mask = _case()
+    # -logp * A over unmasked tokens, whatever the behaviour log-probs say
+    expected = (-(logp[0, :3] * 1.0).sum() - (logp[1, :2] * -2.0).sum()) / 5
+    loss, stats = policy_loss_with_stats("pg", logp, beh, adv, mask)
+    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5)
+    assert math.isclose(policy_loss("pg", logp, beh + 3.0, adv, mask).item(), loss.item(), rel_tol=1e-6)
+    assert stats.weight_mean == 1.0 and stats.clip_fraction == 0.0
+    logp = logp.clone().requires_grad_(True)
+    policy_loss("pg", logp, beh, adv, mask).backward()
+    # the gradient is -A / num_tokens on every unmasked token, however far the ratio is from 1
+    assert torch.allclose(logp.grad, torch.tensor([[-0.2, -0.2, -0.2], [0.4, 0.4, 0.0]]))
 
 
 def test_sequence_aggregation_averages_each_sequence_first():

@@ -86,7 +86,9 @@ class GenerationConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    loss: Literal["grpo", "aipo", "tis"] = Field("aipo", description="Policy loss.")
+    loss: Literal["pg", "grpo", "aipo", "tis"] = Field(
+        "aipo", description="Policy loss; 'pg' is plain policy gradient with no importance weight."
+    )
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
     groups_per_step: int = Field(8, gt=0, description="Groups per optimizer step (B).")
     max_staleness: int = Field(

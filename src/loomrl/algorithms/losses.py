@@ -3,6 +3,8 @@
 Shapes: ``logprobs``, ``behaviour_logprobs``, ``proximal_logprobs`` and ``mask`` are
 ``[batch, seq]``; ``advantages`` is ``[batch]`` (broadcast over tokens) or ``[batch, seq]``.
 
+- ``pg``: plain policy gradient, loss = -log pi_theta * A, with no importance weight: the
+  "no correction" baseline, which treats every rollout as if the current policy made it.
 - ``grpo``: PPO-clip on the ratio r = pi_theta / mu (mu = behaviour policy).
 - ``aipo``: LlamaRL's AIPO at token level, loss = -min(r, delta) * A. The gradient flows
   through r where r < delta and is zero where it is truncated.
@@ -18,7 +20,7 @@ from typing import Literal
 
 import torch
 
-LossKind = Literal["grpo", "aipo", "tis"]
+LossKind = Literal["pg", "grpo", "aipo", "tis"]
 
 
 @dataclass
@@ -67,7 +69,10 @@ def policy_loss_with_stats(
     adv = advantages.unsqueeze(1).expand_as(logprobs) if advantages.dim() == 1 else advantages
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - behaviour_logprobs)
-    if kind == "grpo":
+    if kind == "pg":
+        per_token, clipped = -logprobs * adv, torch.zeros_like(mask, dtype=torch.bool)
+        weight = torch.ones_like(ratio)
+    elif kind == "grpo":
         per_token, clipped = _ppo_clip(ratio, adv, clip_eps)
         weight = ratio.detach()
     elif kind == "aipo":
@@ -80,7 +85,7 @@ def policy_loss_with_stats(
         ppo, clipped = _ppo_clip(torch.exp(logprobs - prox), adv, clip_eps)
         per_token = weight * ppo
     else:
-        raise ValueError(f"unknown policy loss {kind!r}; expected 'grpo', 'aipo' or 'tis'")
+        raise ValueError(f"unknown policy loss {kind!r}; expected 'pg', 'grpo', 'aipo' or 'tis'")
     loss = _aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)

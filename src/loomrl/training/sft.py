@@ -81,6 +81,8 @@ def warmstart_main(
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny:llama")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads; another count changes the floating-point order")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -93,7 +95,7 @@ def warmstart_main(
 
     from loomrl.data import load_rows
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     supervised_warmstart(args.model, load_rows(train_file), args.out, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed)
