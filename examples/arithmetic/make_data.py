@@ -1,9 +1,13 @@
 """Writes the arithmetic task's data: ``train.jsonl`` and a held-out ``eval.jsonl``.
 
-Rows are ``{"prompt": "07+45=", "answer": "52"}``; eval pairs never appear in training.
-Operands are zero-padded to a fixed width: the digits to add then sit at fixed offsets,
-which a tiny transformer learns far faster than variable-width operands (measured: 89%
-vs 10% greedy accuracy after the same 900 supervised steps).
+Eval pairs never appear in training.
+Operands and answers are zero-padded to a fixed width (``{"prompt": "07+45=", "answer":
+"052"}``): every digit, to add or to write, then sits at a fixed offset. A tiny transformer
+learns that far faster than variable-width numbers (operands: 89% vs 10% greedy accuracy
+after the same 900 supervised steps). With unpadded answers the units digit moves with the
+answer's length, and whether a 350-step warm-start had begun to learn it at all depended on
+the seed and on the CPU's floating-point order; RL from a model that had not stayed flat
+(see docs/benchmarks.md).
 Run: ``python -m examples.arithmetic.make_data``. The files are shipped in the repo.
 """
 
@@ -21,7 +25,9 @@ def make_rows(max_operand: int, seed: int) -> list[dict[str, str]]:
     pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
     random.Random(seed).shuffle(pairs)
     width = len(str(max_operand - 1))
-    return [{"prompt": f"{a:0{width}d}+{b:0{width}d}=", "answer": str(a + b)} for a, b in pairs]
+    answer_width = len(str(2 * (max_operand - 1)))
+    return [{"prompt": f"{a:0{width}d}+{b:0{width}d}=", "answer": f"{a + b:0{answer_width}d}"}
+            for a, b in pairs]
 
 
 def main() -> None:

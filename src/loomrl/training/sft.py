@@ -8,6 +8,7 @@ from the training split only. The result is a normal ``save_pretrained`` folder.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import random
@@ -73,7 +74,8 @@ def warmstart_main(
     argv: list[str] | None = None,
 ) -> None:
     """Command line of an example's warm-start; rebuilds only when missing or when the
-    settings changed (recorded in ``warmstart.json`` next to the weights)."""
+    settings or the training data changed (recorded in ``warmstart.json`` next to the
+    weights)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(default_out))
     parser.add_argument("--steps", type=int, default=default_steps)
@@ -87,6 +89,7 @@ def warmstart_main(
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "force")}
+    settings["train_sha256"] = hashlib.sha256(train_file.read_bytes()).hexdigest()  # new data: rebuild
     marker = args.out / "warmstart.json"
     if not args.force and marker.is_file() and json.loads(marker.read_text()) == settings:
         print(f"warm-start model already at {args.out} (use --force to rebuild)")
