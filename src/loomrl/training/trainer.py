@@ -141,7 +141,10 @@ class Trainer:
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        before = torch._foreach_mul(params, 1.0)  # a copy, to measure the step's size
         self.optimizer.step()
+        update_rms, weight_rms = _update_and_weight_rms(before, params)
         self.scheduler.step()
         self.version += 1
         metrics = batch_stats.finish()
@@ -149,6 +152,8 @@ class Trainer:
         metrics.update(
             {
                 "train/grad_norm": float(grad_norm),
+                "train/update_rms": update_rms,
+                "train/update_to_weight": update_rms / max(weight_rms, 1e-12),
                 "train/num_rollouts": float(len(rollouts)),
                 "train/num_tokens": float(total_tokens),
                 "train/advantage_abs_mean": sum(abs(a) for a in advantages) / len(advantages),
@@ -208,6 +213,16 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+
+
+def _update_and_weight_rms(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[float, float]:
+    """Root-mean-square of the parameter change of one optimizer step, and of the weights."""
+    with torch.no_grad():
+        torch._foreach_sub_(before, after)
+        count = sum(p.numel() for p in after)
+        update_sq = sum(float(n) ** 2 for n in torch._foreach_norm(before))
+        weight_sq = sum(float(n) ** 2 for n in torch._foreach_norm(after))
+    return math.sqrt(update_sq / max(count, 1)), math.sqrt(weight_sq / max(count, 1))
 
 
 class _Accumulator:

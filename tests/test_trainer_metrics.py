@@ -1,0 +1,65 @@
+"""The trainer's step diagnostics measure what they name."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.models.tiny import build_tiny_model
+from loomrl.training.trainer import Trainer
+from loomrl.types import Group, Rollout
+
+
+def _groups() -> list[Group]:
+    rollouts = [Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * (1 + i % 3), [-1.5] * (1 + i % 3),
+                        [1] * (1 + i % 3), 0, reward=float(i % 2)) for i in range(8)]
+    return [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(2)]
+
+
+def test_update_rms_is_the_root_mean_square_of_the_parameter_change():
+    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = trainer.train_step(_groups())
+    after = list(model.parameters())
+    count = sum(p.numel() for p in after)
+    change = math.sqrt(sum(float(((a.detach() - b) ** 2).sum()) for a, b in zip(after, before)) / count)
+    weights = math.sqrt(sum(float((a.detach() ** 2).sum()) for a in after) / count)
+    assert change > 0
+    assert math.isclose(metrics["train/update_rms"], change, rel_tol=1e-4)
+    assert math.isclose(metrics["train/update_to_weight"], change / weights, rel_tol=1e-4)
+    # the first AdamW step moves every parameter with a gradient by about lr
+    assert 1e-4 < metrics["train/update_rms"] <= 1.01e-3
+
+
+def test_measuring_the_update_does_not_change_the_step():
+    results = []
+    for measure in (True, False):
+        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2,
+                                      intermediate_size=64)
+        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+        if not measure:  # the plain AdamW step on the same gradients, as a reference
+            trainer.train_step = _plain_step(trainer)
+        trainer.train_step(_groups())
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _plain_step(trainer: Trainer):
+    from loomrl.algorithms import policy_loss
+    from loomrl.training.trainer import build_token_batch, compute_advantages, token_logprobs
+
+    def step(groups):
+        rollouts, adv = compute_advantages(groups, trainer.algo.advantage_scale)
+        batch = build_token_batch(rollouts, adv, trainer.version, trainer.pad_id)
+        logp, _ = token_logprobs(trainer.model, batch, trainer.temperature)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        policy_loss(trainer.algo.loss, logp, batch.behaviour, batch.advantages, batch.target_mask,
+                    delta=trainer.algo.delta, clip_eps=trainer.algo.clip_eps).backward()
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.max_grad_norm)
+        trainer.optimizer.step()
+
+    return step
