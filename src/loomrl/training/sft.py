@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,12 @@ def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
 
 
 def supervised_warmstart(
-    model_spec: str, rows: list[dict[str, Any]], out: Path, *, steps: int, batch_size: int,
-    lr: float, seed: int,
+    model_spec: str, rows: list[dict[str, Any]], out: Path | None, *, steps: int, batch_size: int,
+    lr: float, seed: int, on_step: Callable[[int, Any, Any, float], None] | None = None,
 ) -> float:
-    """Train ``steps`` AdamW steps on random batches of ``rows``; save to ``out``; returns
-    the last loss."""
+    """Train ``steps`` AdamW steps on random batches of ``rows``; save to ``out`` (unless
+    None); returns the last loss. ``on_step(step, model, tokenizer, loss)`` runs after each
+    step (a bench measures accuracy there)."""
     import torch
 
     from loomrl.models import load_model_and_tokenizer
@@ -64,8 +66,11 @@ def supervised_warmstart(
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             logger.info("warmstart step %4d loss %.3f (%.0fs)", step, loss.item(), time.time() - t0)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+        if on_step is not None:
+            on_step(step, model, tok, loss.item())
+    if out is not None:
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
     return loss.item()
 
 
