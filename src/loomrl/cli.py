@@ -118,16 +118,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from loomrl.config import ConfigError, load_config
     from loomrl.job import Job, default_run_dir
 
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f'output_dir="{args.output_dir}"')
     try:
-        cfg = load_config(args.job, overrides)
+        cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
+        cfg.output_dir = args.output_dir
     cfg.output_dir = str(default_run_dir(cfg))  # fixed now, so an interrupt can name it
-    return _execute(lambda cb: Job(cfg).run(on_record=cb), cfg.trainer.num_steps, cfg.output_dir)
+    return _execute(
+        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb), cfg.trainer.num_steps, cfg.output_dir
+    )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("job", help="the job's TOML file")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
     run.add_argument("--output-dir", help="the run folder (default runs/<name>-<timestamp>)")
+    run.add_argument(
+        "--overwrite", action="store_true", help="replace a finished or abandoned run in the output dir"
+    )
     run.set_defaults(fn=cmd_run)
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")

@@ -81,12 +81,16 @@ class Job:
         self,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> JobResult:
-        """Train; with ``resume=True`` continue from the run folder's latest checkpoint."""
+        """Train; with ``resume=True`` continue from the run folder's latest checkpoint.
+
+        A run folder that already holds a run is refused unless ``overwrite=True``
+        (``--overwrite``), which replaces it; see docs/runs.md."""
         from loomrl.session import run_job
 
-        return run_job(self.config, resume=resume, on_record=on_record)
+        return run_job(self.config, resume=resume, overwrite=overwrite, on_record=on_record)
 
 
 def default_run_dir(cfg: JobConfig) -> Path:

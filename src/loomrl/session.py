@@ -22,6 +22,7 @@ from loomrl.envs.scorer import Scorer
 from loomrl.job import JobResult, default_run_dir
 from loomrl.models import load_tokenizer
 from loomrl.runtime.base import Runtime
+from loomrl.run_folder import claim_run_folder
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import (
@@ -153,11 +154,24 @@ def run_job(
     cfg: JobConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> JobResult:
+    """Run (or resume) ``cfg`` in its run folder, which is checked and locked first."""
+    run_dir = default_run_dir(cfg)
+    with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+        return _run_locked(cfg, run_dir, resume=resume, on_record=on_record)
+
+
+def _run_locked(
+    cfg: JobConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    on_record: Callable[[dict[str, Any]], None] | None,
 ) -> JobResult:
     import torch
 
-    run_dir = default_run_dir(cfg)
     checkpoint_root = run_dir / "checkpoints"
     resume_from = latest_checkpoint(checkpoint_root) if resume else None
     if resume and resume_from is None:
@@ -168,7 +182,6 @@ def run_job(
     scorer = Scorer(cfg.task)
     env_factory = _environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     torch.manual_seed(cfg.seed)
 
