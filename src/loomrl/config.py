@@ -212,6 +212,19 @@ class JobConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sync_keeps_rollouts_fresh(self) -> JobConfig:
+        # Generators hold the last published version, up to sync_every - 1 behind the
+        # trainer; past max_staleness every rollout is dropped and no step ever completes.
+        every, stale = self.weight_sync.sync_every, self.algorithm.max_staleness
+        if every > stale + 1:
+            raise ValueError(
+                f"weight_sync.sync_every={every} with algorithm.max_staleness={stale}: generators would "
+                f"lag up to {every - 1} versions, so every rollout would be dropped as stale and the job "
+                f"would hang; set sync_every <= max_staleness + 1 = {stale + 1}"
+            )
+        return self
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import Scorer
+from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -90,6 +90,10 @@ class Controller:
         self._prompt_key = cfg.data.prompt_key
         self.stall_warnings = 0
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
+        self._stop_event = asyncio.Event()  # wakes a training loop that waits for a batch
+        self._last_step_at = time.monotonic()
+        self._drops_since_step = 0  # groups dropped as stale since the last completed step
+        self.last_checkpoint = version  # a resumed run starts at a checkpoint
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -203,6 +207,15 @@ class Controller:
         self.counters.dropped_stale += len(group.rollouts)
         self.stream.requeue(group.epoch, group.prompt_index)
         await self.gate.release_accepted()
+        self._drops_since_step += 1
+        limit = (self.cfg.algorithm.max_staleness + 10) * self.cfg.algorithm.groups_per_step
+        if self._drops_since_step > limit:
+            raise JobFailedError(
+                f"{self._drops_since_step} groups in a row were dropped as too stale without one training "
+                f"step (trainer at version {self.version}, newest dropped group from version "
+                f"{group.min_version}): the generators are not getting new weights; check weight_sync "
+                "(transport, sync_every) and the generator's log"
+            )
 
     # -- evaluation ----------------------------------------------------------------------
 
@@ -255,7 +268,9 @@ class Controller:
     async def _train_one_step(self, started: float) -> dict[str, Any]:
         algo = self.cfg.algorithm
         t0 = time.perf_counter()
-        batch = await self.buffer.take(algo.groups_per_step, self.version, self._on_drop)
+        batch = await self._take_batch(algo.groups_per_step)
+        if batch is None:  # stop requested while waiting for a batch
+            return None
         wait_s = time.perf_counter() - t0
         metrics = await self.trainer.call("train_step", batch.groups)
         rollouts = [r for g in batch.groups for r in g.rollouts]
@@ -263,6 +278,7 @@ class Controller:
         for g in batch.groups:
             self.stream.mark_trained(g.epoch, g.prompt_index)
         self.version += 1
+        self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
             metrics.update(await self.trainer.call("publish"))
         await self.gate.set_version(self.version)
@@ -295,6 +311,20 @@ class Controller:
         )
         return metrics
 
+    async def _take_batch(self, count: int):
+        """The next batch, or None when a stop is requested first (Ctrl-C must not wait
+        for a batch that may never come)."""
+        take = asyncio.create_task(self.buffer.take(count, self.version, self._on_drop))
+        stop = asyncio.create_task(self._stop_event.wait())
+        try:
+            await asyncio.wait([take, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not take.done():
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
+        return take.result() if not take.cancelled() else None
+
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary with the eval history."""
         await self.trainer.call("publish")  # version v to every generator before any request
@@ -304,11 +334,17 @@ class Controller:
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
         started = time.perf_counter()
+        self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         base_trained = self.counters.trained
         try:
             while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
                 record = await self._until_failure(self._train_one_step(started))
+                if record is None:  # stopped between steps: keep the last step, if not kept yet
+                    if checkpoint and self.version > self.last_checkpoint:
+                        await checkpoint(self.version)
+                        self.last_checkpoint = self.version
+                    break
                 if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
                     record.update(await self.evaluate())
                 if checkpoint and (
@@ -317,6 +353,7 @@ class Controller:
                     or self.stop_requested
                 ):
                     await checkpoint(self.version)
+                    self.last_checkpoint = self.version
                 trained = self.counters.trained - base_trained
                 record["throughput/samples_per_s"] = trained / max(record["timing/elapsed_s"], 1e-9)
                 self._emit(record)
@@ -325,8 +362,10 @@ class Controller:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            # Let scoring in progress land in the buffer, so every rollout stays accounted.
-            await asyncio.gather(*list(self.scoring), return_exceptions=True)
+            # Let scoring in progress land in the buffer, so every rollout stays accounted;
+            # after a Ctrl-C only briefly: what is still scoring then stays in flight.
+            if self.scoring:
+                await asyncio.wait(list(self.scoring), timeout=2.0 if self.stop_requested else None)
         final_eval = {} if self.stop_requested else await self.evaluate()
         elapsed = time.perf_counter() - started
         summary = {
@@ -349,6 +388,7 @@ class Controller:
         if not self.stop_requested:
             logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
         self.stop_requested = True
+        self._stop_event.set()
 
     async def _stall_watchdog(self) -> None:
         """Warn, once per call, when an executor call runs past ``stall_warning_s``, so a
@@ -357,6 +397,7 @@ class Controller:
         warned: set[tuple[str, int]] = set()
         while True:
             await asyncio.sleep(min(5.0, limit / 4))
+            self._warn_if_no_step(limit, warned)
             for handle in (self.trainer, *self.generators):
                 for call_id, method, seconds in handle.calls.running():
                     if seconds <= limit or (handle.name, call_id) in warned:
@@ -368,6 +409,20 @@ class Controller:
                         "be hung there (py-spy dump shows where)",
                         handle.name, handle.where, method, seconds, limit,
                     )  # fmt: skip
+
+    def _warn_if_no_step(self, limit: float, warned: set) -> None:
+        """Warn once per stall when no training step has completed for ``limit`` seconds."""
+        idle_s = time.monotonic() - self._last_step_at
+        key = ("no-step", self.version)
+        if idle_s <= limit or key in warned:
+            return
+        warned.add(key)
+        self.stall_warnings += 1
+        logger.warning(
+            "no training step completed for %.0f s (step %d of %d; %d groups dropped as stale, %d "
+            "rollouts in flight since the last step); past stall_warning_s=%g, the job may be stuck",
+            idle_s, self.version + 1, self.cfg.trainer.num_steps, self._drops_since_step, self.in_flight, limit,
+        )  # fmt: skip
 
     def _watch(self, task: asyncio.Task) -> asyncio.Task:
         """Remember the first exception of a background task and wake the training loop."""
