@@ -87,7 +87,7 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
             result = job_fn(on_record)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         return _report_interrupt(run_dir)
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, FloatingPointError) as err:
         # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
         # a one-line message; `loomrl -v ...` shows the traceback too.
         if logging.getLogger().isEnabledFor(logging.DEBUG):
@@ -139,7 +139,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return _execute(lambda cb: resume_job(args.run_dir, on_record=cb), cfg.trainer.num_steps, args.run_dir)
+    return _execute(
+        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step), cfg.trainer.num_steps, args.run_dir
+    )
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -179,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")
+    resume.add_argument(
+        "--from", dest="from_step", type=int, metavar="STEP", help="resume from this step's checkpoint, not the newest"
+    )
     resume.set_defaults(fn=cmd_resume)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)

@@ -27,8 +27,11 @@ from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import (
     CheckpointError,
+    checkpoint_step,
+    find_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    newest_verified,
     restore_rng_state,
     rng_state,
 )
@@ -96,10 +99,27 @@ def _environment_factory(cfg: JobConfig):
     return lambda: cls(**args)
 
 
-def _restore(path: Path, controller_kwargs: dict[str, Any], stream: PromptStream) -> dict[str, Any]:
+def _resume_state(root: Path, from_step: int | None) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to resume from (the newest, or that of ``from_step``), loaded and
+    verified before any model loads; a bad one names the newest one that verifies."""
+    path = find_checkpoint(root, from_step) if from_step is not None else latest_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"no checkpoint under {root}; nothing to resume")
+    try:
+        return path, load_checkpoint(path)
+    except CheckpointError as err:
+        good = newest_verified(root, below=path)
+        hint = (
+            f"; the newest checkpoint that verifies is {good.name}: "
+            f"`loomrl resume {root.parent} --from {checkpoint_step(good)}`"
+            if good is not None else "; no older checkpoint verifies either"
+        )
+        raise CheckpointError(f"{err}{hint}") from None
+
+
+def _restore(state: dict[str, Any], path: Path, controller_kwargs: dict[str, Any], stream: PromptStream) -> dict[str, Any]:
     """Restore the controller side (data cursor, counters, RNG) from a verified checkpoint;
     returns the trainer's state for the trainer executor to load."""
-    state = load_checkpoint(path)
     ctl = state["controller"]
     stream.load_state_dict(ctl["stream"])
     counters = Counters(**ctl["counters"])
@@ -155,12 +175,14 @@ def run_job(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    from_step: int | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> JobResult:
-    """Run (or resume) ``cfg`` in its run folder, which is checked and locked first."""
+    """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
+    run folder, which is checked and locked first."""
     run_dir = default_run_dir(cfg)
     with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
-        return _run_locked(cfg, run_dir, resume=resume, on_record=on_record)
+        return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record)
 
 
 def _run_locked(
@@ -168,14 +190,13 @@ def _run_locked(
     run_dir: Path,
     *,
     resume: bool,
+    from_step: int | None,
     on_record: Callable[[dict[str, Any]], None] | None,
 ) -> JobResult:
     import torch
 
     checkpoint_root = run_dir / "checkpoints"
-    resume_from = latest_checkpoint(checkpoint_root) if resume else None
-    if resume and resume_from is None:
-        raise CheckpointError(f"no checkpoint under {checkpoint_root}; nothing to resume")
+    resume_from, resume_state = _resume_state(checkpoint_root, from_step) if resume else (None, None)
     # Validate everything cheap before loading any model.
     train_rows = load_rows(cfg.data.train, cfg.data.prompt_key)
     eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_key)[: cfg.data.max_eval_examples] if cfg.data.eval else []
@@ -199,7 +220,7 @@ def _run_locked(
         trainer, generators, cleanup_transport = _start_executors(cfg, runtime, run_dir)
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
-        trainer_state = _restore(resume_from, kwargs, stream) if resume_from is not None else None
+        trainer_state = _restore(resume_state, resume_from, kwargs, stream) if resume_from is not None else None
         controller = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
