@@ -60,6 +60,9 @@ def _print_summary(result) -> None:
     from rich.table import Table
 
     s = result.summary
+    if s.get("already_finished"):
+        print(f"already finished: {result.run_dir} ran all {s['steps']} steps; nothing to resume")
+        return
     title = "run interrupted" if s.get("interrupted") else "run finished"
     table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")

@@ -59,6 +59,7 @@ class Controller:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         env_factory: Callable[[], Any] | None = None,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
+        history: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.tokenizer = tokenizer
@@ -94,6 +95,9 @@ class Controller:
         self._last_step_at = time.monotonic()
         self._drops_since_step = 0  # groups dropped as stale since the last completed step
         self.last_checkpoint = version  # a resumed run starts at a checkpoint
+        # What a resumed run carries over from before its checkpoint, for one whole-run summary.
+        self.resumed = history is not None
+        self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -326,37 +330,23 @@ class Controller:
         return take.result() if not take.cancelled() else None
 
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
-        """Train to ``trainer.num_steps``; returns a summary with the eval history."""
+        """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
+        adds its time to the time before the checkpoint and keeps the first eval)."""
         await self.trainer.call("publish")  # version v to every generator before any request
-        first_eval = await self.evaluate()
-        if first_eval:
-            self._emit({"step": self.version, **first_eval})
+        if self.resumed:
+            first_eval = {"eval/accuracy": self.history["eval_start"]}
+        else:
+            first_eval = await self.evaluate()
+            self.history["eval_start"] = first_eval.get("eval/accuracy")
+            if first_eval:
+                self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
         started = time.perf_counter()
         self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
-        base_trained = self.counters.trained
         try:
-            while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
-                record = await self._until_failure(self._train_one_step(started))
-                if record is None:  # stopped between steps: keep the last step, if not kept yet
-                    if checkpoint and self.version > self.last_checkpoint:
-                        await checkpoint(self.version)
-                        self.last_checkpoint = self.version
-                    break
-                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
-                    record.update(await self.evaluate())
-                if checkpoint and (
-                    self.version % self.cfg.checkpoint.every_steps == 0
-                    or self.version == self.cfg.trainer.num_steps
-                    or self.stop_requested
-                ):
-                    await checkpoint(self.version)
-                    self.last_checkpoint = self.version
-                trained = self.counters.trained - base_trained
-                record["throughput/samples_per_s"] = trained / max(record["timing/elapsed_s"], 1e-9)
-                self._emit(record)
+            await self._train_steps(started, checkpoint)
         finally:
             self._stop = True
             for task in background:
@@ -367,11 +357,11 @@ class Controller:
             if self.scoring:
                 await asyncio.wait(list(self.scoring), timeout=2.0 if self.stop_requested else None)
         final_eval = {} if self.stop_requested else await self.evaluate()
-        elapsed = time.perf_counter() - started
+        elapsed = self._elapsed(started)
         summary = {
             "steps": self.version,
             "elapsed_s": elapsed,
-            "samples_per_s": (self.counters.trained - base_trained) / max(elapsed, 1e-9),
+            "samples_per_s": self.counters.trained / max(elapsed, 1e-9),
             "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
             "eval_start": first_eval.get("eval/accuracy"),
@@ -382,6 +372,49 @@ class Controller:
         if final_eval:
             self._emit({"step": self.version, **final_eval, **self.accounting()})
         return summary
+
+    def _elapsed(self, started: float) -> float:
+        """Training seconds of the whole run: before the checkpoint resumed from, and since."""
+        return self.history["elapsed_s"] + time.perf_counter() - started
+
+    async def _train_steps(self, started: float, checkpoint: Callable[[int], Any] | None) -> None:
+        try:
+            while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
+                record = await self._until_failure(self._train_one_step(started))
+                if record is None:  # stopped between steps: keep the last step, if not kept yet
+                    await self._checkpoint_if_new(checkpoint, started)
+                    break
+                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
+                    record.update(await self.evaluate())
+                if checkpoint and (
+                    self.version % self.cfg.checkpoint.every_steps == 0
+                    or self.version == self.cfg.trainer.num_steps
+                    or self.stop_requested
+                ):
+                    await self._checkpoint_if_new(checkpoint, started)
+                record["timing/elapsed_s"] = self._elapsed(started)
+                record["throughput/samples_per_s"] = self.counters.trained / max(record["timing/elapsed_s"], 1e-9)
+                self._emit(record)
+        except Exception as err:
+            # A generator or scorer died while the trainer may live: keep what it trained.
+            await self._checkpoint_before_failure(checkpoint, started, err)
+            raise
+
+    async def _checkpoint_if_new(self, checkpoint: Callable[[int], Any] | None, started: float) -> None:
+        if checkpoint is not None and self.version > self.last_checkpoint:
+            self.history["elapsed_s_at_checkpoint"] = self._elapsed(started)
+            await checkpoint(self.version)
+            self.last_checkpoint = self.version
+
+    async def _checkpoint_before_failure(self, checkpoint, started: float, err: BaseException) -> None:
+        if checkpoint is None or self.version <= self.last_checkpoint:
+            return
+        try:
+            await self._checkpoint_if_new(checkpoint, started)
+        except Exception as ckpt_err:  # noqa: BLE001 - the trainer is gone too: report the first error
+            logger.error("could not checkpoint step %d after %r: %r", self.version, err, ckpt_err)
+        else:
+            logger.warning("job failing (%s); checkpointed step %d first, `loomrl resume` continues", err, self.version)
 
     def request_stop(self) -> None:
         """End the run after the step in progress, with a checkpoint of it (for Ctrl-C)."""
@@ -453,5 +486,7 @@ class Controller:
             self.on_record(record)
 
     def state_dict(self) -> dict[str, Any]:
+        history = {"elapsed_s": self.history.get("elapsed_s_at_checkpoint", self.history["elapsed_s"]),
+                   "eval_start": self.history["eval_start"]}  # fmt: skip
         return {"version": self.version, "stream": self.stream.state_dict(), "counters": asdict(self.counters),
-                "in_flight": self.in_flight}
+                "in_flight": self.in_flight, "history": history}
