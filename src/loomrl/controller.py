@@ -89,7 +89,8 @@ class Controller:
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
-        self.stall_warnings = 0
+        self.stall_warnings = 0  # executor calls that ran past stall_warning_s
+        self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
         self._stop_event = asyncio.Event()  # wakes a training loop that waits for a batch
         self._last_step_at = time.monotonic()
@@ -308,6 +309,7 @@ class Controller:
                 / max(elapsed * len(self.generators), 1e-9),
                 "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
                 "executor/stall_warnings": self.stall_warnings,
+                "executor/no_step_warnings": self.no_step_warnings,
                 **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
@@ -450,10 +452,10 @@ class Controller:
         if idle_s <= limit or key in warned:
             return
         warned.add(key)
-        self.stall_warnings += 1
+        self.no_step_warnings += 1
         logger.warning(
-            "no training step completed for %.0f s (step %d of %d; %d groups dropped as stale, %d "
-            "rollouts in flight since the last step); past stall_warning_s=%g, the job may be stuck",
+            "no training step completed for %.1f s (step %d of %d; %d groups dropped as stale, %d "
+            "rollouts in flight since the last step); longer than stall_warning_s=%g, the job may be stuck",
             idle_s, self.version + 1, self.cfg.trainer.num_steps, self._drops_since_step, self.in_flight, limit,
         )  # fmt: skip
 
