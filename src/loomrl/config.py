@@ -42,6 +42,10 @@ class DataConfig(_Section):
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     max_eval_examples: int = Field(256, gt=0, description="Evaluate on at most this many rows.")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded).")
+    truncate_prompts: bool = Field(
+        False, description="Cut prompts that do not fit the model's context with generation.max_new_tokens "
+        "(keeping their end) instead of failing; the run log says how many were cut."
+    )
 
 
 class TaskConfig(_Section):

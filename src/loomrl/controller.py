@@ -19,6 +19,7 @@ from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -60,6 +61,7 @@ class Controller:
         env_factory: Callable[[], Any] | None = None,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
         history: dict[str, Any] | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.tokenizer = tokenizer
@@ -89,6 +91,7 @@ class Controller:
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
+        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
@@ -123,6 +126,9 @@ class Controller:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
+    def _encode_prompt(self, text: str) -> list[int]:
+        return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -138,7 +144,7 @@ class Controller:
                 continue
             requests = [
                 GenerationRequest(
-                    self._encode(self.train_rows[i][self._prompt_key]),
+                    self._encode_prompt(self.train_rows[i][self._prompt_key]),
                     group_size,
                     self._sampling,
                     sample_seed(self.cfg.seed, epoch, i),
@@ -233,7 +239,7 @@ class Controller:
         if self.env_factory is not None:
             rollouts = await self._evaluate_episodes(greedy)
         else:
-            requests = [GenerationRequest(self._encode(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
+            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
             results = await self.generators[0].call("generate", requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,

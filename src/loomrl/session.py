@@ -18,10 +18,12 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
-from loomrl.data import PromptStream, load_rows
+from loomrl.data import PromptStream, load_rows_with_places
 from loomrl.envs.scorer import Scorer
 from loomrl.job import JobResult, default_run_dir
 from loomrl.models import load_tokenizer
+from loomrl.models.loading import model_context_length
+from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.runtime.base import Runtime
 from loomrl.run_folder import claim_run_folder
 from loomrl.runtime.local import LocalRuntime
@@ -187,6 +189,33 @@ def run_job(
         return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record)
 
 
+Rows = tuple[list[dict[str, Any]], list[str]]  # rows, and where each one is (file:line)
+
+
+def _load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
+    train = load_rows_with_places(cfg.data.train, cfg.data.prompt_key)
+    groups = cfg.algorithm.groups_per_step
+    if len(train[0]) < groups:
+        logger.warning(
+            "%s has %d rows, fewer than algorithm.groups_per_step=%d: each step trains some prompts more than "
+            "once; add rows or lower groups_per_step", cfg.data.train, len(train[0]), groups,
+        )  # fmt: skip
+    if not cfg.data.eval:
+        return train, ([], [])
+    rows, places = load_rows_with_places(cfg.data.eval, cfg.data.prompt_key)
+    return train, (rows[: cfg.data.max_eval_examples], places[: cfg.data.max_eval_examples])
+
+
+def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]) -> int | None:
+    """Every prompt plus max_new_tokens fits the model's context (or will be cut to fit);
+    returns the prompt budget in tokens (None when the model does not say its context)."""
+    budget = prompt_budget(model_context_length(cfg.model.path), cfg.generation.max_new_tokens)
+    for rows, places in datasets:
+        check_prompts(rows, places, lambda text: tokenizer(text).input_ids, cfg.data.prompt_key, budget,
+                      cfg.data.truncate_prompts)  # fmt: skip
+    return budget
+
+
 def _already_finished(cfg: JobConfig, run_dir: Path, state: dict[str, Any]) -> JobResult | None:
     """A resume of a run that reached ``num_steps`` and saved its final model changes
     nothing: its summary stays as it was, marked ``already_finished`` for the caller."""
@@ -248,24 +277,25 @@ def _run_locked(
     if resume_state is not None and (done := _already_finished(cfg, run_dir, resume_state)) is not None:
         return done
     # Validate everything cheap before loading any model.
-    train_rows = load_rows(cfg.data.train, cfg.data.prompt_key)
-    eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_key)[: cfg.data.max_eval_examples] if cfg.data.eval else []
+    datasets = _load_datasets(cfg)
+    (train_rows, _), (eval_rows, _) = datasets
     scorer = Scorer(cfg.task)
     env_factory = _environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
+    budget = _check_prompt_lengths(cfg, tokenizer, datasets)
     if resume_from is not None:
         _cut_record(run_dir, resume_from, checkpoint_step(resume_from))
     (run_dir / "config.json").write_text(cfg.to_json())
     holder: dict[str, Controller] = {}
     try:
         return _train(cfg, run_dir, (train_rows, eval_rows), scorer, env_factory, tokenizer,
-                      (resume_from, resume_state), on_record, holder)  # fmt: skip
+                      (resume_from, resume_state), on_record, holder, budget)  # fmt: skip
     except Exception as err:
         _write_failure_summary(run_dir, holder.get("controller"), err)
         raise
 
 
-def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder) -> JobResult:
+def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder, budget) -> JobResult:
     """Start the executors and run the controller; ``holder`` gets the controller."""
     import torch
 
@@ -291,7 +321,7 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
             on_record=on_record, env_factory=env_factory,
-            extra_metrics=default_pool_metrics, **kwargs,
+            extra_metrics=default_pool_metrics, max_prompt_tokens=budget, **kwargs,
         )
 
         async def checkpoint(step: int) -> None:
