@@ -192,11 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(fn=cmd_config)
     try:
         from loomrl.sandbox.cli import add_sandbox_commands
-    except ImportError:
-        pass
+    except ImportError as err:  # say why when someone asks for it, instead of hiding it
+        broken = sub.add_parser("sandbox", help="try the sandbox by hand (unavailable: see `loomrl sandbox`)")
+        broken.add_argument("rest", nargs=argparse.REMAINDER)
+        broken.set_defaults(fn=lambda args, err=err: _sandbox_unavailable(err))
     else:
         add_sandbox_commands(sub)
     return parser
+
+
+def _sandbox_unavailable(err: ImportError) -> int:
+    print(f"error: the sandbox commands could not be loaded: {type(err).__name__}: {err}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,6 +164,15 @@ class SandboxConfig(_Section):
         880_000, gt=0, description="First of the dedicated unprivileged uids sandboxes run code as."
     )
 
+    @model_validator(mode="after")
+    def _pool_sizes_nest(self) -> SandboxConfig:
+        if not self.min_warm <= self.max_warm <= self.max_sandboxes:
+            raise ValueError(
+                f"sandbox sizes must satisfy min_warm <= max_warm <= max_sandboxes, got min_warm={self.min_warm}, "
+                f"max_warm={self.max_warm}, max_sandboxes={self.max_sandboxes}"
+            )
+        return self
+
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, gt=0, description="Checkpoint every this many steps.")

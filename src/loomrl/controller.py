@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,6 +65,7 @@ class Controller:
         max_prompt_tokens: int | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
+        self.eval_scorer = scorer.for_eval()  # eval failures are counted under eval/*, apart
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
         self.metrics, self.on_record = metrics, on_record
@@ -246,7 +248,8 @@ class Controller:
                         [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
                 for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
             ]
-            await self.scorer.score(rollouts)
+            failures_before = Counter(self.eval_scorer.failures_by_reason)
+            await self.eval_scorer.score(rollouts)
         rewards = [r.reward for r in rollouts if r.status == "ok"]
         record = {
             "eval/accuracy": sum(rewards) / len(rollouts),
@@ -254,6 +257,13 @@ class Controller:
             "eval/version": min(r.version for r in rollouts),
             "timing/eval_s": time.perf_counter() - t0,
         }
+        if self.env_factory is None:
+            failed = self.eval_scorer.failures_by_reason - failures_before
+            record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
+        if record["eval/num_failed"]:
+            last = next((r.error for r in rollouts if r.status == "failed"), None)
+            logger.warning("eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
+                           "first error: %s", record["eval/version"], record["eval/num_failed"], len(rollouts), last)  # fmt: skip
         self.eval_history.append(record)
         return record
 
