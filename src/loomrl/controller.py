@@ -101,6 +101,7 @@ class Controller:
         self._last_step_at = time.monotonic()
         self._drops_since_step = 0  # groups dropped as stale since the last completed step
         self.last_checkpoint = version  # a resumed run starts at a checkpoint
+        self.published_version = version  # the trainer publishes it first thing in run()
         # What a resumed run carries over from before its checkpoint, for one whole-run summary.
         self.resumed = history is not None
         self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
@@ -131,6 +132,17 @@ class Controller:
     def _encode_prompt(self, text: str) -> list[int]:
         return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
 
+    def _min_version(self) -> int:
+        """The oldest weights a new training request may run on: the latest published
+        version, less what max_staleness allows (so in synchronous mode exactly it)."""
+        return max(0, self.published_version - self.cfg.algorithm.max_staleness)
+
+    def _require(self, requests: list[GenerationRequest], eval_: bool = False) -> list[GenerationRequest]:
+        needed = self.published_version if eval_ else self._min_version()
+        for request in requests:
+            request.min_version = max(request.min_version, needed)
+        return requests
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -150,6 +162,7 @@ class Controller:
                     group_size,
                     self._sampling,
                     sample_seed(self.cfg.seed, epoch, i),
+                    self._min_version(),
                 )
                 for epoch, i in picks
             ]
@@ -188,7 +201,7 @@ class Controller:
         try:
             rollouts = await run_group_episodes(
                 envs, self.train_rows[index], index,
-                generate=lambda requests: generator.call("generate", requests),
+                generate=lambda requests: generator.call("generate", self._require(requests)),
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
@@ -241,7 +254,8 @@ class Controller:
         if self.env_factory is not None:
             rollouts = await self._evaluate_episodes(greedy)
         else:
-            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
+            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
+                        for r in self.eval_rows]  # fmt: skip
             results = await self.generators[0].call("generate", requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
@@ -274,7 +288,7 @@ class Controller:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", reqs),
+                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", self._require(reqs, eval_=True)),
                     encode=self._encode, decode=self._decode, sampling=greedy,
                     max_turns=self.cfg.task.max_turns, seed=0,
                 )
@@ -302,6 +316,7 @@ class Controller:
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
             metrics.update(await self.trainer.call("publish"))
+            self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
         completion_tokens = sum(sum(r.loss_mask) for r in rollouts)
