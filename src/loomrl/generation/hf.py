@@ -107,7 +107,7 @@ class HFGenerator(Generator):
         torch_dist update may land a moment after the trainer's publish returned)."""
         deadline = time.monotonic() + self.weight_wait_timeout_s
         self.sync_weights()
-        while self.version < needed:
+        while self.version < needed and self.subscriber is not None:  # none: weights come by hand
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"generator at version {self.version} waited {self.weight_wait_timeout_s:g} s for version "
