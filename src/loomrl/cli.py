@@ -90,9 +90,10 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
             result = job_fn(on_record)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         return _report_interrupt(run_dir)
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, FloatingPointError) as err:
-        # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
-        # a one-line message; `loomrl -v ...` shows the traceback too.
+    except (ConfigError, OSError, ValueError, TypeError, RuntimeError, FloatingPointError) as err:
+        # Bad input (config, paths, user code, checkpoints), a job stopped for failures and a
+        # weight wait that timed out: a one-line message (docs/errors.md says what to do);
+        # `loomrl -v ...` shows the traceback too.
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.getLogger(__name__).exception("job failed")
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
