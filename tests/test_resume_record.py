@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,22 @@ def _crash_after_step_3(run_dir) -> None:
     (run_dir / "summary.json").unlink()
 
 
+def _tb_events(tb_dir: Path) -> list:
+    """Every event in the TensorBoard files under ``tb_dir`` (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12 : pos + 12 + length])
+            events.append(event)
+            pos += 12 + length + 4
+    return events
+
+
 def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job):
     first = Job(tiny_job(trainer={"num_steps": 3}, checkpoint={"every_steps": 2, "keep": 5})).run()
     run = first.run_dir
@@ -35,6 +52,8 @@ def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job
     assert steps == [1, 2, 3]  # step 3 once, not once per attempt
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3]  # no eval at the resume point
     (mark,) = [r for r in records if r.get("event") == "resume"]
+    purges = [e.step for e in _tb_events(run / "tb") if e.HasField("session_log") and e.session_log.status == 1]
+    assert purges == [3]  # TensorBoard drops what the crashed attempt logged from step 3 on
     assert mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2  # step 3 and its final eval
     s = resumed.summary
     assert s["eval_start"] == first.summary["eval_start"] == before["eval_start"]
