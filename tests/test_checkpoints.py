@@ -4,9 +4,7 @@ newest one that verifies (``resume --from STEP``)."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,8 +5,8 @@ from __future__ import annotations
 from loomrl.envs.base import Environment, StepResult
 from loomrl.job import Job
 from loomrl.models import build_char_tokenizer
-from loomrl.training.executor import TrainerExecutor
 from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.executor import TrainerExecutor
 
 
 class GuessTwice(Environment):

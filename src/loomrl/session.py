@@ -24,8 +24,8 @@ from loomrl.job import JobResult, default_run_dir
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
-from loomrl.runtime.base import Runtime
 from loomrl.run_folder import claim_run_folder
+from loomrl.runtime.base import Runtime
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import (
