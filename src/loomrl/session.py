@@ -108,7 +108,10 @@ def _resume_state(root: Path, from_step: int | None) -> tuple[Path, dict[str, An
     verified before any model loads; a bad one names the newest one that verifies."""
     path = find_checkpoint(root, from_step) if from_step is not None else latest_checkpoint(root)
     if path is None:
-        raise CheckpointError(f"no checkpoint under {root}; nothing to resume")
+        raise CheckpointError(
+            f"no checkpoint under {root}; nothing to resume (start it again with `loomrl run ... "
+            f"--output-dir {root.parent} --overwrite`)"
+        )
     try:
         return path, load_checkpoint(path)
     except CheckpointError as err:
