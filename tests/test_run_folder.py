@@ -84,3 +84,24 @@ def test_unwritable_output_dir_fails_in_one_line_before_loading_a_model(tmp_path
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"output dir {target!r} is not usable" in lines[0]
     assert time.perf_counter() - t0 < 20  # before the model: no 6 s of loading first
+
+
+def test_cli_refuses_a_used_output_dir_and_overwrite_replaces_it(tmp_path, tiny_data, capsys):
+    from loomrl import cli
+
+    train, _ = tiny_data
+    raw = tiny_job_raw(tmp_path, train, trainer={"num_steps": 1})
+    raw.pop("output_dir")
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(
+        "\n".join(f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)) + "\n"
+        + "\n".join(f"[{k}]\n" + "\n".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items())
+                    for k, v in raw.items() if isinstance(v, dict)) + "\n"
+    )  # fmt: skip
+    out = str(tmp_path / "out")
+    assert cli.main(["run", str(job_file), "--output-dir", out]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", str(job_file), "--output-dir", out]) == 2
+    assert f"output dir {out!r} already holds a run" in capsys.readouterr().err
+    assert cli.main(["run", str(job_file), "--output-dir", out, "--overwrite", "trainer.num_steps=2"]) == 0
+    assert _steps(Path(out)) == [1, 2]
