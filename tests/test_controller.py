@@ -204,7 +204,7 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
     cfg = tiny_job(stall_warning_s=0.3, trainer={"num_steps": 3})
     with caplog.at_level(logging.WARNING, logger="loomrl.controller"):
         ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
-    stalls = [r.getMessage() for r in caplog.records if "stall_warning_s" in r.getMessage()]
+    stalls = [r.getMessage() for r in caplog.records if "past stall_warning_s" in r.getMessage()]
     assert len(stalls) == ctl.stall_warnings >= 1  # once per slow call, however long it runs
     assert all(m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls)
     records = [r for r in read_metrics(tmp_path) if "executor/stall_warnings" in r]

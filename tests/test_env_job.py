@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from loomrl.envs.base import Environment, StepResult
 from loomrl.job import Job
+from loomrl.models import build_char_tokenizer
 from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.executor import TrainerExecutor
 
 
 class GuessTwice(Environment):
@@ -31,11 +33,26 @@ class Broken(Environment):
         return StepResult("", 0.0, True)
 
 
-def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_job):
+def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_job, monkeypatch):
+    trained: list = []
+    real_step = TrainerExecutor.train_step
+
+    def recording_step(self, groups):
+        trained.extend(r for g in groups for r in g.rollouts)
+        return real_step(self, groups)
+
+    monkeypatch.setattr(TrainerExecutor, "train_step", recording_step)
     cfg = tiny_job(task={"reward": None, "environment": "test_env_job:GuessTwice",
                          "environment_args": {"bonus": 0.5}, "max_turns": 3},
                    trainer={"num_steps": 2})
     result = Job(cfg).run()
+    tok = build_char_tokenizer()
+    assert len(trained) == 2 * 4 * 4
+    for r in trained:  # what the trainer got: the environment's tokens are masked out of the loss
+        masked = [t for t, m in zip(r.completion_ids, r.loss_mask) if m == 0]
+        assert r.num_turns == 2 and tok.decode(masked) == " again:"
+        assert all(lp == 0.0 for lp, m in zip(r.behaviour_logprobs, r.loss_mask) if m == 0)
+        assert sum(r.loss_mask) == len(r.completion_ids) - len(masked) > 0
     s = result.summary
     assert s["trained"] == 2 * 4 * 4 and s["failed"] == 0
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]

@@ -65,7 +65,7 @@ def test_behaviour_logprobs_match_the_trainer_at_equal_weights(model_and_tok):
     assert diff < 1e-4  # left-padded sampling with a KV cache vs right-padded training
 
 
-def test_greedy_and_eos_stop_and_weight_update_changes_outputs(model_and_tok):
+def test_greedy_is_repeatable_and_a_weight_update_changes_outputs(model_and_tok):
     model, tok = model_and_tok
     gen = make_generator(model, tok, dtype="bfloat16")
     greedy = SamplingParams(max_new_tokens=4, greedy=True)
@@ -75,7 +75,9 @@ def test_greedy_and_eos_stop_and_weight_update_changes_outputs(model_and_tok):
     assert first.token_ids == again.token_ids
     state = {k: v + 0.5 for k, v in gen.mirror.items()}
     assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
-    assert gen.generate([req])[0].version == 1
+    after = gen.generate([req])[0]
+    assert after.version == 1
+    assert after.completions[0].logprobs != first.logprobs  # the outputs come from the new weights
     for name, param in gen.model.named_parameters():
         assert torch.equal(param.detach(), state[name].float())  # fp32 compute on bf16 weights
 

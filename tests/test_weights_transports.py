@@ -18,6 +18,7 @@ from loomrl.weights import (
     WeightUpdateError,
     apply_update,
     encode_update,
+    prepare_update,
     state_digest,
 )
 from loomrl.weights.manifest import bits_view
@@ -326,14 +327,32 @@ def test_shm_regrows_when_the_model_grows():
         t.close()
 
 
-def test_a_corrupt_payload_is_never_applied_by_any_path():
+@pytest.mark.parametrize("path", ["apply_update", "prepare_update", "poll", "poll-prefetch"])
+def test_a_corrupt_payload_is_never_applied_by_any_path(path):
     seq = states(2)
     bad = encode_update(seq[0], seq[1], version=1, base_version=0)
     data = bytearray(bad.to_bytes())
     data[-3] ^= 1
+    corrupt = WeightUpdate.from_bytes(bytes(data))
     state = {k: v.clone() for k, v in seq[0].items()}
-    with pytest.raises(WeightUpdateError):
-        apply_update(state, WeightUpdate.from_bytes(bytes(data)))
+    if path == "apply_update":
+        with pytest.raises(WeightUpdateError):
+            apply_update(state, corrupt)
+    elif path == "prepare_update":  # decode and verify come before anything is written
+        with pytest.raises(WeightUpdateError):
+            prepare_update(state, corrupt, have_version=0)
+    else:  # a generator's subscriber, polling inline or prefetching in the background
+        t = make_transport("inproc")
+        t.sender().send(corrupt)
+        sub = Subscriber(t.receiver(0), prefetch=path == "poll-prefetch")
+        try:
+            deadline = time.monotonic() + 5
+            while sub.failures == 0 and time.monotonic() < deadline:
+                assert sub.poll(state, 0)[0] is None
+                time.sleep(0.01)
+            assert sub.failures >= 1 and sub.poll(state, 0)[0] is None  # seen, refused, not retried
+        finally:
+            sub.close()
     assert state_digest(state) == state_digest(seq[0])
 
 

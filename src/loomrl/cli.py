@@ -60,6 +60,9 @@ def _print_summary(result) -> None:
     from rich.table import Table
 
     s = result.summary
+    if s.get("already_finished"):
+        print(f"already finished: {result.run_dir} ran all {s['steps']} steps; nothing to resume")
+        return
     title = "run interrupted" if s.get("interrupted") else "run finished"
     table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")
@@ -87,9 +90,10 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
             result = job_fn(on_record)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         return _report_interrupt(run_dir)
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as err:
-        # Bad input (config, paths, user code, checkpoints) and a job stopped for failures:
-        # a one-line message; `loomrl -v ...` shows the traceback too.
+    except (ConfigError, OSError, ValueError, TypeError, RuntimeError, FloatingPointError) as err:
+        # Bad input (config, paths, user code, checkpoints), a job stopped for failures and a
+        # weight wait that timed out: a one-line message (docs/errors.md says what to do);
+        # `loomrl -v ...` shows the traceback too.
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.getLogger(__name__).exception("job failed")
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
@@ -118,16 +122,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from loomrl.config import ConfigError, load_config
     from loomrl.job import Job, default_run_dir
 
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f'output_dir="{args.output_dir}"')
     try:
-        cfg = load_config(args.job, overrides)
+        cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
+        cfg.output_dir = args.output_dir
     cfg.output_dir = str(default_run_dir(cfg))  # fixed now, so an interrupt can name it
-    return _execute(lambda cb: Job(cfg).run(on_record=cb), cfg.trainer.num_steps, cfg.output_dir)
+    return _execute(
+        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb), cfg.trainer.num_steps, cfg.output_dir
+    )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -138,7 +143,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return _execute(lambda cb: resume_job(args.run_dir, on_record=cb), cfg.trainer.num_steps, args.run_dir)
+    return _execute(
+        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step), cfg.trainer.num_steps, args.run_dir
+    )
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -172,19 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("job", help="the job's TOML file")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
     run.add_argument("--output-dir", help="the run folder (default runs/<name>-<timestamp>)")
+    run.add_argument(
+        "--overwrite", action="store_true", help="replace a finished or abandoned run in the output dir"
+    )
     run.set_defaults(fn=cmd_run)
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")
+    resume.add_argument(
+        "--from", dest="from_step", type=int, metavar="STEP", help="resume from this step's checkpoint, not the newest"
+    )
     resume.set_defaults(fn=cmd_resume)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)
     try:
         from loomrl.sandbox.cli import add_sandbox_commands
-    except ImportError:
-        pass
+    except ImportError as err:  # say why when someone asks for it, instead of hiding it
+        broken = sub.add_parser("sandbox", help="try the sandbox by hand (unavailable: see `loomrl sandbox`)")
+        broken.add_argument("rest", nargs=argparse.REMAINDER)
+        broken.set_defaults(fn=lambda args, err=err: _sandbox_unavailable(err))
     else:
         add_sandbox_commands(sub)
     return parser
+
+
+def _sandbox_unavailable(err: ImportError) -> int:
+    print(f"error: the sandbox commands could not be loaded: {type(err).__name__}: {err}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,10 @@ class DataConfig(_Section):
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     max_eval_examples: int = Field(256, gt=0, description="Evaluate on at most this many rows.")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded).")
+    truncate_prompts: bool = Field(
+        False, description="Cut prompts that do not fit the model's context with generation.max_new_tokens "
+        "(keeping their end) instead of failing; the run log says how many were cut."
+    )
 
 
 class TaskConfig(_Section):
@@ -162,6 +166,15 @@ class SandboxConfig(_Section):
         880_000, gt=0, description="First of the dedicated unprivileged uids sandboxes run code as."
     )
 
+    @model_validator(mode="after")
+    def _pool_sizes_nest(self) -> SandboxConfig:
+        if not self.min_warm <= self.max_warm <= self.max_sandboxes:
+            raise ValueError(
+                f"sandbox sizes must satisfy min_warm <= max_warm <= max_sandboxes, got min_warm={self.min_warm}, "
+                f"max_warm={self.max_warm}, max_sandboxes={self.max_sandboxes}"
+            )
+        return self
+
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, gt=0, description="Checkpoint every this many steps.")
@@ -211,6 +224,19 @@ class JobConfig(_Section):
             raise ValueError(
                 "weight_sync.transport='torch_dist' needs one process per executor; the local "
                 "runtime runs executors as threads: use runtime='process', or 'inproc' or 'shm'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sync_keeps_rollouts_fresh(self) -> JobConfig:
+        # Generators hold the last published version, up to sync_every - 1 behind the
+        # trainer; past max_staleness every rollout is dropped and no step ever completes.
+        every, stale = self.weight_sync.sync_every, self.algorithm.max_staleness
+        if every > stale + 1:
+            raise ValueError(
+                f"weight_sync.sync_every={every} with algorithm.max_staleness={stale}: generators would "
+                f"lag up to {every - 1} versions, so every rollout would be dropped as stale and the job "
+                f"would hang; set sync_every <= max_staleness + 1 = {stale + 1}"
             )
         return self
 

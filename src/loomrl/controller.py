@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import Scorer
+from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -59,8 +61,11 @@ class Controller:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         env_factory: Callable[[], Any] | None = None,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
+        history: dict[str, Any] | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
+        self.eval_scorer = scorer.for_eval()  # eval failures are counted under eval/*, apart
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows, self.stream = train_rows, eval_rows, stream
         self.metrics, self.on_record = metrics, on_record
@@ -88,8 +93,18 @@ class Controller:
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
-        self.stall_warnings = 0
+        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        self.stall_warnings = 0  # executor calls that ran past stall_warning_s
+        self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
+        self._stop_event = asyncio.Event()  # wakes a training loop that waits for a batch
+        self._last_step_at = time.monotonic()
+        self._drops_since_step = 0  # groups dropped as stale since the last completed step
+        self.last_checkpoint = version  # a resumed run starts at a checkpoint
+        self.published_version = version  # the trainer publishes it first thing in run()
+        # What a resumed run carries over from before its checkpoint, for one whole-run summary.
+        self.resumed = history is not None
+        self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -114,6 +129,20 @@ class Controller:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
+    def _encode_prompt(self, text: str) -> list[int]:
+        return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
+
+    def _min_version(self) -> int:
+        """The oldest weights a new training request may run on: the latest published
+        version, less what max_staleness allows (so in synchronous mode exactly it)."""
+        return max(0, self.published_version - self.cfg.algorithm.max_staleness)
+
+    def _require(self, requests: list[GenerationRequest], eval_: bool = False) -> list[GenerationRequest]:
+        needed = self.published_version if eval_ else self._min_version()
+        for request in requests:
+            request.min_version = max(request.min_version, needed)
+        return requests
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -129,10 +158,11 @@ class Controller:
                 continue
             requests = [
                 GenerationRequest(
-                    self._encode(self.train_rows[i][self._prompt_key]),
+                    self._encode_prompt(self.train_rows[i][self._prompt_key]),
                     group_size,
                     self._sampling,
                     sample_seed(self.cfg.seed, epoch, i),
+                    self._min_version(),
                 )
                 for epoch, i in picks
             ]
@@ -171,7 +201,7 @@ class Controller:
         try:
             rollouts = await run_group_episodes(
                 envs, self.train_rows[index], index,
-                generate=lambda requests: generator.call("generate", requests),
+                generate=lambda requests: generator.call("generate", self._require(requests)),
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
@@ -203,6 +233,15 @@ class Controller:
         self.counters.dropped_stale += len(group.rollouts)
         self.stream.requeue(group.epoch, group.prompt_index)
         await self.gate.release_accepted()
+        self._drops_since_step += 1
+        limit = (self.cfg.algorithm.max_staleness + 10) * self.cfg.algorithm.groups_per_step
+        if self._drops_since_step > limit:
+            raise JobFailedError(
+                f"{self._drops_since_step} groups in a row were dropped as too stale without one training "
+                f"step (trainer at version {self.version}, newest dropped group from version "
+                f"{group.min_version}): the generators are not getting new weights; check weight_sync "
+                "(transport, sync_every) and the generator's log"
+            )
 
     # -- evaluation ----------------------------------------------------------------------
 
@@ -215,14 +254,16 @@ class Controller:
         if self.env_factory is not None:
             rollouts = await self._evaluate_episodes(greedy)
         else:
-            requests = [GenerationRequest(self._encode(r[self._prompt_key]), 1, greedy, 0) for r in self.eval_rows]
+            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
+                        for r in self.eval_rows]  # fmt: skip
             results = await self.generators[0].call("generate", requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
                         [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
                 for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
             ]
-            await self.scorer.score(rollouts)
+            failures_before = Counter(self.eval_scorer.failures_by_reason)
+            await self.eval_scorer.score(rollouts)
         rewards = [r.reward for r in rollouts if r.status == "ok"]
         record = {
             "eval/accuracy": sum(rewards) / len(rollouts),
@@ -230,6 +271,13 @@ class Controller:
             "eval/version": min(r.version for r in rollouts),
             "timing/eval_s": time.perf_counter() - t0,
         }
+        if self.env_factory is None:
+            failed = self.eval_scorer.failures_by_reason - failures_before
+            record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
+        if record["eval/num_failed"]:
+            last = next((r.error for r in rollouts if r.status == "failed"), None)
+            logger.warning("eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
+                           "first error: %s", record["eval/version"], record["eval/num_failed"], len(rollouts), last)  # fmt: skip
         self.eval_history.append(record)
         return record
 
@@ -240,7 +288,7 @@ class Controller:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", reqs),
+                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", self._require(reqs, eval_=True)),
                     encode=self._encode, decode=self._decode, sampling=greedy,
                     max_turns=self.cfg.task.max_turns, seed=0,
                 )
@@ -255,7 +303,9 @@ class Controller:
     async def _train_one_step(self, started: float) -> dict[str, Any]:
         algo = self.cfg.algorithm
         t0 = time.perf_counter()
-        batch = await self.buffer.take(algo.groups_per_step, self.version, self._on_drop)
+        batch = await self._take_batch(algo.groups_per_step)
+        if batch is None:  # stop requested while waiting for a batch
+            return None
         wait_s = time.perf_counter() - t0
         metrics = await self.trainer.call("train_step", batch.groups)
         rollouts = [r for g in batch.groups for r in g.rollouts]
@@ -263,8 +313,10 @@ class Controller:
         for g in batch.groups:
             self.stream.mark_trained(g.epoch, g.prompt_index)
         self.version += 1
+        self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
             metrics.update(await self.trainer.call("publish"))
+            self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
         completion_tokens = sum(sum(r.loss_mask) for r in rollouts)
@@ -288,6 +340,7 @@ class Controller:
                 / max(elapsed * len(self.generators), 1e-9),
                 "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
                 "executor/stall_warnings": self.stall_warnings,
+                "executor/no_step_warnings": self.no_step_warnings,
                 **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
@@ -295,44 +348,53 @@ class Controller:
         )
         return metrics
 
+    async def _take_batch(self, count: int):
+        """The next batch, or None when a stop is requested first (Ctrl-C must not wait
+        for a batch that may never come)."""
+        take = asyncio.create_task(self.buffer.take(count, self.version, self._on_drop))
+        stop = asyncio.create_task(self._stop_event.wait())
+        try:
+            await asyncio.wait([take, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not take.done():
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
+        return take.result() if not take.cancelled() else None
+
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
-        """Train to ``trainer.num_steps``; returns a summary with the eval history."""
+        """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
+        adds its time to the time before the checkpoint and keeps the first eval)."""
         await self.trainer.call("publish")  # version v to every generator before any request
-        first_eval = await self.evaluate()
-        if first_eval:
-            self._emit({"step": self.version, **first_eval})
+        if self.resumed:
+            first_eval = {"eval/accuracy": self.history["eval_start"]}
+        else:
+            first_eval = await self.evaluate()
+            self.history["eval_start"] = first_eval.get("eval/accuracy")
+            if first_eval:
+                self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
         started = time.perf_counter()
+        self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
-        base_trained = self.counters.trained
         try:
-            while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
-                record = await self._until_failure(self._train_one_step(started))
-                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
-                    record.update(await self.evaluate())
-                if checkpoint and (
-                    self.version % self.cfg.checkpoint.every_steps == 0
-                    or self.version == self.cfg.trainer.num_steps
-                    or self.stop_requested
-                ):
-                    await checkpoint(self.version)
-                trained = self.counters.trained - base_trained
-                record["throughput/samples_per_s"] = trained / max(record["timing/elapsed_s"], 1e-9)
-                self._emit(record)
+            await self._train_steps(started, checkpoint)
         finally:
             self._stop = True
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            # Let scoring in progress land in the buffer, so every rollout stays accounted.
-            await asyncio.gather(*list(self.scoring), return_exceptions=True)
+            # Let scoring in progress land in the buffer, so every rollout stays accounted;
+            # after a Ctrl-C only briefly: what is still scoring then stays in flight.
+            if self.scoring:
+                await asyncio.wait(list(self.scoring), timeout=2.0 if self.stop_requested else None)
         final_eval = {} if self.stop_requested else await self.evaluate()
-        elapsed = time.perf_counter() - started
+        elapsed = self._elapsed(started)
         summary = {
             "steps": self.version,
             "elapsed_s": elapsed,
-            "samples_per_s": (self.counters.trained - base_trained) / max(elapsed, 1e-9),
+            "samples_per_s": self.counters.trained / max(elapsed, 1e-9),
             "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
             "eval_start": first_eval.get("eval/accuracy"),
@@ -344,11 +406,55 @@ class Controller:
             self._emit({"step": self.version, **final_eval, **self.accounting()})
         return summary
 
+    def _elapsed(self, started: float) -> float:
+        """Training seconds of the whole run: before the checkpoint resumed from, and since."""
+        return self.history["elapsed_s"] + time.perf_counter() - started
+
+    async def _train_steps(self, started: float, checkpoint: Callable[[int], Any] | None) -> None:
+        try:
+            while self.version < self.cfg.trainer.num_steps and not self.stop_requested:
+                record = await self._until_failure(self._train_one_step(started))
+                if record is None:  # stopped between steps: keep the last step, if not kept yet
+                    await self._checkpoint_if_new(checkpoint, started)
+                    break
+                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
+                    record.update(await self.evaluate())
+                if checkpoint and (
+                    self.version % self.cfg.checkpoint.every_steps == 0
+                    or self.version == self.cfg.trainer.num_steps
+                    or self.stop_requested
+                ):
+                    await self._checkpoint_if_new(checkpoint, started)
+                record["timing/elapsed_s"] = self._elapsed(started)
+                record["throughput/samples_per_s"] = self.counters.trained / max(record["timing/elapsed_s"], 1e-9)
+                self._emit(record)
+        except Exception as err:
+            # A generator or scorer died while the trainer may live: keep what it trained.
+            await self._checkpoint_before_failure(checkpoint, started, err)
+            raise
+
+    async def _checkpoint_if_new(self, checkpoint: Callable[[int], Any] | None, started: float) -> None:
+        if checkpoint is not None and self.version > self.last_checkpoint:
+            self.history["elapsed_s_at_checkpoint"] = self._elapsed(started)
+            await checkpoint(self.version)
+            self.last_checkpoint = self.version
+
+    async def _checkpoint_before_failure(self, checkpoint, started: float, err: BaseException) -> None:
+        if checkpoint is None or self.version <= self.last_checkpoint:
+            return
+        try:
+            await self._checkpoint_if_new(checkpoint, started)
+        except Exception as ckpt_err:  # noqa: BLE001 - the trainer is gone too: report the first error
+            logger.error("could not checkpoint step %d after %r: %r", self.version, err, ckpt_err)
+        else:
+            logger.warning("job failing (%s); checkpointed step %d first, `loomrl resume` continues", err, self.version)
+
     def request_stop(self) -> None:
         """End the run after the step in progress, with a checkpoint of it (for Ctrl-C)."""
         if not self.stop_requested:
             logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
         self.stop_requested = True
+        self._stop_event.set()
 
     async def _stall_watchdog(self) -> None:
         """Warn, once per call, when an executor call runs past ``stall_warning_s``, so a
@@ -357,6 +463,7 @@ class Controller:
         warned: set[tuple[str, int]] = set()
         while True:
             await asyncio.sleep(min(5.0, limit / 4))
+            self._warn_if_no_step(limit, warned)
             for handle in (self.trainer, *self.generators):
                 for call_id, method, seconds in handle.calls.running():
                     if seconds <= limit or (handle.name, call_id) in warned:
@@ -368,6 +475,20 @@ class Controller:
                         "be hung there (py-spy dump shows where)",
                         handle.name, handle.where, method, seconds, limit,
                     )  # fmt: skip
+
+    def _warn_if_no_step(self, limit: float, warned: set) -> None:
+        """Warn once per stall when no training step has completed for ``limit`` seconds."""
+        idle_s = time.monotonic() - self._last_step_at
+        key = ("no-step", self.version)
+        if idle_s <= limit or key in warned:
+            return
+        warned.add(key)
+        self.no_step_warnings += 1
+        logger.warning(
+            "no training step completed for %.1f s (step %d of %d; %d groups dropped as stale, %d "
+            "rollouts in flight since the last step); longer than stall_warning_s=%g, the job may be stuck",
+            idle_s, self.version + 1, self.cfg.trainer.num_steps, self._drops_since_step, self.in_flight, limit,
+        )  # fmt: skip
 
     def _watch(self, task: asyncio.Task) -> asyncio.Task:
         """Remember the first exception of a background task and wake the training loop."""
@@ -398,5 +519,7 @@ class Controller:
             self.on_record(record)
 
     def state_dict(self) -> dict[str, Any]:
+        history = {"elapsed_s": self.history.get("elapsed_s_at_checkpoint", self.history["elapsed_s"]),
+                   "eval_start": self.history["eval_start"]}  # fmt: skip
         return {"version": self.version, "stream": self.stream.state_dict(), "counters": asdict(self.counters),
-                "in_flight": self.in_flight}
+                "in_flight": self.in_flight, "history": history}

@@ -14,6 +14,12 @@ class DatasetError(ValueError):
 
 def load_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
     """All rows of a .jsonl/.json or .parquet file; every row must have ``prompt_key``."""
+    return load_rows_with_places(path, prompt_key)[0]
+
+
+def load_rows_with_places(path: str | Path, prompt_key: str = "prompt") -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows, and where each one is for error messages: ``file:LINE`` for JSON lines
+    (counted from 1, like JSON errors), ``file row N`` (from 1) for Parquet."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
@@ -21,23 +27,37 @@ def load_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, An
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
+        places = [f"{path} row {n}" for n in range(1, len(rows) + 1)]
     elif path.suffix in (".jsonl", ".json"):
-        rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        rows, places = _read_json_lines(path)
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     if not rows:
         raise DatasetError(f"{path}: no rows")
-    for i, row in enumerate(rows):
+    for row, place in zip(rows, places):
         if not isinstance(row, dict) or prompt_key not in row:
-            raise DatasetError(f"{path}: row {i} has no {prompt_key!r} column")
-    return rows
+            raise DatasetError(f"{place}: row has no {prompt_key!r} column")
+    return rows, places
+
+
+def _read_json_lines(path: Path) -> tuple[list[Any], list[str]]:
+    rows, places = [], []
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DatasetError(
+                f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                "re-encode the file as UTF-8"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        places.append(f"{path}:{lineno}")
+    return rows, places
 
 
 class PromptStream:

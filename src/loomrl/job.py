@@ -81,12 +81,17 @@ class Job:
         self,
         *,
         resume: bool = False,
+        overwrite: bool = False,
+        from_step: int | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> JobResult:
-        """Train; with ``resume=True`` continue from the run folder's latest checkpoint."""
+        """Train; with ``resume=True`` continue from the run folder's latest checkpoint.
+
+        A run folder that already holds a run is refused unless ``overwrite=True``
+        (``--overwrite``), which replaces it; see docs/runs.md."""
         from loomrl.session import run_job
 
-        return run_job(self.config, resume=resume, on_record=on_record)
+        return run_job(self.config, resume=resume, overwrite=overwrite, from_step=from_step, on_record=on_record)
 
 
 def default_run_dir(cfg: JobConfig) -> Path:
@@ -105,5 +110,10 @@ def load_run_config(run_dir: str | Path) -> JobConfig:
     return build_config(raw, str(path))
 
 
-def resume_job(run_dir: str | Path, on_record: Callable[[dict[str, Any]], None] | None = None) -> JobResult:
-    return Job(load_run_config(run_dir)).run(resume=True, on_record=on_record)
+def resume_job(
+    run_dir: str | Path,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    from_step: int | None = None,
+) -> JobResult:
+    """Continue the run in ``run_dir`` from its newest checkpoint, or that of ``from_step``."""
+    return Job(load_run_config(run_dir)).run(resume=True, from_step=from_step, on_record=on_record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -17,17 +18,24 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
-from loomrl.data import PromptStream, load_rows
+from loomrl.data import PromptStream, load_rows_with_places
 from loomrl.envs.scorer import Scorer
 from loomrl.job import JobResult, default_run_dir
 from loomrl.models import load_tokenizer
+from loomrl.models.loading import model_context_length
+from loomrl.prompt_fit import check_prompts, prompt_budget
+from loomrl.run_folder import claim_run_folder
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import (
     CheckpointError,
+    checkpoint_step,
+    find_checkpoint,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
+    newest_verified,
     restore_rng_state,
     rng_state,
 )
@@ -95,16 +103,36 @@ def _environment_factory(cfg: JobConfig):
     return lambda: cls(**args)
 
 
-def _restore(path: Path, controller_kwargs: dict[str, Any], stream: PromptStream) -> dict[str, Any]:
+def _resume_state(root: Path, from_step: int | None) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to resume from (the newest, or that of ``from_step``), loaded and
+    verified before any model loads; a bad one names the newest one that verifies."""
+    path = find_checkpoint(root, from_step) if from_step is not None else latest_checkpoint(root)
+    if path is None:
+        raise CheckpointError(
+            f"no checkpoint under {root}; nothing to resume (start it again with `loomrl run ... "
+            f"--output-dir {root.parent} --overwrite`)"
+        )
+    try:
+        return path, load_checkpoint(path)
+    except CheckpointError as err:
+        good = newest_verified(root, below=path)
+        hint = (
+            f"; the newest checkpoint that verifies is {good.name}: "
+            f"`loomrl resume {root.parent} --from {checkpoint_step(good)}`"
+            if good is not None else "; no older checkpoint verifies either"
+        )
+        raise CheckpointError(f"{err}{hint}") from None
+
+
+def _restore(state: dict[str, Any], path: Path, controller_kwargs: dict[str, Any], stream: PromptStream) -> dict[str, Any]:
     """Restore the controller side (data cursor, counters, RNG) from a verified checkpoint;
     returns the trainer's state for the trainer executor to load."""
-    state = load_checkpoint(path)
     ctl = state["controller"]
     stream.load_state_dict(ctl["stream"])
     counters = Counters(**ctl["counters"])
     counters.generated -= ctl["in_flight"]  # lost in the crash; they will be regenerated
     counters.lost_on_resume += ctl["in_flight"]
-    controller_kwargs.update(version=ctl["version"], counters=counters)
+    controller_kwargs.update(version=ctl["version"], counters=counters, history=ctl.get("history", {}))
     restore_rng_state(state["rng"])
     logger.info("resumed from %s at version %d", path, ctl["version"])
     return state["trainer"]
@@ -153,24 +181,126 @@ def run_job(
     cfg: JobConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
+    from_step: int | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> JobResult:
-    import torch
-
+    """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
+    run folder, which is checked and locked first."""
     run_dir = default_run_dir(cfg)
+    with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+        return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record)
+
+
+Rows = tuple[list[dict[str, Any]], list[str]]  # rows, and where each one is (file:line)
+
+
+def _load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
+    train = load_rows_with_places(cfg.data.train, cfg.data.prompt_key)
+    groups = cfg.algorithm.groups_per_step
+    if len(train[0]) < groups:
+        logger.warning(
+            "%s has %d rows, fewer than algorithm.groups_per_step=%d: each step trains some prompts more than "
+            "once; add rows or lower groups_per_step", cfg.data.train, len(train[0]), groups,
+        )  # fmt: skip
+    if not cfg.data.eval:
+        return train, ([], [])
+    rows, places = load_rows_with_places(cfg.data.eval, cfg.data.prompt_key)
+    return train, (rows[: cfg.data.max_eval_examples], places[: cfg.data.max_eval_examples])
+
+
+def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]) -> int | None:
+    """Every prompt plus max_new_tokens fits the model's context (or will be cut to fit);
+    returns the prompt budget in tokens (None when the model does not say its context)."""
+    budget = prompt_budget(model_context_length(cfg.model.path), cfg.generation.max_new_tokens)
+    for rows, places in datasets:
+        check_prompts(rows, places, lambda text: tokenizer(text).input_ids, cfg.data.prompt_key, budget,
+                      cfg.data.truncate_prompts)  # fmt: skip
+    return budget
+
+
+def _already_finished(cfg: JobConfig, run_dir: Path, state: dict[str, Any]) -> JobResult | None:
+    """A resume of a run that reached ``num_steps`` and saved its final model changes
+    nothing: its summary stays as it was, marked ``already_finished`` for the caller."""
+    version = state["controller"]["version"]
+    summary_path = run_dir / "summary.json"
+    if version < cfg.trainer.num_steps or not (run_dir / "final").is_dir() or not summary_path.is_file():
+        return None
+    summary = {**json.loads(summary_path.read_text()), "already_finished": True}
+    logger.info("%s already finished (%d of %d steps); nothing to resume", run_dir, version, cfg.trainer.num_steps)
+    return JobResult(run_dir, summary, [])
+
+
+def _cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
+    """Resuming from ``step``: drop the metrics written after it (those steps run again),
+    mark the resume in the record, and set checkpoints newer than it aside."""
+    records = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill -9
+            continue
+    kept = [r for r in records if int(r.get("step", 0)) <= step]
+    lines = [json.dumps(r, sort_keys=True) for r in kept]
+    lines.append(json.dumps({"step": step, "event": "resume", "resume/from_step": step, "resume/dropped_records":
+                             len(records) - len(kept)}, sort_keys=True))  # fmt: skip
+    tmp = run_dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, run_dir / "metrics.jsonl")
+    for newer in list_checkpoints(resume_from.parent):
+        if newer.name > resume_from.name:
+            newer.rename(newer.with_name(f"abandoned-{newer.name}"))
+            logger.warning("resuming from %s: set the newer %s aside as abandoned-%s", resume_from.name,
+                           newer.name, newer.name)  # fmt: skip
+
+
+def _write_failure_summary(run_dir: Path, controller: Controller | None, err: BaseException) -> None:
+    """A job that stops with an error still leaves a summary.json saying how far it got."""
+    summary: dict[str, Any] = {"job_failed": True, "error": f"{type(err).__name__}: {err}", "run_dir": str(run_dir)}
+    if controller is not None:  # ("failed" below counts failed rollouts, as in every summary)
+        summary["steps"] = controller.version
+        summary.update({k.split("/")[1]: v for k, v in controller.accounting().items()})
+    try:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    except OSError as write_err:
+        logger.error("could not write %s: %s", run_dir / "summary.json", write_err)
+
+
+def _run_locked(
+    cfg: JobConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    from_step: int | None,
+    on_record: Callable[[dict[str, Any]], None] | None,
+) -> JobResult:
     checkpoint_root = run_dir / "checkpoints"
-    resume_from = latest_checkpoint(checkpoint_root) if resume else None
-    if resume and resume_from is None:
-        raise CheckpointError(f"no checkpoint under {checkpoint_root}; nothing to resume")
+    resume_from, resume_state = _resume_state(checkpoint_root, from_step) if resume else (None, None)
+    if resume_state is not None and (done := _already_finished(cfg, run_dir, resume_state)) is not None:
+        return done
     # Validate everything cheap before loading any model.
-    train_rows = load_rows(cfg.data.train, cfg.data.prompt_key)
-    eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_key)[: cfg.data.max_eval_examples] if cfg.data.eval else []
+    datasets = _load_datasets(cfg)
+    (train_rows, _), (eval_rows, _) = datasets
     scorer = Scorer(cfg.task)
     env_factory = _environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    budget = _check_prompt_lengths(cfg, tokenizer, datasets)
+    if resume_from is not None:
+        _cut_record(run_dir, resume_from, checkpoint_step(resume_from))
     (run_dir / "config.json").write_text(cfg.to_json())
-    torch.manual_seed(cfg.seed)
+    holder: dict[str, Controller] = {}
+    try:
+        return _train(cfg, run_dir, (train_rows, eval_rows), scorer, env_factory, tokenizer,
+                      (resume_from, resume_state), on_record, holder, budget)  # fmt: skip
+    except Exception as err:
+        _write_failure_summary(run_dir, holder.get("controller"), err)
+        raise
+
+
+def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder, budget) -> JobResult:
+    """Start the executors and run the controller; ``holder`` gets the controller."""
+    import torch
 
     from loomrl.sandbox.default import (
         close_default_pool,
@@ -178,20 +308,23 @@ def run_job(
         default_pool_metrics,
     )
 
+    (train_rows, eval_rows), (resume_from, resume_state) = rows, resume
+    checkpoint_root = run_dir / "checkpoints"
+    torch.manual_seed(cfg.seed)
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
     runtime = _make_runtime(cfg.runtime)
-    metrics = MetricsLogger(run_dir)
+    metrics = MetricsLogger(run_dir, purge_step=checkpoint_step(resume_from) + 1 if resume_from else None)
     cleanup_transport = None
     try:
         trainer, generators, cleanup_transport = _start_executors(cfg, runtime, run_dir)
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
-        trainer_state = _restore(resume_from, kwargs, stream) if resume_from is not None else None
-        controller = Controller(
+        trainer_state = _restore(resume_state, resume_from, kwargs, stream) if resume_from is not None else None
+        controller = holder["controller"] = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
             on_record=on_record, env_factory=env_factory,
-            extra_metrics=default_pool_metrics, **kwargs,
+            extra_metrics=default_pool_metrics, max_prompt_tokens=budget, **kwargs,
         )
 
         async def checkpoint(step: int) -> None:

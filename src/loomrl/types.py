@@ -26,6 +26,7 @@ class GenerationRequest:
     num_samples: int
     sampling: SamplingParams
     seed: int  # sampling is a pure function of (weights, prompt_ids, sampling, seed)
+    min_version: int = 0  # the generator waits until it holds at least this policy version
 
 
 @dataclass

@@ -104,11 +104,11 @@ async def call_reward(
     kwargs = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     if inspect.iscoroutinefunction(fn):
         try:
-            value = await asyncio.wait_for(fn(prompt, completion, **kwargs), timeout_s)
+            status, value = await asyncio.wait_for(_guarded(fn(prompt, completion, **kwargs)), timeout_s)
         except TimeoutError:
             raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
-        except Exception as err:  # noqa: BLE001 - user code: any error fails the rollout
-            raise RewardFailure("raised", f"reward function raised {type(err).__name__}: {err}") from None
+        if status == "raised":
+            raise RewardFailure("raised", f"reward function raised {_describe(value)}")
         return _check_value(value)
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
@@ -116,7 +116,7 @@ async def call_reward(
     def target() -> None:
         try:
             result: Any = ("ok", fn(prompt, completion, **kwargs))
-        except Exception as err:  # noqa: BLE001 - user code
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
             result = ("raised", err)
         try:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
@@ -130,5 +130,20 @@ async def call_reward(
         _REWARD_THREADS.replace_hung_worker()
         raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
     if status == "raised":
-        raise RewardFailure("raised", f"reward function raised {type(value).__name__}: {value}")
+        raise RewardFailure("raised", f"reward function raised {_describe(value)}")
     return _check_value(value)
+
+
+async def _guarded(coro) -> tuple[str, Any]:
+    """Await user code inside the task wait_for makes, so even a SystemExit becomes a
+    result there (asyncio lets a SystemExit out of a task stop the whole loop)."""
+    try:
+        return "ok", await coro
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - user code: any error fails the rollout
+        return "raised", err
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"SystemExit (it called sys.exit({err.code!r}); a reward must return a float)"
+    return f"{type(err).__name__}: {err}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections import Counter, deque
@@ -30,6 +31,13 @@ class Scorer:
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
+
+    def for_eval(self) -> Scorer:
+        """The same reward with its own failure counts, so evaluation failures never mix
+        into training's ``rollout/failed_*`` or its failure-rate limit."""
+        twin = copy.copy(self)
+        twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
+        return twin
 
     async def score(self, rollouts: list[Rollout]) -> None:
         """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""

@@ -68,6 +68,7 @@ class HFGenerator(Generator):
         self.mirror = published_state(model, DTYPES[publish_dtype])
         self.version = -1  # no version applied yet; the trainer publishes version 0 first
         self.num_updates_applied = 0
+        self.weight_wait_timeout_s = 300.0  # how long a request waits for its min_version
 
     # -- weights -------------------------------------------------------------------------
 
@@ -101,6 +102,21 @@ class HFGenerator(Generator):
         update, _ = self.subscriber.poll(self.mirror, self.version if self.version >= 0 else None)
         return self._adopt(update.version) if update is not None else self.version
 
+    def wait_for_version(self, needed: int) -> int:
+        """Apply updates until this generator holds at least ``needed`` (a prefetched or
+        torch_dist update may land a moment after the trainer's publish returned)."""
+        deadline = time.monotonic() + self.weight_wait_timeout_s
+        self.sync_weights()
+        while self.version < needed and self.subscriber is not None:  # none: weights come by hand
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"generator at version {self.version} waited {self.weight_wait_timeout_s:g} s for version "
+                    f"{needed} and it never arrived; check the weight transport and the trainer's log"
+                )
+            time.sleep(0.001)
+            self.sync_weights()
+        return self.version
+
     def close(self) -> None:
         """Stop the subscriber's background work (prefetch thread), if any."""
         if self.subscriber is not None:
@@ -111,7 +127,7 @@ class HFGenerator(Generator):
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         applied_before = self.num_updates_applied
         t0 = time.perf_counter()
-        self.sync_weights()
+        self.wait_for_version(max((r.min_version for r in requests), default=0))
         apply_s = time.perf_counter() - t0 if self.num_updates_applied > applied_before else 0.0
         if not requests:
             return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,22 @@ def load_tokenizer(spec: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def model_context_length(spec: str) -> int | None:
+    """Positions the model attends over (prompt plus completion), read from its config
+    without loading weights; None when the config does not say."""
+    if spec.startswith("tiny:"):
+        _, opts = parse_tiny_spec(spec)
+        return int({**TINY_DEFAULTS, **opts}["max_position_embeddings"])
+    try:
+        config = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
 
 
 def apply_lora(model, r: int, alpha: float, target_modules: list[str]):

@@ -14,7 +14,9 @@ logger = logging.getLogger(__name__)
 class MetricsLogger:
     """Appends records to ``run_dir/metrics.jsonl`` and, when available, ``run_dir/tb``."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's first step; TensorBoard hides the events the run
+        wrote at or after it before the crash (metrics.jsonl is cut by the caller)."""
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
         self._tb = None
@@ -22,7 +24,7 @@ class MetricsLogger:
             try:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tb"))
+                self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
             except ImportError:  # optional sink
                 logger.info("tensorboardX not installed; TensorBoard logs disabled")
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -74,24 +75,60 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and verify one checkpoint folder; raises ``CheckpointError`` on any defect."""
+    """Load and verify one checkpoint folder; raises ``CheckpointError`` on any defect.
+
+    ``state.pt`` is unpickled with ``weights_only=True``: tensors and plain containers
+    only, so a checkpoint folder from someone else cannot run code on load."""
+    missing = [name for name in (MANIFEST_FILE, STATE_FILE) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {' and '.join(missing)} missing")
     manifest_path, state_path = path / MANIFEST_FILE, path / STATE_FILE
-    if not manifest_path.is_file() or not state_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete (missing {MANIFEST_FILE} or {STATE_FILE})")
     try:
         manifest = json.loads(manifest_path.read_text())
-        expected = manifest["sha256"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path}: unreadable manifest ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST_FILE} ({err})") from None
+    expected = manifest.get("sha256") if isinstance(manifest, dict) else None
+    if not isinstance(expected, str):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} has no 'sha256' string (got {manifest!r:.80})")
     actual = _sha256(state_path)
     if actual != expected:
         raise CheckpointError(
             f"checkpoint {path} is corrupted: sha256 of {STATE_FILE} is {actual[:16]}..., "
             f"manifest says {expected[:16]}...; refusing to load it"
         )
-    return torch.load(state_path, weights_only=False)
+    try:
+        return torch.load(state_path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path}: {STATE_FILE} holds more than tensors and plain data, refused unloaded ({first})"
+        ) from None
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def find_checkpoint(root: Path, step: int) -> Path:
+    """The checkpoint of ``step`` under ``root``, or an error listing the ones there are."""
+    for path in list_checkpoints(root):
+        if checkpoint_step(path) == step:
+            return path
+    have = ", ".join(str(checkpoint_step(p)) for p in list_checkpoints(root)) or "none"
+    raise CheckpointError(f"no checkpoint of step {step} under {root} (steps there: {have})")
+
+
+def newest_verified(root: Path, below: Path) -> Path | None:
+    """The newest checkpoint older than ``below`` that loads and verifies, if any."""
+    for path in reversed([p for p in list_checkpoints(root) if p.name < below.name]):
+        try:
+            load_checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None

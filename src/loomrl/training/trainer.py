@@ -140,6 +140,14 @@ class Trainer:
             )
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        metrics = batch_stats.finish()
+        if not (math.isfinite(metrics["train/loss"]) and math.isfinite(float(grad_norm))):
+            # Checked before stepping, so neither the weights nor AdamW's moments see a NaN.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"non-finite loss {metrics['train/loss']} or grad norm {float(grad_norm)} at version "
+                f"{self.version}; the step was not applied (check rewards and the learning rate)"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         before = torch._foreach_mul(params, 1.0)  # a copy, to measure the step's size
@@ -147,7 +155,6 @@ class Trainer:
         update_rms, weight_rms = _update_and_weight_rms(before, params)
         self.scheduler.step()
         self.version += 1
-        metrics = batch_stats.finish()
         metrics["train/lr"] = lr
         metrics.update(
             {
@@ -160,8 +167,6 @@ class Trainer:
                 "timing/train_step_s": time.perf_counter() - t0,
             }
         )
-        if not math.isfinite(metrics["train/loss"]):
-            raise FloatingPointError(f"non-finite loss at version {self.version - 1}")
         return metrics
 
     def _micro_step(

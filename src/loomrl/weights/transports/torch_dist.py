@@ -29,6 +29,7 @@ from loomrl.weights.transports.base import (
     Sender,
     TransferStats,
     Transport,
+    TransportError,
     UpdateRef,
 )
 from loomrl.weights.transports.inproc import UpdateStore
@@ -127,6 +128,7 @@ class TorchDistReceiver(Receiver):
         self.pool = BufferPool()
         self.group = _Group(t)
         self.stop = threading.Event()
+        self.error: str | None = None  # why the receiving thread stopped for good, if it did
         self.thread = threading.Thread(target=self._run, name="loomrl-weights-recv", daemon=True)
         self.thread.start()
 
@@ -165,9 +167,21 @@ class TorchDistReceiver(Receiver):
                 continue
             except Exception as err:  # the group is broken (peer gone, timeout): stop here
                 self.stats.failures += 1
-                logger.error("torch_dist receiver stopped: %r", err)
+                self.error = f"{type(err).__name__}: {err}"
+                logger.error("torch_dist receiver stopped: %s; no further weight updates arrive", self.error)
                 return
             self.store.put(update)
+
+    def _receive_once(self, have_version: int | None) -> WeightUpdate | None:
+        """As for every receiver; but once the group broke and nothing newer is stored,
+        raise instead of letting the generator run on stale weights in silence."""
+        update = super()._receive_once(have_version)
+        if update is None and self.error is not None:
+            raise TransportError(
+                f"torch_dist receiver stopped after {self.error}; this generator can get no new weights "
+                "(restart the job; `loomrl resume` continues it)"
+            )
+        return update
 
     def _list(self) -> list[UpdateRef]:
         return self.store.refs()

@@ -1,0 +1,62 @@
+"""Prompts must fit the model's context together with the tokens generated after them.
+
+A prompt past the context is not an error to the model: positions past it produce
+garbage, rewards and losses of 0, and slow steps. So every prompt is measured before any
+model loads; a prompt that does not fit fails the job naming its file and line, or, with
+``data.truncate_prompts``, is cut to fit (keeping its end) and the cut is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from loomrl.data import DatasetError
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_budget(context: int | None, max_new_tokens: int) -> int | None:
+    """Prompt tokens that fit with ``max_new_tokens`` generated after them (None: unknown)."""
+    if context is None:
+        return None
+    if max_new_tokens >= context:
+        raise DatasetError(
+            f"generation.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {context} positions; lower it"
+        )
+    return context - max_new_tokens
+
+
+def check_prompts(
+    rows: list[dict[str, Any]], where: list[str], encode, key: str, budget: int | None, truncate: bool
+) -> None:
+    """Fail on the first prompt longer than ``budget`` tokens (``where`` names each row's
+    file and line), or, with ``truncate``, log how many will be cut to fit."""
+    if budget is None:
+        return
+    too_long = 0
+    for row, place in zip(rows, where):
+        n = len(encode(row[key]))
+        if n <= budget:
+            continue
+        if not truncate:
+            raise DatasetError(
+                f"{place}: prompt is {n} tokens; with generation.max_new_tokens the model's context leaves "
+                f"{budget}; shorten it, lower max_new_tokens, or set data.truncate_prompts=true"
+            )
+        too_long += 1
+    if too_long:
+        logger.warning(
+            "data.truncate_prompts: %d of %d prompts (%s ...) are longer than %d tokens and will be cut "
+            "to their last %d tokens", too_long, len(rows), where[0].split(":")[0], budget, budget,
+        )  # fmt: skip
+
+
+def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list[int]:
+    """The last ``budget`` tokens of a prompt (a leading BOS is kept)."""
+    if budget is None or len(ids) <= budget:
+        return ids
+    if bos_id is not None and ids and ids[0] == bos_id:
+        return [bos_id, *ids[len(ids) - budget + 1 :]]
+    return ids[len(ids) - budget :]

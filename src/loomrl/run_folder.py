@@ -1,0 +1,111 @@
+"""The run folder: one run per folder, locked while a run uses it.
+
+A folder that already holds a run (a ``config.json``, metrics, checkpoints or a final
+model) is refused by a new run unless it is asked to overwrite it; ``resume`` continues
+the run that is there. While a run (or a resume) uses a folder it holds an exclusive
+``flock`` on ``<run_dir>/.lock``, so a second ``loomrl run`` or ``resume`` with the same
+folder fails at once instead of interleaving its metrics with the first. The lock goes
+away with the process, so kill -9 leaves nothing to clean up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+# What a run writes into its folder; --overwrite removes exactly these.
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "final", "weight_updates")
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be used: it holds another run, is in use, or is unwritable."""
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_ENTRIES)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create ``run_dir`` (and parents) and prove a file can be written there; one-line
+    error otherwise. Cheap, so it runs before any model is loaded."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise RunFolderError(
+            f"output dir {str(run_dir)!r} is not usable: {reason}; choose a writable folder with --output-dir"
+        ) from None
+
+
+class RunFolderLock:
+    """An exclusive, non-blocking ``flock`` on ``run_dir/.lock`` for the life of a run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunFolderError(
+                f"run folder {str(self.path.parent)!r} is in use by another loomrl run (pid {holder}); "
+                "wait for it to finish or use another --output-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunFolderLock:
+        if self._fd is None:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_run_folder(run_dir: Path, *, resume: bool, overwrite: bool) -> RunFolderLock:
+    """Check and lock ``run_dir`` for a new run or a resume; returns the held lock.
+
+    A new run refuses a folder that holds a run unless ``overwrite``, which removes the
+    old run's files (after taking the lock, so a live run is never removed)."""
+    check_writable(run_dir)
+    lock = RunFolderLock(run_dir)
+    lock.acquire()
+    try:
+        if not resume and holds_run(run_dir):
+            if not overwrite:
+                raise RunFolderError(
+                    f"output dir {str(run_dir)!r} already holds a run; `loomrl resume {run_dir}` continues it, "
+                    "--overwrite (Job.run(overwrite=True)) replaces it, or choose another --output-dir"
+                )
+            for name in RUN_ENTRIES:
+                path = run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            logger.warning("--overwrite: removed the previous run in %s", run_dir)
+    except BaseException:
+        lock.release()
+        raise
+    return lock

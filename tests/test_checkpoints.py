@@ -1,0 +1,83 @@
+"""Checkpoints and weights: a NaN never reaches the weights, checkpoint files cannot run
+code, bad manifests and missing files are named, and a bad newest checkpoint names the
+newest one that verifies (``resume --from STEP``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.job import Job, resume_job
+from loomrl.models import load_model_and_tokenizer
+from loomrl.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from loomrl.training.trainer import Trainer
+from loomrl.types import Group, Rollout
+
+from conftest import TINY_MODEL
+
+
+def _group(rewards: list[float]) -> Group:
+    rollouts = [Rollout(0, [1, 2, 3], [4, 5], [-1.0, -1.0], [1, 1], 0, reward=r) for r in rewards]
+    return Group(0, 0, rollouts)
+
+
+def test_non_finite_loss_is_refused_before_the_optimizer_steps():
+    model, tok = load_model_and_tokenizer(TINY_MODEL)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="step was not applied"):
+        trainer.train_step([_group([1.0, math.nan, 0.0, 1.0])])
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN in the weights
+    assert not trainer.optimizer.state  # nor in AdamW's moments
+    assert trainer.version == 0
+    trainer.train_step([_group([1.0, 0.0, 0.0, 1.0])])  # and the trainer still works
+    assert trainer.version == 1 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "marker"
+    path = save_checkpoint(tmp_path / "ckpt", 1, {"trainer": {"version": 1}, "x": _RunsCode(str(marker))}, keep=2)
+    with pytest.raises(CheckpointError, match="more than tensors and plain data, refused"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_null_manifest_and_missing_files_are_named(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt", 3, {"trainer": {"version": 3}, "t": torch.ones(2)}, keep=2)
+    assert load_checkpoint(path)["trainer"]["version"] == 3  # plain data loads with weights_only
+    (path / "manifest.json").write_text("null")
+    with pytest.raises(CheckpointError, match="manifest.json has no 'sha256'"):
+        load_checkpoint(path)
+    (path / "state.pt").unlink()
+    with pytest.raises(CheckpointError, match="incomplete: state.pt missing"):
+        load_checkpoint(path)
+
+
+def test_corrupted_newest_checkpoint_names_the_newest_that_verifies_and_resume_from_it(tiny_job):
+    result = Job(tiny_job(trainer={"num_steps": 4}, checkpoint={"every_steps": 2, "keep": 5})).run()
+    root = result.run_dir / "checkpoints"
+    state = root / "step_000004" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_000004 is corrupted.*newest checkpoint that verifies is "
+                       rf"step_000002: `loomrl resume {result.run_dir} --from 2`"):  # fmt: skip
+        resume_job(result.run_dir)
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 3 .*steps there: 2, 4"):
+        resume_job(result.run_dir, from_step=3)
+    resumed = resume_job(result.run_dir, from_step=2)
+    assert resumed.summary["steps"] == 4
+    trained = load_checkpoint(root / "step_000004")["controller"]["stream"]["trained"]
+    assert len(trained) == 4 * 4 and len(set(trained)) == len(trained)

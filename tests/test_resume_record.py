@@ -1,0 +1,98 @@
+"""What resume does to the record: metrics cut at the checkpoint and marked, one summary
+for the whole run, a finished run left as it is, and a checkpoint of what the trainer
+has when a generator dies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from loomrl import cli
+from loomrl.generation.hf import HFGenerator
+from loomrl.job import Job, resume_job
+from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def _crash_after_step_3(run_dir) -> None:
+    """What a kill -9 after step 3 leaves when the last checkpoint is step 2."""
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")
+    shutil.rmtree(run_dir / "final")
+    (run_dir / "summary.json").unlink()
+
+
+def _tb_events(tb_dir: Path) -> list:
+    """Every event in the TensorBoard files under ``tb_dir`` (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12 : pos + 12 + length])
+            events.append(event)
+            pos += 12 + length + 4
+    return events
+
+
+def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job):
+    first = Job(tiny_job(trainer={"num_steps": 3}, checkpoint={"every_steps": 2, "keep": 5})).run()
+    run = first.run_dir
+    _crash_after_step_3(run)
+    before = load_checkpoint(run / "checkpoints" / "step_000002")["controller"]["history"]
+    resumed = resume_job(run)
+    records = read_metrics(run)
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == [1, 2, 3]  # step 3 once, not once per attempt
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3]  # no eval at the resume point
+    (mark,) = [r for r in records if r.get("event") == "resume"]
+    purges = [e.step for e in _tb_events(run / "tb") if e.HasField("session_log") and e.session_log.status == 1]
+    assert purges == [3]  # TensorBoard drops what the crashed attempt logged from step 3 on
+    assert mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2  # step 3 and its final eval
+    s = resumed.summary
+    assert s["eval_start"] == first.summary["eval_start"] == before["eval_start"]
+    assert s["elapsed_s"] > before["elapsed_s"] > 0  # the time before the crash counts too
+    assert s["samples_per_s"] == pytest.approx(s["trained"] / s["elapsed_s"])
+    assert s["trained"] == 3 * 16
+
+
+def test_resuming_a_finished_run_says_so_and_keeps_its_summary(tiny_job, capsys):
+    result = Job(tiny_job(trainer={"num_steps": 2})).run()
+    summary = (result.run_dir / "summary.json").read_text()
+    metrics = (result.run_dir / "metrics.jsonl").read_text()
+    again = resume_job(result.run_dir)
+    assert again.summary["already_finished"] is True and again.summary["samples_per_s"] > 0
+    assert cli.main(["resume", str(result.run_dir)]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert (result.run_dir / "summary.json").read_text() == summary
+    assert (result.run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_generator_that_dies_leaves_a_checkpoint_of_what_the_trainer_has(tiny_job, monkeypatch):
+    calls = {"n": 0}
+    real = HFGenerator.generate
+
+    def dying(self, requests):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise RuntimeError("generator lost its device")
+        return real(self, requests)
+
+    monkeypatch.setattr(HFGenerator, "generate", dying)
+    cfg = tiny_job(trainer={"num_steps": 50}, checkpoint={"every_steps": 100}, data={"eval": None})
+    with pytest.raises(RuntimeError, match="generator lost its device"):
+        Job(cfg).run()
+    run = Path(cfg.output_dir)
+    last = latest_checkpoint(run / "checkpoints")
+    assert last is not None  # checkpoint every 100 steps: this one is the failure's
+    version = load_checkpoint(last)["controller"]["version"]
+    assert version >= 1 and last.name == f"step_{version:06d}"
+    summary = json.loads((run / "summary.json").read_text())  # a failed job has one too
+    assert summary["job_failed"] is True and "generator lost its device" in summary["error"]
+    assert summary["steps"] == version
