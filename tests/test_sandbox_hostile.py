@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -233,3 +234,174 @@ def test_seccomp_blocks_namespace_and_mount_calls(pool):
     )
     result = pool.exec(code)
     assert result.stdout.split() == ["-1", "1"] * 3, result
+
+
+# --- clean state between execs ------------------------------------------------------------
+_SCAN_MEMORY = """
+import ctypes, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: lets us open our own /proc/self/mem
+marker = b"LEAK" + b"MARK:"
+found = set()
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        fields = line.split()
+        if not fields[1].startswith("r") or (len(fields) > 5 and fields[5].startswith("[v")):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        try:
+            mem.seek(start)
+            chunk = mem.read(end - start)
+        except (OSError, OverflowError, ValueError):
+            continue
+        for m in re.finditer(re.escape(marker) + rb"[0-9a-f]{16}", chunk):
+            found.add(m.group()[len(marker):].decode())
+print(sorted(found))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exec_cannot_read_earlier_execs_from_memory(backend):
+    """Code, stdin and output of one exec must not be in the next exec's memory."""
+    import secrets
+
+    code_secret, stdin_secret, out_secret = (secrets.token_hex(8) for _ in range(3))
+    with ForkServerSandbox(backend, SandboxLimits(timeout_s=10)) as sandbox:
+        first = sandbox.exec(
+            f"import sys\nkept = 'LEAKMARK:{code_secret}'\nsys.stdin.read()\n"
+            f"print('LEAKMARK:' + '{out_secret}')",
+            stdin=f"LEAKMARK:{stdin_secret}",
+        )
+        assert first.ok, first
+        second = sandbox.exec(_SCAN_MEMORY)
+        assert second.ok, second
+    for secret in (code_secret, stdin_secret, out_secret):
+        assert secret not in second.stdout, f"exec 2 read exec 1's data: {second.stdout}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_posix_message_queues_do_not_survive_an_exec(backend):
+    needs_root("per-exec clean state")
+    name = f"/loomrl-leak-{os.getpid()}"
+    make = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"q = libc.mq_open({name.encode()!r}, 0o102, 0o666, None)\n"  # O_CREAT | O_RDWR
+        "print('made' if q >= 0 else 'refused', ctypes.get_errno())\n"
+    )
+    probe = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"q = libc.mq_open({name.encode()!r}, 2)\nprint('opened' if q >= 0 else 'absent')\n"
+    )
+    try:
+        with ForkServerSandbox(backend, SandboxLimits(timeout_s=3)) as sandbox:
+            made = sandbox.exec(make)
+            assert made.ok and made.stdout.startswith("refused"), made
+            assert sandbox.exec(probe).stdout.strip() == "absent"
+    finally:  # the process backend shares the host's IPC namespace: never leave one there
+        import ctypes
+
+        ctypes.CDLL(None).mq_unlink(name.encode())
+    assert not os.path.exists(f"/dev/mqueue{name}")
+
+
+# --- the server cannot be killed, stopped or hung ----------------------------------------
+def _server_alive_and_outside_cgroup(pool) -> None:
+    with pool._cond:
+        sandboxes = list(pool._idle)
+    for sandbox in sandboxes:
+        assert sandbox.alive
+        if sandbox.cgroup is not None:
+            assert sandbox.cgroup.pids() == [], "processes sit in the code's cgroup between execs"
+
+
+def test_filling_tmpfs_under_the_memory_limit_leaves_the_server_alive(pool):
+    stronger_only(pool.backend, "the work dir on a private tmpfs")
+    needs_root("per-sandbox memory cgroup")
+    code = (
+        "import os\nchunk = b'x' * (1 << 20)\ni = 0\ntry:\n"
+        "    while i < 2048:\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            for _ in range(32):\n                f.write(chunk)\n"
+        "        i += 1\n"
+        "except OSError as e:\n    print('stopped', i, e.errno)\n"
+        "hog = [bytearray(1 << 20) for _ in range(200)]\nprint('done')\n"
+    )
+    result = pool.exec(code, timeout_s=20)
+    assert result.reason != "sandbox_lost", result
+    _server_alive_and_outside_cgroup(pool)
+
+
+def test_deeply_nested_directories_are_cleaned_up(pool):
+    needs_root("cleanup of the work dir")
+    depth = 3000 if pool.backend == "bwrap" else 1500  # the process backend is on disk
+    code = f"import os\nfor _ in range({depth}):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n"
+    result = pool.exec(code, timeout_s=20)
+    assert result.ok, result
+    assert pool.metrics()["sandbox/infra_failures"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_tiny_files_are_cleaned_up_within_the_deadline(backend):
+    """Clean-up stops at its deadline (the sandbox is replaced instead of blocking the pool)."""
+    needs_root("cleanup of the work dir")
+    count = 100_000 if backend == "bwrap" else 20_000  # the process backend writes to disk
+    code = f"import os\nfor i in range({count}):\n    os.close(os.open(str(i), 0o101))\n"
+    limits = SandboxLimits(timeout_s=60, cpu_s=60, cleanup_s=0.2)
+    with ForkServerSandbox(backend, limits) as sandbox:
+        result = sandbox.exec(code)
+        assert result.ok, result
+        assert result.timings_ms["cleanup_ms"] < 200 + 800, result.timings_ms
+
+
+def test_a_sigstop_spinner_cannot_stop_the_reaper(pool):
+    needs_root("a reaper the code cannot signal")
+    code = (
+        "import os, signal\nif os.fork() == 0:\n    os.setsid()\n    while True:\n"
+        "        try:\n            os.kill(-1, signal.SIGSTOP)\n        except OSError:\n"
+        "            pass\nprint('spinner started')\n"
+    )
+    t0 = time.monotonic()
+    result = pool.exec(code, timeout_s=5)
+    assert result.reason != "sandbox_lost", result
+    assert time.monotonic() - t0 < 15, "the server hung on a stopped reaper"
+    _server_alive_and_outside_cgroup(pool)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exec_that_loses_its_sandbox_is_its_own_failure(backend):
+    """Losing the server mid-exec is a result (counted, sandbox replaced), never a retry."""
+    with SandboxPool(backend, min_warm=1, max_warm=1, max_sandboxes=1, max_retries=2) as pool:
+        deadline = time.monotonic() + 30
+        while not pool._idle and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = pool._idle[0]
+        killer = threading.Timer(0.5, lambda: os.killpg(victim._proc.pid, 9))
+        killer.start()
+        result = pool.exec("import time\ntime.sleep(5)", timeout_s=10)
+        killer.join()
+        assert result.reason == "sandbox_lost" and not result.ok, result
+        m = pool.metrics()
+        assert m["sandbox/infra_retries"] == 0 and m["sandbox/infra_failures"] == 0, m
+        assert m["sandbox/kills_sandbox_lost"] == 1 and m["sandbox/quarantined"] == 1, m
+        assert pool.exec("print(2)").stdout == "2\n"
+
+
+def test_remove_tree_is_iterative_and_stops_at_its_deadline(tmp_path):
+    from loomrl.sandbox.forkserver import remove_tree
+
+    deep = tmp_path / "deep"
+    path = str(deep)
+    os.mkdir(path)
+    fd = os.open(path, os.O_RDONLY)
+    for _ in range(2000):  # deeper than the recursion limit, and past PATH_MAX
+        os.mkdir("dddd", dir_fd=fd)
+        child = os.open("dddd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for i in range(3000):
+        (wide / str(i)).touch()
+    assert not remove_tree(str(wide), time.monotonic() - 1)  # out of time: stops, says so
+    assert remove_tree(str(deep), time.monotonic() + 120) and not deep.exists()
+    assert remove_tree(str(wide), time.monotonic() + 120) and not wide.exists()

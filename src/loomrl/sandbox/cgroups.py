@@ -54,6 +54,10 @@ class CgroupLimits:
     def procs_files(self) -> list[str]:
         return [str(self.memory_dir / "cgroup.procs"), str(self.pids_dir / "cgroup.procs")]
 
+    @property
+    def pids_current_file(self) -> str:
+        return str(self.pids_dir / "pids.current")
+
     def oom_kills(self) -> int:
         try:
             for line in (self.memory_dir / "memory.oom_control").read_text().splitlines():
