@@ -405,3 +405,16 @@ def test_remove_tree_is_iterative_and_stops_at_its_deadline(tmp_path):
     assert not remove_tree(str(wide), time.monotonic() - 1)  # out of time: stops, says so
     assert remove_tree(str(deep), time.monotonic() + 120) and not deep.exists()
     assert remove_tree(str(wide), time.monotonic() + 120) and not wide.exists()
+
+
+def test_socket_families_are_an_allow_list(pool):
+    stronger_only(pool.backend, "seccomp filter")
+    code = (  # AF_VSOCK, AF_PACKET, AF_ALG, AF_BLUETOOTH, netlink audit: refused at creation
+        "import socket\nfor fam, typ, proto in [(40, 1, 0), (17, 3, 0), (38, 5, 0), (31, 1, 0),"
+        " (16, 3, 9), (1, 1, 0), (2, 1, 0), (10, 2, 0), (16, 3, 0)]:\n"
+        "    try:\n        socket.socket(fam, typ, proto).close(); print('made', fam)\n"
+        "    except OSError as e:\n        print('refused', fam, e.errno)\n"
+    )
+    lines = pool.exec(code).stdout.splitlines()
+    assert lines[:5] == [f"refused {f} 97" for f in (40, 17, 38, 31, 16)], lines
+    assert lines[5:] == ["made 1", "made 2", "made 10", "made 16"], lines
