@@ -418,3 +418,59 @@ def test_socket_families_are_an_allow_list(pool):
     lines = pool.exec(code).stdout.splitlines()
     assert lines[:5] == [f"refused {f} 97" for f in (40, 17, 38, 31, 16)], lines
     assert lines[5:] == ["made 1", "made 2", "made 10", "made 16"], lines
+
+
+def _host_tcp_mem_bytes() -> int:
+    """The host's TCP buffer memory (one pool for every socket of every namespace)."""
+    with open("/proc/net/sockstat") as f:
+        for line in f:
+            if line.startswith("TCP:"):
+                fields = line.split()
+                return int(fields[fields.index("mem") + 1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+_PIN_TCP = """
+import socket, time
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(64)
+conns, pinned = [], 0
+for _ in range(48):
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    client.setblocking(False)
+    chunk = b"x" * 65536
+    try:
+        while True:
+            pinned += client.send(chunk)
+    except (BlockingIOError, OSError):
+        pass
+    conns += [client, server]
+print("pinned", pinned >> 20, "MiB")
+time.sleep(1.5)
+"""
+
+
+def test_tcp_buffers_cannot_pin_host_kernel_memory(pool):
+    needs_root("per-sandbox memory cgroup")
+    if pool.backend != "bwrap":
+        pytest.skip("process backend: loopback is the host's (covered by the same cgroup limit)")
+    baseline, peak = _host_tcp_mem_bytes(), [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _host_tcp_mem_bytes())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = pool.exec(_PIN_TCP, timeout_s=20)
+    finally:
+        done.set()
+        sampler.join()
+    assert result.reason in ("exit", "oom", "signal"), result
+    grown_mib = (peak[0] - baseline) >> 20
+    assert grown_mib < 96, f"one exec pinned {grown_mib} MiB of host TCP memory: {result.stdout}"

@@ -159,6 +159,11 @@ class SandboxConfig(_Section):
     uid_base: int = Field(
         880_000, gt=0, description="First of the dedicated unprivileged uids sandboxes run code as."
     )
+    allow_no_memory_limit: bool = Field(
+        False,
+        description="Run sandboxes even where no cgroup (v1 or v2) can bound their memory "
+        "(not root, or no writable memory/pids controllers); otherwise the pool refuses to start.",
+    )
 
 
 class CheckpointConfig(_Section):

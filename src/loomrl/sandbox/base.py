@@ -37,6 +37,7 @@ class SandboxLimits:
     open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # stdout + stderr bytes kept; more is killed as output_cap
     tmpfs_mb: int = 256  # size of the sandbox's /tmp (work dirs); /dev is 1 MiB
+    tcp_buffer_mb: int = 32  # TCP socket buffers (cgroup v1 memory.kmem.tcp; v2 counts them)
     cleanup_s: float = 1.0  # time to remove an exec's files; past it the sandbox is replaced
 
     def for_server(self) -> dict[str, int]:

@@ -79,7 +79,10 @@ class ForkServerSandbox(Sandbox):
                 f"sb-{self.lease.uid}",
                 memory_bytes=(self.limits.memory_mb + 128) << 20,
                 max_pids=self.limits.processes + 16,
+                tcp_bytes=self.limits.tcp_buffer_mb << 20,
             )
+        elif use_cgroups:
+            logger.warning("sandbox runs without a memory cgroup (only RLIMIT_AS bounds memory)")
         spec = self._launch_spec()
         self._stderr_file = tempfile.TemporaryFile()
         try:
