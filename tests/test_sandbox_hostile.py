@@ -474,3 +474,24 @@ def test_tcp_buffers_cannot_pin_host_kernel_memory(pool):
     assert result.reason in ("exit", "oom", "signal"), result
     grown_mib = (peak[0] - baseline) >> 20
     assert grown_mib < 96, f"one exec pinned {grown_mib} MiB of host TCP memory: {result.stdout}"
+
+
+def test_uid_leases_are_host_wide_whatever_tmpdir_says(tmp_path, monkeypatch):
+    needs_root("uid leases")
+    import tempfile
+
+    from loomrl.sandbox.uids import UidAllocator
+
+    base = 990_000  # away from the default range, so live pools are not disturbed
+    leases = []
+    for name in ("job-a", "job-b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv("TMPDIR", str(tmp_path / name))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        allocator = UidAllocator(base, 4)
+        try:
+            leases.append(allocator.acquire_specific(base))
+        except BlockingIOError:
+            leases.append(None)
+    assert leases[0] is not None and leases[1] is None, "two jobs leased the same uid"
+    leases[0].release()
