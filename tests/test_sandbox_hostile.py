@@ -495,3 +495,35 @@ def test_uid_leases_are_host_wide_whatever_tmpdir_says(tmp_path, monkeypatch):
             leases.append(None)
     assert leases[0] is not None and leases[1] is None, "two jobs leased the same uid"
     leases[0].release()
+
+
+def _host_sysv_objects_of(uids) -> list[str]:
+    found = []
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = [line.split() for line in f]
+        at = header.index("uid")
+        found += [f"{kind} {row[1]}" for row in rows if int(row[at]) in uids]
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sysv_ipc_objects_do_not_survive_an_exec(backend):
+    needs_root("per-exec clean state")
+    from sandbox_helpers import SANDBOX_UIDS
+
+    make = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0x4C4F4F4D, 4096, 0o1666), libc.msgget(0x4C4F4F4D, 0o1666),"
+        " libc.semget(0x4C4F4F4D, 1, 0o1666))\n"
+    )
+    probe = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0x4C4F4F4D, 0, 0), libc.msgget(0x4C4F4F4D, 0),"
+        " libc.semget(0x4C4F4F4D, 0, 0))\n"
+    )
+    with SandboxPool(backend, min_warm=1, max_warm=1, max_sandboxes=1) as pool:
+        made = pool.exec(make)
+        assert made.ok and "-1" not in made.stdout.split(), made
+        assert not _host_sysv_objects_of(SANDBOX_UIDS), "SysV objects left on the host"
+        assert pool.exec(probe).stdout.split() == ["-1", "-1", "-1"]

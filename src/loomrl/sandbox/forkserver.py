@@ -287,7 +287,7 @@ class Server:
         try:
             result["leftover_killed"] = killed_early + self._kill_leftovers(dirty)
             self._remove_files(workdir, dirty)
-            self._check_ipc(dirty)
+            self._clean_ipc(dirty)
         except Exception as err:  # noqa: BLE001 - cannot clean: the host replaces the sandbox
             dirty.append(f"clean-up failed: {err!r}")
         result["dirty"] = dirty
@@ -373,16 +373,21 @@ class Server:
                 if not remove_tree(entry, deadline):
                     dirty.append(f"could not remove {entry}")
 
-    def _check_ipc(self, dirty: list[str]) -> None:
-        if not self.scan_proc:
-            return  # the host's IPC namespace: not ours to judge
+    def _clean_ipc(self, dirty: list[str]) -> None:
+        """Remove the exec's SysV IPC objects; any that stay make the sandbox dirty.
+
+        In its own IPC namespace (bwrap) every object is the code's; on the host's
+        (process backend) only those of the sandbox uid are. Without CAP_SYS_ADMIN (bwrap)
+        removal is refused, and the sandbox is replaced instead.
+        """
+        owner = None if self.scan_proc else self.uid
+        if owner is None and not self.scan_proc:
+            return  # no dedicated uid on the host's namespace: nothing is ours to judge
         for kind in ("shm", "msg", "sem"):
-            try:
-                with open(f"/proc/sysvipc/{kind}") as f:
-                    if len(f.read().splitlines()) > 1:
-                        dirty.append(f"sysv ipc {kind} objects left")
-            except OSError:
-                pass
+            for ident in _sysv_objects(kind, owner):
+                _ipc_rmid(kind, ident)
+            if _sysv_objects(kind, owner):
+                dirty.append(f"sysv ipc {kind} objects left")
 
     def serve(self) -> None:
         while True:
@@ -487,6 +492,34 @@ def _describe(status: int | None, reason: str | None, out: bytes, err: bytes, ca
         "stdout": base64.b64encode(out).decode(),
         "stderr": base64.b64encode(err).decode(),
     }
+
+
+_IPC_RMID = 0
+
+
+def _sysv_objects(kind: str, uid: int | None) -> list[int]:
+    """Ids of the SysV IPC objects of ``kind`` (of ``uid``'s, unless None) in our namespace."""
+    try:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = [line.split() for line in f]
+    except (OSError, ValueError):
+        return []
+    uid_at, cuid_at = header.index("uid"), header.index("cuid")
+    return [
+        int(row[1])
+        for row in rows
+        if uid is None or uid in (int(row[uid_at]), int(row[cuid_at]))
+    ]
+
+
+def _ipc_rmid(kind: str, ident: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if kind == "shm":
+        libc.shmctl(ident, _IPC_RMID, None)
+    elif kind == "msg":
+        libc.msgctl(ident, _IPC_RMID, None)
+    else:
+        libc.semctl(ident, 0, _IPC_RMID, 0)
 
 
 def _readable(fd: int) -> bool:
