@@ -72,7 +72,7 @@ def test_v1_groups_get_memory_swap_tcp_and_pids_limits(tmp_path):
     assert (mem / "memory.memsw.limit_in_bytes").read_text() == str(1 << 30)
     assert (mem / "memory.kmem.tcp.limit_in_bytes").read_text() == str(16 << 20)
     assert (pids / "pids.max").read_text() == "9"
-    assert group.procs_files == [str(mem / "cgroup.procs"), str(pids / "cgroup.procs")]
+    assert group.procs_files == [str(mem / "tasks"), str(pids / "tasks")]
     (mem / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 4\n")
     assert group.oom_kills() == 4
 

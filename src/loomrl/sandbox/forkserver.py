@@ -81,9 +81,10 @@ def _prctl(option: int, value: int) -> None:
 class Zygote:
     """Forks exec children from a state that has never seen a request.
 
-    The server sends it the exec's four pipe ends (stdin, stdout, stderr, request) over a
-    unix socket; nothing else crosses. It answers with the new child's pid once that child
-    has been re-parented to the server.
+    The server sends it one end of a fresh socket pair; nothing else crosses. The zygote
+    forks a child holding that end and answers with the child's pid once the child has
+    been re-parented to the server. The child then waits for its stdio and its request on
+    that socket, so the server can fork the next child ahead of time, off the exec path.
     """
 
     def __init__(self, server: Server) -> None:
@@ -95,9 +96,20 @@ class Zygote:
             self._serve(theirs)
         theirs.close()
 
-    def spawn(self, fds: list[int]) -> int:
-        """Start one exec child reading its request from ``fds[3]``; returns its pid."""
-        socket.send_fds(self.sock, [b"f"], fds)
+    def request(self) -> socket.socket:
+        """Ask for one waiting exec child; returns the socket to hand it work later."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            socket.send_fds(self.sock, [b"f"], [theirs.fileno()])
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours
+
+    def collect(self) -> int:
+        """The pid of the child asked for by the oldest pending ``request``."""
         answer = self.sock.recv(_PID.size)
         if len(answer) != _PID.size:
             raise RuntimeError("zygote is gone")
@@ -110,8 +122,8 @@ class Zygote:
             os.close(fd)
         try:
             while True:
-                msg, fds, _, _ = socket.recv_fds(sock, 16, 4)
-                if not msg or len(fds) != 4:
+                msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+                if not msg or len(fds) != 1:
                     break
                 sock.send(_PID.pack(self._fork_child(fds)))
                 for fd in fds:
@@ -120,6 +132,13 @@ class Zygote:
             os._exit(0)
 
     def _fork_child(self, fds: list[int]) -> int:
+        """Fork a child whose parent is the server: ``clone(CLONE_PARENT)`` where it works
+        (one fork), else a short-lived middle process (two forks)."""
+        pid = _clone_parent()
+        if pid == 0:
+            self.server.child(fds)
+        if pid > 0:
+            return pid
         report_r, report_w = os.pipe()
         middle = os.fork()
         if middle == 0:
@@ -135,6 +154,31 @@ class Zygote:
         os.close(report_r)
         os.waitpid(middle, 0)  # after this the child's parent is the server (subreaper)
         return _PID.unpack(data)[0]
+
+
+_CLONE_PARENT = 0x00008000
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+
+
+def _clone_parent() -> int:
+    """``clone(CLONE_PARENT | SIGCHLD)``: ``fork`` (with CPython's own before/after-fork
+    steps, at-fork hooks included), except that the child is the server's. Returns the
+    pid, 0 in the child, or -1 where raw clone is not supported here."""
+    if _SYS_CLONE is None or os.uname().machine != "x86_64":
+        return -1  # the argument order of raw clone differs by architecture
+    api = ctypes.pythonapi
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held, as in os.fork
+    libc.syscall.restype = ctypes.c_long
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(
+        ctypes.c_long(_SYS_CLONE), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
+        ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_ulong(0),
+    )  # fmt: skip
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+    else:
+        api.PyOS_AfterFork_Parent()
+    return int(pid) if pid >= 0 else -1
 
 
 class Server:
@@ -154,21 +198,26 @@ class Server:
         self.remove_deadline_s = float(config.get("cleanup_s", REMOVE_DEADLINE_S))
         self.seq = 0
         os.makedirs(self.work_root, mode=0o711, exist_ok=True)
+        self._next: socket.socket | None = None  # the channel to the next, waiting child
         self.zygote = Zygote(self)
 
     # --- child side (forked from the zygote) ------------------------------------------
     def child(self, fds: list[int]) -> None:
-        """Runs in the exec child; never returns."""
+        """Runs in the exec child; never returns. Waits for its stdio and request first."""
         try:
-            req = read_frame(fds[3])
             for fd in self.cgroup_fds:
                 os.write(fd, b"0")  # join the sandbox's cgroups (the server stays out)
             os.setsid()
-            try:
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write("1000")
-            except OSError:
-                pass
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+            chan = socket.socket(fileno=fds[0])
+            msg, fds, _, _ = socket.recv_fds(chan, 1, 3)
+            if not msg or len(fds) != 3:
+                os._exit(0)  # the server went away (or retired this child) first
+            req = read_frame(chan.fileno())
+        except BaseException:  # noqa: BLE001 - nothing to report to: the exec never began
+            os._exit(126)
+        try:
             for target, fd in enumerate(fds[:3]):
                 os.dup2(fd, target)
             _close_fds_from(3)
@@ -253,25 +302,38 @@ class Server:
                     os.chown(entry, self.uid, self.gid)
         return workdir
 
+    def prespawn(self) -> None:
+        """Ask for the next exec child now, off the exec path: it forks, joins the cgroups
+        and waits for its request while the host reads the last answer."""
+        if self._next is None:
+            self._next = self.zygote.request()
+
     def _spawn(self, req: dict, workdir: str) -> tuple[int, tuple[int, int, int]]:
-        """Fork the exec from the zygote and hand it its request; returns pid and our fds."""
+        """Hand a waiting child its stdio and request; returns its pid and our pipe ends."""
+        self.prespawn()
+        chan, self._next = self._next, None
+        try:
+            pid = self.zygote.collect()
+        except (OSError, RuntimeError):
+            chan.close()
+            raise
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        req_r, req_w = os.pipe()
-        theirs = [stdin_r, out_w, err_w, req_r]
-        try:
-            pid = self.zygote.spawn(theirs)
-        finally:
-            for fd in theirs:
-                os.close(fd)
+        theirs = [stdin_r, out_w, err_w]
         own = {"code": req.get("code"), "argv": req.get("argv"), "workdir": workdir}
         own["cpu_s"] = req.get("cpu_s")
         try:
-            write_frame(req_w, own)
-        except BrokenPipeError:
-            pass  # the child died before reading: its status says why
-        os.close(req_w)
+            socket.send_fds(chan, [b"r"], theirs)
+            write_frame(chan.fileno(), own)
+        except OSError as err:
+            for fd in (stdin_w, out_r, err_r):
+                os.close(fd)
+            raise RuntimeError(f"exec child {pid} is gone: {err!r}") from None
+        finally:
+            for fd in theirs:
+                os.close(fd)
+            chan.close()
         return pid, (stdin_w, out_r, err_r)
 
     def handle(self, req: dict) -> dict:
@@ -403,6 +465,10 @@ class Server:
             except Exception as err:  # noqa: BLE001 - reported to the host as infra error
                 result = {"reason": "sandbox_error", "error": repr(err)}
             write_frame(self.out_fd, result)
+            try:
+                self.prespawn()
+            except (OSError, RuntimeError):
+                pass  # the next exec tries again and reports it
 
 
 class _Pump:
@@ -675,6 +741,7 @@ def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     config = read_frame(in_fd)
     server = Server(in_fd, out_fd, config)
+    server.prespawn()
     write_frame(out_fd, {"op": "ready", "pid": os.getpid()})
     server.serve()
 

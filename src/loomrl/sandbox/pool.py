@@ -251,7 +251,7 @@ class SandboxPool:
                 self._cond.wait(remaining)
             self._num_busy += 1
             self._busy_history.append((time.monotonic(), self._num_busy))
-            return self._idle.pop()
+            return self._idle.popleft()  # the longest idle: its next child is ready
 
     def _release(self, sandbox: ForkServerSandbox, quarantine: str | None = None) -> None:
         retire = quarantine or self._closed or not sandbox.alive or sandbox.dirty
