@@ -109,5 +109,3 @@ def test_auto_falling_back_to_process_is_a_warning_and_a_metric(monkeypatch, cap
             assert pool.backend == "process"
             assert pool.metrics()["sandbox/backend_fallbacks"] == 1
     assert "fell back to the weaker 'process' backend" in caplog.text
-
-

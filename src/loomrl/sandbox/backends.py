@@ -110,8 +110,12 @@ def _dev_args() -> list[str]:
     args = ["--size", str(DEV_TMPFS_BYTES), "--tmpfs", "/dev"]
     for node in DEV_NODES:
         args += ["--dev-bind", f"/dev/{node}", f"/dev/{node}"]
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         args += ["--symlink", target, f"/dev/{name}"]
     return [*args, "--remount-ro", "/dev"]  # fmt: skip
 

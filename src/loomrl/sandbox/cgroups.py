@@ -98,9 +98,11 @@ class CgroupLimits:
         parent = root / PARENT
         parent.mkdir(exist_ok=True)
         for d in (root, parent):
-            enabled = set((d / "cgroup.subtree_control").read_text().split()) if (
-                d / "cgroup.subtree_control"
-            ).exists() else set()
+            enabled = (
+                set((d / "cgroup.subtree_control").read_text().split())
+                if (d / "cgroup.subtree_control").exists()
+                else set()
+            )
             if not {"memory", "pids"} <= enabled:
                 (d / "cgroup.subtree_control").write_text("+memory +pids")
         group = parent / name

@@ -572,9 +572,7 @@ def _sysv_objects(kind: str, uid: int | None) -> list[int]:
         return []
     uid_at, cuid_at = header.index("uid"), header.index("cuid")
     return [
-        int(row[1])
-        for row in rows
-        if uid is None or uid in (int(row[uid_at]), int(row[cuid_at]))
+        int(row[1]) for row in rows if uid is None or uid in (int(row[uid_at]), int(row[cuid_at]))
     ]
 
 

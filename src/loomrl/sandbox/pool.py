@@ -41,7 +41,13 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_STARTS = 4
 PEAK_WINDOW_S = 30.0  # idle sandboxes up to the peak concurrency of this window are kept
 KILL_REASONS = (
-    "timeout", "output_cap", "cpu_limit", "file_size_limit", "oom", "signal", "sandbox_lost",
+    "timeout",
+    "output_cap",
+    "cpu_limit",
+    "file_size_limit",
+    "oom",
+    "signal",
+    "sandbox_lost",
 )
 
 
