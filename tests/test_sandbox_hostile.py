@@ -397,7 +397,7 @@ def test_an_exec_that_loses_its_sandbox_is_its_own_failure(backend):
 
 
 def test_remove_tree_is_iterative_and_stops_at_its_deadline(tmp_path):
-    from loomrl.sandbox.forkserver import remove_tree
+    from loomrl.sandbox.forkserver_cleanup import remove_tree
 
     deep = tmp_path / "deep"
     path = str(deep)

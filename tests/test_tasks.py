@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -141,6 +142,7 @@ def test_code_task_expected_values_never_enter_the_sandbox(pool, monkeypatch):
     add = code.load_problems()[1]  # add(1, 2) == 3, add(-1, 1) == 0, add(10, 5) == 15
     assert asyncio.run(code.reward(add["prompt"], "a+b", add["tests"])) == 1.0
     (program,) = sent
+    program = re.sub(r"'[0-9a-f]{16}'", "'NONCE'", program)  # a random nonce may hold "15"
     assert "add(10, 5)" in program and "15" not in program and "==" not in program
 
 

@@ -25,7 +25,9 @@ from loomrl.sandbox import seccomp
 logger = logging.getLogger(__name__)
 
 FORKSERVER_PATH = str(Path(__file__).with_name("forkserver.py"))
+CLEANUP_PATH = str(Path(__file__).with_name("forkserver_cleanup.py"))
 SANDBOX_SERVER_PATH = "/opt/loomrl/forkserver.py"
+SANDBOX_CLEANUP_PATH = "/opt/loomrl/forkserver_cleanup.py"
 CHILD_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -133,7 +135,8 @@ def bwrap_launch(
         args += ["--ro-bind", prefix, prefix]
     args += ["--proc", "/proc", *_dev_args(), "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
     args += ["--dir", "/opt/loomrl"]
-    args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH, "--hostname", "sandbox"]
+    args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH]
+    args += ["--ro-bind", CLEANUP_PATH, SANDBOX_CLEANUP_PATH, "--hostname", "sandbox"]
     args += ["--clearenv", "--chdir", "/tmp", "--cap-drop", "ALL"]
     for cap in SERVER_CAPS:
         args += ["--cap-add", cap]

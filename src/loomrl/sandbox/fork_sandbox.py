@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from loomrl.sandbox import backends, forkserver
+from loomrl.sandbox import backends, forkserver, forkserver_cleanup
 from loomrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import CgroupLimits, cgroups_writable
 from loomrl.sandbox.uids import UidAllocator, UidLease
@@ -258,7 +258,7 @@ class ForkServerSandbox(Sandbox):
             self.lease = None
         if self._host_work_dir:
             # Iterative: code can leave thousands of nested dirs (no RecursionError here).
-            if not forkserver.remove_tree(self._host_work_dir, time.monotonic() + 60):
+            if not forkserver_cleanup.remove_tree(self._host_work_dir, time.monotonic() + 60):
                 logger.error("could not remove sandbox work dir %s", self._host_work_dir)
             self._host_work_dir = None
         if hasattr(self, "_stderr_file"):

@@ -27,11 +27,18 @@ import resource
 import select
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
 import traceback
+
+if __package__:
+    from loomrl.sandbox import forkserver_cleanup as cleanup
+else:  # run as a script (inside the sandbox): the clean-up module sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import forkserver_cleanup as cleanup
+
+    del sys.path[0]  # the exec's code must not import from here
 
 _HEADER = struct.Struct("!I")
 _PID = struct.Struct("!i")
@@ -375,8 +382,8 @@ class Server:
                     # Background children may hold the pipes open: kill them now.
                     killed_early += self._kill_leftovers([])
             if status is None:
-                _kill_quietly(pid)
-                status = _wait_exit(pid, pidfd, time.monotonic() + WAIT_DEADLINE_S)
+                cleanup.kill_quietly(pid)
+                status = cleanup.wait_exit(pid, pidfd, time.monotonic() + WAIT_DEADLINE_S)
         finally:
             os.close(pidfd)
             pump.close()
@@ -393,19 +400,22 @@ class Server:
             return 0
         deadline = time.monotonic() + KILL_DEADLINE_S
         rounds = 0
-        _reap()
-        while True:
-            pids = self._uid_processes()
-            if not pids:
-                return rounds
-            if time.monotonic() > deadline:
-                dirty.append(f"{len(pids)} processes survive SIGKILL")
-                return rounds
-            rounds += 1
-            for pid in pids:
-                _kill_as_root(pid, self.uid)
-            time.sleep(0.0005 * min(rounds, 20))
-            _reap()  # the killed orphans are ours (we are their subreaper)
+        try:
+            while True:
+                pids = self._uid_processes()
+                if not pids:
+                    return rounds
+                if time.monotonic() > deadline:
+                    dirty.append(f"{len(pids)} processes survive SIGKILL")
+                    return rounds
+                rounds += 1
+                for pid in pids:
+                    cleanup.kill_as_root(pid, self.uid)
+                time.sleep(0.0005 * min(rounds, 20))
+        finally:
+            # Reap only now: until then the killed hold their RLIMIT_NPROC and pids.max
+            # slots as zombies, so a fork bomb cannot refill them faster than we kill.
+            cleanup.reap()  # the killed orphans are ours (we are their subreaper)
 
     def _uid_processes(self) -> list[int]:
         """Live (non-zombie) processes of the sandbox uid."""
@@ -419,7 +429,7 @@ class Server:
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
-                    if os.stat(f"/proc/{name}").st_uid == self.uid and not _zombie(name):
+                    if os.stat(f"/proc/{name}").st_uid == self.uid and not cleanup.is_zombie(name):
                         found.append(int(name))
                 except OSError:
                     pass
@@ -428,11 +438,11 @@ class Server:
     def _remove_files(self, workdir: str, dirty: list[str]) -> None:
         """Remove the work dir and the uid's files in scratch dirs, within the deadline."""
         deadline = time.monotonic() + self.remove_deadline_s
-        if not remove_tree(workdir, deadline):
+        if not cleanup.remove_tree(workdir, deadline):
             dirty.append("work dir not removed in time")
         for scratch in self.scratch_dirs:
-            for entry in _owned_entries(scratch, self.uid):
-                if not remove_tree(entry, deadline):
+            for entry in cleanup.owned_entries(scratch, self.uid):
+                if not cleanup.remove_tree(entry, deadline):
                     dirty.append(f"could not remove {entry}")
 
     def _clean_ipc(self, dirty: list[str]) -> None:
@@ -446,9 +456,9 @@ class Server:
         if owner is None and not self.scan_proc:
             return  # no dedicated uid on the host's namespace: nothing is ours to judge
         for kind in ("shm", "msg", "sem"):
-            for ident in _sysv_objects(kind, owner):
-                _ipc_rmid(kind, ident)
-            if _sysv_objects(kind, owner):
+            for ident in cleanup.sysv_objects(kind, owner):
+                cleanup.ipc_rmid(kind, ident)
+            if cleanup.sysv_objects(kind, owner):
                 dirty.append(f"sysv ipc {kind} objects left")
 
     def serve(self) -> None:
@@ -560,85 +570,8 @@ def _describe(status: int | None, reason: str | None, out: bytes, err: bytes, ca
     }
 
 
-_IPC_RMID = 0
-
-
-def _sysv_objects(kind: str, uid: int | None) -> list[int]:
-    """Ids of the SysV IPC objects of ``kind`` (of ``uid``'s, unless None) in our namespace."""
-    try:
-        with open(f"/proc/sysvipc/{kind}") as f:
-            header, *rows = [line.split() for line in f]
-    except (OSError, ValueError):
-        return []
-    uid_at, cuid_at = header.index("uid"), header.index("cuid")
-    return [
-        int(row[1]) for row in rows if uid is None or uid in (int(row[uid_at]), int(row[cuid_at]))
-    ]
-
-
-def _ipc_rmid(kind: str, ident: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if kind == "shm":
-        libc.shmctl(ident, _IPC_RMID, None)
-    elif kind == "msg":
-        libc.msgctl(ident, _IPC_RMID, None)
-    else:
-        libc.semctl(ident, 0, _IPC_RMID, 0)
-
-
 def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
-
-
-def _wait_exit(pid: int, pidfd: int, deadline: float) -> int | None:
-    """Reap a killed ``pid``; None if it did not die before ``deadline``."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if select.select([pidfd], [], [], max(0.0, remaining))[0]:
-            return os.waitpid(pid, 0)[1]
-        if remaining <= 0:
-            return None
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _kill_as_root(pid: int, uid: int) -> None:
-    """SIGKILL ``pid`` if it (still) belongs to ``uid``; a pidfd rules out pid reuse."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return
-    try:
-        if os.stat(f"/proc/{pid}").st_uid == uid:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except OSError:
-        pass
-    finally:
-        os.close(pidfd)
-
-
-def _kill_quietly(pid: int) -> None:
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _zombie(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def _close_fds_from(low: int) -> None:
@@ -648,83 +581,6 @@ def _close_fds_from(low: int) -> None:
                 os.close(int(name))
             except OSError:
                 pass
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def remove_tree(path: str, deadline: float) -> bool:
-    """Remove ``path`` (a file or a tree) without recursion; False if not done by ``deadline``.
-
-    It walks with directory fds (one open at a time, whatever the depth, and no path
-    grows past ``PATH_MAX``), so thousands of nested directories neither overflow the
-    stack nor the path length. Callers kill the tree's owner first: nothing races it.
-    """
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-            return True
-        fd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    names: list[str] = []  # the path from ``path`` down to where ``fd`` is
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                return False
-            child = _empty_dir_or_descend(fd, deadline)
-            if child is not None:
-                os.close(fd)
-                fd, _ = child
-                names.append(child[1])
-                continue
-            if not names:
-                os.close(fd)
-                fd = -1
-                os.rmdir(path)
-                return True
-            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            os.rmdir(names.pop(), dir_fd=fd)
-    except OSError:
-        return False
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _empty_dir_or_descend(fd: int, deadline: float) -> tuple[int, str] | None:
-    """Unlink the files in dir ``fd``; at the first subdir return (its fd, its name)."""
-    with os.scandir(fd) as entries:
-        for i, entry in enumerate(entries):
-            if entry.is_dir(follow_symlinks=False):
-                return os.open(entry.name, _DIR_FLAGS, dir_fd=fd), entry.name
-            try:
-                os.unlink(entry.name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-            if i % 256 == 255 and time.monotonic() > deadline:
-                raise TimeoutError("removal ran out of time")
-    return None
-
-
-def _owned_entries(directory: str, uid: int | None) -> list[str]:
-    found = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return found
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == uid:
-                found.append(path)
-        except OSError:
-            pass
-    return found
 
 
 def main() -> None:
