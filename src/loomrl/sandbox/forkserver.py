@@ -167,17 +167,22 @@ _CLONE_PARENT = 0x00008000
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 
 
+_syscall = None  # libc's syscall(), looked up once
+
+
 def _clone_parent() -> int:
     """``clone(CLONE_PARENT | SIGCHLD)``: ``fork`` (with CPython's own before/after-fork
     steps, at-fork hooks included), except that the child is the server's. Returns the
     pid, 0 in the child, or -1 where raw clone is not supported here."""
     if _SYS_CLONE is None or os.uname().machine != "x86_64":
         return -1  # the argument order of raw clone differs by architecture
+    global _syscall
+    if _syscall is None:
+        _syscall = ctypes.PyDLL(None, use_errno=True).syscall  # PyDLL: keeps the GIL held
+        _syscall.restype = ctypes.c_long
     api = ctypes.pythonapi
-    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held, as in os.fork
-    libc.syscall.restype = ctypes.c_long
     api.PyOS_BeforeFork()
-    pid = libc.syscall(
+    pid = _syscall(
         ctypes.c_long(_SYS_CLONE), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
         ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_ulong(0),
     )  # fmt: skip
