@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from loomrl.sandbox.fork_sandbox import uid_processes
+from loomrl.sandbox.fork_sandbox import _is_zombie, uid_processes
 from loomrl.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
@@ -22,8 +22,16 @@ SANDBOX_UIDS = range(DEFAULT_UID_BASE, DEFAULT_UID_BASE + DEFAULT_UID_COUNT)
 
 
 def sandbox_code_processes() -> dict[int, list[int]]:
-    """Live processes running under any sandbox uid (there should be none between execs)."""
-    return uid_processes(SANDBOX_UIDS)
+    """Live processes running under any sandbox uid (there should be none between execs).
+
+    Zombies are not counted: a killed exec whose server was lost is re-parented to init,
+    which reaps it in its own time.
+    """
+    found = {}
+    for uid, pids in uid_processes(SANDBOX_UIDS).items():
+        if live := [p for p in pids if not _is_zombie(p)]:
+            found[uid] = live
+    return found
 
 
 def stronger_only(backend: str, what: str) -> None:

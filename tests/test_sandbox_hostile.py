@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -233,3 +234,307 @@ def test_seccomp_blocks_namespace_and_mount_calls(pool):
     )
     result = pool.exec(code)
     assert result.stdout.split() == ["-1", "1"] * 3, result
+
+
+# --- clean state between execs ------------------------------------------------------------
+_SCAN_MEMORY = """
+import ctypes, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: lets us open our own /proc/self/mem
+marker = b"LEAK" + b"MARK:"
+found = set()
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        fields = line.split()
+        if not fields[1].startswith("r") or (len(fields) > 5 and fields[5].startswith("[v")):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        try:
+            mem.seek(start)
+            chunk = mem.read(end - start)
+        except (OSError, OverflowError, ValueError):
+            continue
+        for m in re.finditer(re.escape(marker) + rb"[0-9a-f]{16}", chunk):
+            found.add(m.group()[len(marker):].decode())
+print(sorted(found))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exec_cannot_read_earlier_execs_from_memory(backend):
+    """Code, stdin and output of one exec must not be in the next exec's memory."""
+    import secrets
+
+    code_secret, stdin_secret, out_secret = (secrets.token_hex(8) for _ in range(3))
+    with ForkServerSandbox(backend, SandboxLimits(timeout_s=10)) as sandbox:
+        first = sandbox.exec(
+            f"import sys\nkept = 'LEAKMARK:{code_secret}'\nsys.stdin.read()\n"
+            f"print('LEAKMARK:' + '{out_secret}')",
+            stdin=f"LEAKMARK:{stdin_secret}",
+        )
+        assert first.ok, first
+        second = sandbox.exec(_SCAN_MEMORY)
+        assert second.ok, second
+    for secret in (code_secret, stdin_secret, out_secret):
+        assert secret not in second.stdout, f"exec 2 read exec 1's data: {second.stdout}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_posix_message_queues_do_not_survive_an_exec(backend):
+    needs_root("per-exec clean state")
+    name = f"/loomrl-leak-{os.getpid()}"
+    make = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"q = libc.mq_open({name.encode()!r}, 0o102, 0o666, None)\n"  # O_CREAT | O_RDWR
+        "print('made' if q >= 0 else 'refused', ctypes.get_errno())\n"
+    )
+    probe = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"q = libc.mq_open({name.encode()!r}, 2)\nprint('opened' if q >= 0 else 'absent')\n"
+    )
+    try:
+        with ForkServerSandbox(backend, SandboxLimits(timeout_s=3)) as sandbox:
+            made = sandbox.exec(make)
+            assert made.ok and made.stdout.startswith("refused"), made
+            assert sandbox.exec(probe).stdout.strip() == "absent"
+    finally:  # the process backend shares the host's IPC namespace: never leave one there
+        import ctypes
+
+        ctypes.CDLL(None).mq_unlink(name.encode())
+    assert not os.path.exists(f"/dev/mqueue{name}")
+
+
+# --- the server cannot be killed, stopped or hung ----------------------------------------
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+
+
+def _server_alive_and_outside_cgroup(pool) -> None:
+    """Between execs the code's cgroup holds at most the next exec child, waiting; its
+    parent, the server, is alive and outside the cgroup."""
+    with pool._cond:
+        sandboxes = list(pool._idle)
+    for sandbox in sandboxes:
+        assert sandbox.alive
+        if sandbox.cgroup is not None:
+            members = sandbox.cgroup.pids()
+            assert len(members) <= 1, f"processes left in the code's cgroup: {members}"
+            for pid in members:
+                server = _ppid(pid)
+                assert server not in members and os.path.exists(f"/proc/{server}")
+
+
+def test_filling_tmpfs_under_the_memory_limit_leaves_the_server_alive(pool):
+    stronger_only(pool.backend, "the work dir on a private tmpfs")
+    needs_root("per-sandbox memory cgroup")
+    code = (
+        "import os\nchunk = b'x' * (1 << 20)\ni = 0\ntry:\n"
+        "    while i < 2048:\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            for _ in range(32):\n                f.write(chunk)\n"
+        "        i += 1\n"
+        "except OSError as e:\n    print('stopped', i, e.errno)\n"
+        "hog = [bytearray(1 << 20) for _ in range(200)]\nprint('done')\n"
+    )
+    result = pool.exec(code, timeout_s=20)
+    assert result.reason != "sandbox_lost", result
+    _server_alive_and_outside_cgroup(pool)
+
+
+def test_deeply_nested_directories_are_cleaned_up(pool):
+    needs_root("cleanup of the work dir")
+    depth = 3000 if pool.backend == "bwrap" else 1500  # the process backend is on disk
+    code = f"import os\nfor _ in range({depth}):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n"
+    result = pool.exec(code, timeout_s=20)
+    assert result.ok, result
+    assert pool.metrics()["sandbox/infra_failures"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_tiny_files_are_cleaned_up_within_the_deadline(backend):
+    """Clean-up stops at its deadline (the sandbox is replaced instead of blocking the pool)."""
+    needs_root("cleanup of the work dir")
+    count = 100_000 if backend == "bwrap" else 20_000  # the process backend writes to disk
+    code = f"import os\nfor i in range({count}):\n    os.close(os.open(str(i), 0o101))\n"
+    limits = SandboxLimits(timeout_s=60, cpu_s=60, cleanup_s=0.2)
+    with ForkServerSandbox(backend, limits) as sandbox:
+        result = sandbox.exec(code)
+        assert result.ok, result
+        assert result.timings_ms["cleanup_ms"] < 200 + 800, result.timings_ms
+
+
+def test_a_sigstop_spinner_cannot_stop_the_reaper(pool):
+    needs_root("a reaper the code cannot signal")
+    code = (
+        "import os, signal\nif os.fork() == 0:\n    os.setsid()\n    while True:\n"
+        "        try:\n            os.kill(-1, signal.SIGSTOP)\n        except OSError:\n"
+        "            pass\nprint('spinner started')\n"
+    )
+    t0 = time.monotonic()
+    result = pool.exec(code, timeout_s=5)
+    assert result.reason != "sandbox_lost", result
+    assert time.monotonic() - t0 < 15, "the server hung on a stopped reaper"
+    _server_alive_and_outside_cgroup(pool)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exec_that_loses_its_sandbox_is_its_own_failure(backend):
+    """Losing the server mid-exec is a result (counted, sandbox replaced), never a retry."""
+    with SandboxPool(backend, min_warm=1, max_warm=1, max_sandboxes=1, max_retries=2) as pool:
+        deadline = time.monotonic() + 30
+        while not pool._idle and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = pool._idle[0]
+        killer = threading.Timer(0.5, lambda: os.killpg(victim._proc.pid, 9))
+        killer.start()
+        result = pool.exec("import time\ntime.sleep(5)", timeout_s=10)
+        killer.join()
+        assert result.reason == "sandbox_lost" and not result.ok, result
+        m = pool.metrics()
+        assert m["sandbox/infra_retries"] == 0 and m["sandbox/infra_failures"] == 0, m
+        assert m["sandbox/kills_sandbox_lost"] == 1 and m["sandbox/quarantined"] == 1, m
+        assert pool.exec("print(2)").stdout == "2\n"
+
+
+def test_remove_tree_is_iterative_and_stops_at_its_deadline(tmp_path):
+    from loomrl.sandbox.forkserver_cleanup import remove_tree
+
+    deep = tmp_path / "deep"
+    path = str(deep)
+    os.mkdir(path)
+    fd = os.open(path, os.O_RDONLY)
+    for _ in range(2000):  # deeper than the recursion limit, and past PATH_MAX
+        os.mkdir("dddd", dir_fd=fd)
+        child = os.open("dddd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for i in range(3000):
+        (wide / str(i)).touch()
+    assert not remove_tree(str(wide), time.monotonic() - 1)  # out of time: stops, says so
+    assert remove_tree(str(deep), time.monotonic() + 120) and not deep.exists()
+    assert remove_tree(str(wide), time.monotonic() + 120) and not wide.exists()
+
+
+def test_socket_families_are_an_allow_list(pool):
+    stronger_only(pool.backend, "seccomp filter")
+    code = (  # AF_VSOCK, AF_PACKET, AF_ALG, AF_BLUETOOTH, netlink audit: refused at creation
+        "import socket\nfor fam, typ, proto in [(40, 1, 0), (17, 3, 0), (38, 5, 0), (31, 1, 0),"
+        " (16, 3, 9), (1, 1, 0), (2, 1, 0), (10, 2, 0), (16, 3, 0)]:\n"
+        "    try:\n        socket.socket(fam, typ, proto).close(); print('made', fam)\n"
+        "    except OSError as e:\n        print('refused', fam, e.errno)\n"
+    )
+    lines = pool.exec(code).stdout.splitlines()
+    assert lines[:5] == [f"refused {f} 97" for f in (40, 17, 38, 31, 16)], lines
+    assert lines[5:] == ["made 1", "made 2", "made 10", "made 16"], lines
+
+
+def _host_tcp_mem_bytes() -> int:
+    """The host's TCP buffer memory (one pool for every socket of every namespace)."""
+    with open("/proc/net/sockstat") as f:
+        for line in f:
+            if line.startswith("TCP:"):
+                fields = line.split()
+                return int(fields[fields.index("mem") + 1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+_PIN_TCP = """
+import socket, time
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(64)
+conns, pinned = [], 0
+for _ in range(48):
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    client.setblocking(False)
+    chunk = b"x" * 65536
+    try:
+        while True:
+            pinned += client.send(chunk)
+    except (BlockingIOError, OSError):
+        pass
+    conns += [client, server]
+print("pinned", pinned >> 20, "MiB")
+time.sleep(1.5)
+"""
+
+
+def test_tcp_buffers_cannot_pin_host_kernel_memory(pool):
+    needs_root("per-sandbox memory cgroup")
+    if pool.backend != "bwrap":
+        pytest.skip("process backend: loopback is the host's (covered by the same cgroup limit)")
+    baseline, peak = _host_tcp_mem_bytes(), [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _host_tcp_mem_bytes())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = pool.exec(_PIN_TCP, timeout_s=20)
+    finally:
+        done.set()
+        sampler.join()
+    assert result.reason in ("exit", "oom", "signal"), result
+    grown_mib = (peak[0] - baseline) >> 20
+    assert grown_mib < 96, f"one exec pinned {grown_mib} MiB of host TCP memory: {result.stdout}"
+
+
+def test_uid_leases_are_host_wide_whatever_tmpdir_says(tmp_path, monkeypatch):
+    needs_root("uid leases")
+    import tempfile
+
+    from loomrl.sandbox.uids import UidAllocator
+
+    base = 990_000  # away from the default range, so live pools are not disturbed
+    leases = []
+    for name in ("job-a", "job-b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv("TMPDIR", str(tmp_path / name))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        allocator = UidAllocator(base, 4)
+        try:
+            leases.append(allocator.acquire_specific(base))
+        except BlockingIOError:
+            leases.append(None)
+    assert leases[0] is not None and leases[1] is None, "two jobs leased the same uid"
+    leases[0].release()
+
+
+def _host_sysv_objects_of(uids) -> list[str]:
+    found = []
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = [line.split() for line in f]
+        at = header.index("uid")
+        found += [f"{kind} {row[1]}" for row in rows if int(row[at]) in uids]
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sysv_ipc_objects_do_not_survive_an_exec(backend):
+    needs_root("per-exec clean state")
+    from sandbox_helpers import SANDBOX_UIDS
+
+    make = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0x4C4F4F4D, 4096, 0o1666), libc.msgget(0x4C4F4F4D, 0o1666),"
+        " libc.semget(0x4C4F4F4D, 1, 0o1666))\n"
+    )
+    probe = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0x4C4F4F4D, 0, 0), libc.msgget(0x4C4F4F4D, 0),"
+        " libc.semget(0x4C4F4F4D, 0, 0))\n"
+    )
+    with SandboxPool(backend, min_warm=1, max_warm=1, max_sandboxes=1) as pool:
+        made = pool.exec(make)
+        assert made.ok and "-1" not in made.stdout.split(), made
+        assert not _host_sysv_objects_of(SANDBOX_UIDS), "SysV objects left on the host"
+        assert pool.exec(probe).stdout.split() == ["-1", "-1", "-1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -108,3 +109,73 @@ def test_code_task_partial_credit_and_no_spoofing(pool):
     spoof = "print('3') or 0\nprint('3')\nimport sys; sys.exit(0)"  # only line 1 counts
     assert asyncio.run(code.reward(sq["prompt"], spoof, sq["tests"])) == pytest.approx(1 / 3)
     assert asyncio.run(code.reward(sq["prompt"], "__import__('os')._exit(0)", sq["tests"])) == 0.0
+
+
+FORGERIES = {  # frames, patch eval and patch print forged 1.0 or 2/3 from the old in-process harness
+    "frames": "(__import__('sys')._getframe(1).f_globals.__setitem__('_passed', 99), -1)[1]",
+    "patch eval": "(__import__('builtins').__setattr__('eval', lambda *a, **k: True), -1)[1]",
+    "patch print": (
+        "(__import__('builtins').__setattr__('print', (lambda p: lambda *a, **k: p(a[0], 3))"
+        "(print)), -1)[1]"
+    ),
+    "patch repr": "(__import__('builtins').__setattr__('repr', lambda v: '9'), -1)[1]",
+    "early exit": "(__import__('os')._exit(0), -1)[1]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_code_task_verdict_cannot_be_forged_by_the_solution(pool, name):
+    sq = code.load_problems()[0]  # sq(3) == 9, sq(-2) == 4, sq(0) == 0
+    score = asyncio.run(code.reward(sq["prompt"], FORGERIES[name], sq["tests"]))
+    assert score <= 1 / 3, f"{name}: the solution forged its own score {score}"
+
+
+def test_code_task_expected_values_never_enter_the_sandbox(pool, monkeypatch):
+    sent = []
+    real = pool.aexec
+
+    async def spy(code_text, **kwargs):
+        sent.append(code_text)
+        return await real(code_text, **kwargs)
+
+    monkeypatch.setattr(pool, "aexec", spy)
+    add = code.load_problems()[1]  # add(1, 2) == 3, add(-1, 1) == 0, add(10, 5) == 15
+    assert asyncio.run(code.reward(add["prompt"], "a+b", add["tests"])) == 1.0
+    (program,) = sent
+    program = re.sub(r"'[0-9a-f]{16}'", "'NONCE'", program)  # a random nonce may hold "15"
+    assert "add(10, 5)" in program and "15" not in program and "==" not in program
+
+
+def test_code_task_tests_must_be_literal_comparisons():
+    assert code.split_test("sq(3) == 9") == ("sq(3)", "==", 9)
+    assert code.split_test("even(2) is True") == ("even(2)", "is", True)
+    for bad in ("sq(3) > 2", "sq(3) == x", "even(2) is 1", "sq(3)", "1 == 1 == 1", "sq("):
+        with pytest.raises(ValueError, match="EXPR == LITERAL"):
+            code.split_test(bad)
+    assert not code.matches("True", "==", 1) and code.matches("9.0", "==", 9)
+    assert not code.matches("__import__('os')", "==", 0) and not code.matches("1", "is", True)
+
+
+@pytest.fixture
+def quick_pool():
+    p = SandboxPool(limits=SandboxLimits(timeout_s=0.5), min_warm=1, max_warm=1, max_sandboxes=2)
+    yield p
+    p.close()
+
+
+def test_tasks_use_the_sandbox_timeout(quick_pool):
+    """Both tasks run under sandbox.timeout_s, not a timeout of their own (issue 7)."""
+    import time
+
+    async def run():
+        t0 = time.monotonic()
+        value = await countdown.evaluate("9**9**9**9", quick_pool)
+        t1 = time.monotonic()
+        sleeper = "x if __import__('time').sleep(30) is None else x"
+        score = await code.score("def sq(x): return ", sleeper, ["sq(3) == 9"], quick_pool)
+        return value, t1 - t0, score, time.monotonic() - t1
+
+    value, countdown_s, score, code_s = asyncio.run(run())
+    assert value is None and score == 0.0
+    assert countdown_s < 1.9 and code_s < 2.9, (countdown_s, code_s)  # their old fixed limits
+    assert quick_pool.metrics()["sandbox/kills_timeout"] == 2

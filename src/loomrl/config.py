@@ -165,6 +165,11 @@ class SandboxConfig(_Section):
     uid_base: int = Field(
         880_000, gt=0, description="First of the dedicated unprivileged uids sandboxes run code as."
     )
+    allow_no_memory_limit: bool = Field(
+        False,
+        description="Run sandboxes even where no cgroup (v1 or v2) can bound their memory "
+        "(not root, or no writable memory/pids controllers); otherwise the pool refuses to start.",
+    )
 
     @model_validator(mode="after")
     def _pool_sizes_nest(self) -> SandboxConfig:

@@ -25,7 +25,9 @@ from loomrl.sandbox import seccomp
 logger = logging.getLogger(__name__)
 
 FORKSERVER_PATH = str(Path(__file__).with_name("forkserver.py"))
+CLEANUP_PATH = str(Path(__file__).with_name("forkserver_cleanup.py"))
 SANDBOX_SERVER_PATH = "/opt/loomrl/forkserver.py"
+SANDBOX_CLEANUP_PATH = "/opt/loomrl/forkserver_cleanup.py"
 CHILD_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -101,7 +103,28 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def bwrap_launch(server_config: dict, python: str | None = None) -> LaunchSpec:
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
+DEV_TMPFS_BYTES = 1 << 20
+
+
+def _dev_args() -> list[str]:
+    """A minimal, sized, read-only ``/dev`` (``--dev`` would be unsized: half of RAM)."""
+    args = ["--size", str(DEV_TMPFS_BYTES), "--tmpfs", "/dev"]
+    for node in DEV_NODES:
+        args += ["--dev-bind", f"/dev/{node}", f"/dev/{node}"]
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        args += ["--symlink", target, f"/dev/{name}"]
+    return [*args, "--remount-ro", "/dev"]  # fmt: skip
+
+
+def bwrap_launch(
+    server_config: dict, python: str | None = None, tmpfs_bytes: int = 256 << 20
+) -> LaunchSpec:
     python = python or sandbox_python()
     args = [bwrap_path() or "bwrap"]
     args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
@@ -110,8 +133,10 @@ def bwrap_launch(server_config: dict, python: str | None = None) -> LaunchSpec:
     prefix = os.path.realpath(sys.base_prefix) if not python.startswith("/usr/") else None
     if prefix:
         args += ["--ro-bind", prefix, prefix]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/opt/loomrl"]
-    args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH, "--hostname", "sandbox"]
+    args += ["--proc", "/proc", *_dev_args(), "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
+    args += ["--dir", "/opt/loomrl"]
+    args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH]
+    args += ["--ro-bind", CLEANUP_PATH, SANDBOX_CLEANUP_PATH, "--hostname", "sandbox"]
     args += ["--clearenv", "--chdir", "/tmp", "--cap-drop", "ALL"]
     for cap in SERVER_CAPS:
         args += ["--cap-add", cap]

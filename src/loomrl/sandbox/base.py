@@ -21,6 +21,7 @@ ExecReason = Literal[
     "file_size_limit",  # RLIMIT_FSIZE exceeded (SIGXFSZ)
     "oom",  # killed by the sandbox's cgroup memory limit
     "signal",  # killed by some other signal (its own, or a crash)
+    "sandbox_lost",  # the exec brought its sandbox down: the code's failure, never retried
 ]
 
 
@@ -35,6 +36,9 @@ class SandboxLimits:
     file_size_mb: int = 64  # largest file an exec may write (RLIMIT_FSIZE)
     open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # stdout + stderr bytes kept; more is killed as output_cap
+    tmpfs_mb: int = 256  # size of the sandbox's /tmp (work dirs); /dev is 1 MiB
+    tcp_buffer_mb: int = 32  # TCP socket buffers (cgroup v1 memory.kmem.tcp; v2 counts them)
+    cleanup_s: float = 1.0  # time to remove an exec's files; past it the sandbox is replaced
 
     def for_server(self) -> dict[str, int]:
         return {

@@ -8,7 +8,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+import unicodedata
 from pathlib import Path
+
+
+def escape_controls(text: str) -> str:
+    """Show control characters (ESC, CR, BEL, C1, bidi overrides ...) as escapes.
+
+    The sandboxed code's output is untrusted: raw, it could drive the terminal (retitle
+    it, rewrite earlier lines, hide text). Newlines and tabs are kept.
+    """
+    out = []
+    for ch in text:
+        if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            out.append(ch)
+        elif ord(ch) < 0x100:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return "".join(out)
 
 
 def add_sandbox_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -48,10 +68,11 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> int:
     except (SandboxError, ValueError) as err:
         print(f"sandbox error: {err}", file=sys.stderr)
         return 3
+    stdout, stderr = escape_controls(result.stdout), escape_controls(result.stderr)
     print("--- stdout" + (" (truncated)" if result.truncated else ""))
-    print(result.stdout, end="" if result.stdout.endswith("\n") or not result.stdout else "\n")
+    print(stdout, end="" if stdout.endswith("\n") or not stdout else "\n")
     print("--- stderr")
-    print(result.stderr, end="" if result.stderr.endswith("\n") or not result.stderr else "\n")
+    print(stderr, end="" if stderr.endswith("\n") or not stderr else "\n")
     print("---")
     timings = " ".join(f"{k}={v:.1f}" for k, v in result.timings_ms.items())
     print(f"backend={backend} ready_ms={ready_ms:.1f} {timings}")

@@ -13,14 +13,13 @@ import base64
 import logging
 import os
 import select
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
 
-from loomrl.sandbox import backends, forkserver
+from loomrl.sandbox import backends, forkserver, forkserver_cleanup
 from loomrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import CgroupLimits, cgroups_writable
 from loomrl.sandbox.uids import UidAllocator, UidLease
@@ -29,9 +28,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 30.0
 ANSWER_GRACE_S = 10.0  # how long past an exec's timeout the server may take to answer
-_JOIN_CGROUPS = (
-    'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f"; shift; done; shift; exec "$@"'
-)
+CLOSE_TIMEOUT_S = 10.0
 
 
 def _b64(data: str | bytes) -> str:
@@ -82,28 +79,15 @@ class ForkServerSandbox(Sandbox):
                 f"sb-{self.lease.uid}",
                 memory_bytes=(self.limits.memory_mb + 128) << 20,
                 max_pids=self.limits.processes + 16,
+                tcp_bytes=self.limits.tcp_buffer_mb << 20,
             )
-        server_config = {
-            "uid": self.lease.uid if self.lease else None,
-            "gid": self.lease.gid if self.lease else None,
-            "limits": self.limits.for_server(),
-            "env": backends.CHILD_ENV,
-        }
-        if self.backend == "bwrap":
-            spec = backends.bwrap_launch(server_config)
-        else:
-            if self.cgroup:
-                server_config["pids_current_file"] = str(self.cgroup.pids_dir / "pids.current")
-            self._host_work_dir = tempfile.mkdtemp(prefix="loomrl-sandbox-")
-            os.chmod(self._host_work_dir, 0o711)
-            spec = backends.process_launch(server_config, os.path.join(self._host_work_dir, "w"))
-        argv = spec.argv
-        if self.cgroup:
-            argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroup.procs_files, "--", *argv]
+        elif use_cgroups:
+            logger.warning("sandbox runs without a memory cgroup (only RLIMIT_AS bounds memory)")
+        spec = self._launch_spec()
         self._stderr_file = tempfile.TemporaryFile()
         try:
             self._proc = subprocess.Popen(
-                argv,
+                spec.argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._stderr_file,
@@ -114,7 +98,35 @@ class ForkServerSandbox(Sandbox):
         finally:
             for fd in spec.pass_fds:
                 os.close(fd)
-        forkserver.write_frame(self._proc.stdin.fileno(), spec.server_config)
+        self._await_ready(spec.server_config)
+
+    def _launch_spec(self) -> backends.LaunchSpec:
+        """The backend's launch spec, with the cgroup files the exec children join."""
+        server_config = {
+            "uid": self.lease.uid if self.lease else None,
+            "gid": self.lease.gid if self.lease else None,
+            "limits": self.limits.for_server(),
+            "env": backends.CHILD_ENV,
+            "cleanup_s": self.limits.cleanup_s,
+        }
+        if self.backend == "bwrap":
+            spec = backends.bwrap_launch(server_config, tmpfs_bytes=self.limits.tmpfs_mb << 20)
+        else:
+            self._host_work_dir = tempfile.mkdtemp(prefix="loomrl-sandbox-")
+            os.chmod(self._host_work_dir, 0o711)
+            spec = backends.process_launch(server_config, os.path.join(self._host_work_dir, "w"))
+        if self.cgroup:
+            # The server and its zygote stay outside the cgroups (the code cannot OOM-kill
+            # or starve them); each exec child joins them itself through these fds.
+            procs = [os.open(f, os.O_WRONLY | os.O_CLOEXEC) for f in self.cgroup.procs_files]
+            current = os.open(self.cgroup.pids_current_file, os.O_RDONLY | os.O_CLOEXEC)
+            spec.pass_fds += [*procs, current]
+            spec.server_config["cgroup_procs_fds"] = procs
+            spec.server_config["pids_current_fd"] = current
+        return spec
+
+    def _await_ready(self, server_config: dict) -> None:
+        forkserver.write_frame(self._proc.stdin.fileno(), server_config)
         try:
             hello = _read_frame_until(
                 self._proc.stdout.fileno(), time.monotonic() + READY_TIMEOUT_S
@@ -171,12 +183,19 @@ class ForkServerSandbox(Sandbox):
         oom_before = self.cgroup.oom_kills() if self.cgroup else 0
         try:
             forkserver.write_frame(self._proc.stdin.fileno(), request)
+        except OSError as err:  # the request never reached a server: infrastructure
+            self._dead = True
+            raise SandboxError(f"sandbox channel failed: {err!r}; {self._stderr_tail()}") from None
+        try:
             answer = _read_frame_until(
                 self._proc.stdout.fileno(), time.monotonic() + timeout_s + ANSWER_GRACE_S
             )
         except (OSError, EOFError, TimeoutError, ValueError) as err:
+            # The server cannot be killed or hung by its code on purpose, so losing it while
+            # the code runs is the code's doing: a result, never an infrastructure retry.
             self._dead = True
-            raise SandboxError(f"sandbox channel failed: {err!r}; {self._stderr_tail()}") from None
+            logger.warning("sandbox lost during an exec: %r; %s", err, self._stderr_tail())
+            return _lost_result(f"sandbox lost during the exec: {err!r}", t0)
         self.num_execs += 1
         if answer.get("reason") == "sandbox_error":
             self._dead = True
@@ -220,7 +239,10 @@ class ForkServerSandbox(Sandbox):
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            proc.wait()
+            try:
+                proc.wait(timeout=CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.error("sandbox server %d did not die within %ss", proc.pid, CLOSE_TIMEOUT_S)
             self._proc = None
         if self.lease is not None:
             leftovers = kill_uid_processes(self.lease.uid)
@@ -235,10 +257,23 @@ class ForkServerSandbox(Sandbox):
             self.lease.release()
             self.lease = None
         if self._host_work_dir:
-            shutil.rmtree(self._host_work_dir, ignore_errors=True)
+            # Iterative: code can leave thousands of nested dirs (no RecursionError here).
+            if not forkserver_cleanup.remove_tree(self._host_work_dir, time.monotonic() + 60):
+                logger.error("could not remove sandbox work dir %s", self._host_work_dir)
             self._host_work_dir = None
         if hasattr(self, "_stderr_file"):
             self._stderr_file.close()
+
+
+def _lost_result(message: str, t0: float) -> ExecResult:
+    return ExecResult(
+        stdout="",
+        stderr=message + "\n",
+        exit_code=None,
+        signal=None,
+        reason="sandbox_lost",
+        timings_ms={"total_ms": (time.perf_counter() - t0) * 1e3},
+    )
 
 
 def uid_processes(uids: set[int] | range) -> dict[int, list[int]]:

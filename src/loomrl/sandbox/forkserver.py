@@ -2,13 +2,17 @@
 
 It is started once per sandbox (inside ``bwrap`` or as a plain process), announces itself
 ready, then serves exec requests one at a time over length-prefixed JSON frames on two
-file descriptors. Per request it forks a fresh child from its own pristine state, so no
-state leaks between execs: the child starts a new session, sets rlimits, drops to the
-sandbox's unprivileged uid, writes the request's files into a fresh work dir and runs a
-Python snippet (in the forked interpreter: no interpreter start-up) or execs a command.
-The server enforces the wall-clock timeout and the output cap, then kills every process
-left under the sandbox uid (``kill(-1)`` from that uid, repeated until none is left),
-reaps them as a child subreaper and wipes the work dir before it answers.
+file descriptors. Before it reads any request it forks a *zygote*, a copy of itself that
+never receives request data: each exec is forked from the zygote (through a short-lived
+middle process, so the exec is re-parented to the server, its subreaper), and reads its
+own request from a pipe. No exec can therefore find an earlier exec's code, stdin or
+output in its memory. The exec joins the sandbox's cgroups itself (the server and the
+zygote stay outside them, out of reach of the code's OOM kills), sets rlimits, drops to
+the sandbox's unprivileged uid and runs a Python snippet (in the forked interpreter: no
+interpreter start-up) or execs a command. The server enforces the wall-clock timeout and
+the output cap, kills every process left under the sandbox uid as root (the code cannot
+stop a root killer), and removes the work dir iteratively within a deadline; whatever it
+cannot clean in time marks the sandbox dirty, so the host replaces it.
 
 This file is also imported by the host for the frame codec (``read_frame``/``write_frame``).
 """
@@ -21,17 +25,29 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
+import socket
 import struct
 import sys
 import time
 import traceback
 
+if __package__:
+    from loomrl.sandbox import forkserver_cleanup as cleanup
+else:  # run as a script (inside the sandbox): the clean-up module sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import forkserver_cleanup as cleanup
+
+    del sys.path[0]  # the exec's code must not import from here
+
 _HEADER = struct.Struct("!I")
+_PID = struct.Struct("!i")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+KILL_DEADLINE_S = 2.0  # leftover processes must be gone within this
+REMOVE_DEADLINE_S = 1.0  # default budget for removing an exec's files
+WAIT_DEADLINE_S = 2.0  # a SIGKILLed exec must be reaped within this
 
 
 def write_frame(fd: int, message: dict) -> None:
@@ -69,6 +85,114 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
+class Zygote:
+    """Forks exec children from a state that has never seen a request.
+
+    The server sends it one end of a fresh socket pair; nothing else crosses. The zygote
+    forks a child holding that end and answers with the child's pid once the child has
+    been re-parented to the server. The child then waits for its stdio and its request on
+    that socket, so the server can fork the next child ahead of time, off the exec path.
+    """
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.sock.close()
+            self._serve(theirs)
+        theirs.close()
+
+    def request(self) -> socket.socket:
+        """Ask for one waiting exec child; returns the socket to hand it work later."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            socket.send_fds(self.sock, [b"f"], [theirs.fileno()])
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours
+
+    def collect(self) -> int:
+        """The pid of the child asked for by the oldest pending ``request``."""
+        answer = self.sock.recv(_PID.size)
+        if len(answer) != _PID.size:
+            raise RuntimeError("zygote is gone")
+        return _PID.unpack(answer)[0]
+
+    def _serve(self, sock: socket.socket) -> None:
+        """The zygote's loop (in the zygote process); never returns."""
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # not inherited: die with the server
+        for fd in (self.server.in_fd, self.server.out_fd):
+            os.close(fd)
+        try:
+            while True:
+                msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+                if not msg or len(fds) != 1:
+                    break
+                sock.send(_PID.pack(self._fork_child(fds)))
+                for fd in fds:
+                    os.close(fd)
+        finally:
+            os._exit(0)
+
+    def _fork_child(self, fds: list[int]) -> int:
+        """Fork a child whose parent is the server: ``clone(CLONE_PARENT)`` where it works
+        (one fork), else a short-lived middle process (two forks)."""
+        pid = _clone_parent()
+        if pid == 0:
+            self.server.child(fds)
+        if pid > 0:
+            return pid
+        report_r, report_w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            os.close(report_r)
+            child = os.fork()
+            if child == 0:
+                os.close(report_w)
+                self.server.child(fds)
+            os.write(report_w, _PID.pack(child))
+            os._exit(0)
+        os.close(report_w)
+        data = _read_exact(report_r, _PID.size)
+        os.close(report_r)
+        os.waitpid(middle, 0)  # after this the child's parent is the server (subreaper)
+        return _PID.unpack(data)[0]
+
+
+_CLONE_PARENT = 0x00008000
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+
+
+_syscall = None  # libc's syscall(), looked up once
+
+
+def _clone_parent() -> int:
+    """``clone(CLONE_PARENT | SIGCHLD)``: ``fork`` (with CPython's own before/after-fork
+    steps, at-fork hooks included), except that the child is the server's. Returns the
+    pid, 0 in the child, or -1 where raw clone is not supported here."""
+    if _SYS_CLONE is None or os.uname().machine != "x86_64":
+        return -1  # the argument order of raw clone differs by architecture
+    global _syscall
+    if _syscall is None:
+        _syscall = ctypes.PyDLL(None, use_errno=True).syscall  # PyDLL: keeps the GIL held
+        _syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = _syscall(
+        ctypes.c_long(_SYS_CLONE), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
+        ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_ulong(0),
+    )  # fmt: skip
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+    else:
+        api.PyOS_AfterFork_Parent()
+    return int(pid) if pid >= 0 else -1
+
+
 class Server:
     """One sandbox's exec loop; ``config`` is the first frame the host sends."""
 
@@ -80,22 +204,33 @@ class Server:
         self.limits: dict = config["limits"]
         self.env: dict = config["env"]
         self.scan_proc: bool = config.get("pid_namespace", False)
-        self.pids_current_file: str | None = config.get("pids_current_file")
+        self.cgroup_fds: list[int] = config.get("cgroup_procs_fds", [])
+        self.pids_current_fd: int | None = config.get("pids_current_fd")
         self.scratch_dirs: list[str] = config.get("scratch_dirs", [])
+        self.remove_deadline_s = float(config.get("cleanup_s", REMOVE_DEADLINE_S))
         self.seq = 0
         os.makedirs(self.work_root, mode=0o711, exist_ok=True)
+        self._next: socket.socket | None = None  # the channel to the next, waiting child
+        self.zygote = Zygote(self)
 
-    # --- child side -----------------------------------------------------------------
-    def _child(self, req: dict, workdir: str, fds: tuple[int, int, int]) -> None:
-        """Runs in the forked child; never returns."""
+    # --- child side (forked from the zygote) ------------------------------------------
+    def child(self, fds: list[int]) -> None:
+        """Runs in the exec child; never returns. Waits for its stdio and request first."""
         try:
+            for fd in self.cgroup_fds:
+                os.write(fd, b"0")  # join the sandbox's cgroups (the server stays out)
             os.setsid()
-            try:
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write("1000")
-            except OSError:
-                pass
-            for target, fd in enumerate(fds):
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+            chan = socket.socket(fileno=fds[0])
+            msg, fds, _, _ = socket.recv_fds(chan, 1, 3)
+            if not msg or len(fds) != 3:
+                os._exit(0)  # the server went away (or retired this child) first
+            req = read_frame(chan.fileno())
+        except BaseException:  # noqa: BLE001 - nothing to report to: the exec never began
+            os._exit(126)
+        try:
+            for target, fd in enumerate(fds[:3]):
                 os.dup2(fd, target)
             _close_fds_from(3)
             self._set_limits(req)
@@ -103,6 +238,7 @@ class Server:
                 os.setgroups([])
                 os.setgid(self.gid)
                 os.setuid(self.uid)
+            workdir = req["workdir"]
             os.chdir(workdir)
             env = dict(self.env, HOME=workdir, TMPDIR=workdir, PWD=workdir)
             os.environ.clear()
@@ -114,7 +250,7 @@ class Server:
         try:
             if req.get("argv"):
                 self._exec_command(req["argv"], env)
-            self._run_python(req.get("code", ""))
+            self._run_python(req.get("code") or "")
         finally:
             os._exit(126)
 
@@ -128,6 +264,8 @@ class Server:
             (resource.RLIMIT_FSIZE, (lim["file_size_bytes"],) * 2),
             (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
             (resource.RLIMIT_CORE, (0, 0)),
+            (resource.RLIMIT_MSGQUEUE, (0, 0)),  # no POSIX message queue can outlive an exec
+            (resource.RLIMIT_MEMLOCK, (0, 0)),
         ]
         for which, value in pairs:
             resource.setrlimit(which, value)
@@ -176,23 +314,57 @@ class Server:
                     os.chown(entry, self.uid, self.gid)
         return workdir
 
-    def handle(self, req: dict) -> dict:
-        t0 = time.perf_counter()
-        workdir = self._prepare_workdir(req)
+    def prespawn(self) -> None:
+        """Ask for the next exec child now, off the exec path: it forks, joins the cgroups
+        and waits for its request while the host reads the last answer."""
+        if self._next is None:
+            self._next = self.zygote.request()
+
+    def _spawn(self, req: dict, workdir: str) -> tuple[int, tuple[int, int, int]]:
+        """Hand a waiting child its stdio and request; returns its pid and our pipe ends."""
+        self.prespawn()
+        chan, self._next = self._next, None
+        try:
+            pid = self.zygote.collect()
+        except (OSError, RuntimeError):
+            chan.close()
+            raise
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            self._child(req, workdir, (stdin_r, out_w, err_w))
+        theirs = [stdin_r, out_w, err_w]
+        own = {"code": req.get("code"), "argv": req.get("argv"), "workdir": workdir}
+        own["cpu_s"] = req.get("cpu_s")
+        try:
+            socket.send_fds(chan, [b"r"], theirs)
+            write_frame(chan.fileno(), own)
+        except OSError as err:
+            for fd in (stdin_w, out_r, err_r):
+                os.close(fd)
+            raise RuntimeError(f"exec child {pid} is gone: {err!r}") from None
+        finally:
+            for fd in theirs:
+                os.close(fd)
+            chan.close()
+        return pid, (stdin_w, out_r, err_r)
+
+    def handle(self, req: dict) -> dict:
+        t0 = time.perf_counter()
+        workdir = self._prepare_workdir(req)
+        pid, (stdin_w, out_r, err_r) = self._spawn(req, workdir)
         t_forked = time.perf_counter()
-        for fd in (stdin_r, out_w, err_w):
-            os.close(fd)
-        result = self._supervise(pid, req, stdin_w, out_r, err_r)
+        pump = _Pump(req, stdin_w, out_r, err_r)
+        status, reason, killed_early = self._supervise(pid, pump)
         t_ran = time.perf_counter()
-        result["leftover_killed"] = result.pop("killed_early", 0) + self._kill_leftovers()
-        shutil.rmtree(workdir, ignore_errors=True)
-        result["dirty"] = self._dirty(workdir)
+        result = _describe(status, reason, bytes(pump.out), bytes(pump.err), pump.cap)
+        dirty: list[str] = []
+        try:
+            result["leftover_killed"] = killed_early + self._kill_leftovers(dirty)
+            self._remove_files(workdir, dirty)
+            self._clean_ipc(dirty)
+        except Exception as err:  # noqa: BLE001 - cannot clean: the host replaces the sandbox
+            dirty.append(f"clean-up failed: {err!r}")
+        result["dirty"] = dirty
         t_done = time.perf_counter()
         result["timings_ms"] = {
             "setup_ms": (t_forked - t0) * 1e3,
@@ -201,168 +373,98 @@ class Server:
         }
         return result
 
-    def _supervise(self, pid: int, req: dict, stdin_w: int, out_r: int, err_r: int) -> dict:
-        deadline = time.monotonic() + float(req["timeout_s"])
-        cap = int(req["max_output_bytes"])
-        stdin_data = memoryview(base64.b64decode(req.get("stdin") or ""))
-        if not stdin_data:
-            os.close(stdin_w)
-            stdin_w = -1
-        else:
-            os.set_blocking(stdin_w, False)
+    def _supervise(self, pid: int, pump: _Pump) -> tuple[int | None, str | None, int]:
+        """Run the exec to its end (or its deadline); returns wait status, reason, kills."""
         pidfd = os.pidfd_open(pid)
-        out, err = bytearray(), bytearray()
-        buffers = {out_r: out, err_r: err}
-        reason, status, killed_early = None, None, 0
-        poller = select.poll()
-        for fd in (out_r, err_r, pidfd):
-            poller.register(fd, select.POLLIN)
-        if stdin_w >= 0:
-            poller.register(stdin_w, select.POLLOUT)
-        open_fds = {out_r, err_r}
-        while status is None or open_fds:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                reason = reason or "timeout"
-                break
-            for fd, _event in poller.poll(remaining * 1e3):
-                if fd == pidfd:
-                    _, status = os.waitpid(pid, 0)
-                    poller.unregister(pidfd)
+        status, killed_early = None, 0
+        try:
+            while status is None or pump.open_fds:
+                wait_fds = [pidfd] if status is None else []
+                if not pump.step(wait_fds):
+                    break
+                if status is None and _readable(pidfd):
+                    status = os.waitpid(pid, 0)[1]
                     # Background children may hold the pipes open: kill them now.
-                    killed_early += self._kill_leftovers()
-                elif fd == stdin_w:
-                    try:
-                        written = os.write(stdin_w, stdin_data[:65536])
-                        stdin_data = stdin_data[written:]
-                    except (BrokenPipeError, BlockingIOError):
-                        stdin_data = stdin_data[:0]
-                    if not stdin_data:
-                        poller.unregister(stdin_w)
-                        os.close(stdin_w)
-                        stdin_w = -1
-                else:
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        poller.unregister(fd)
-                        open_fds.discard(fd)
-                        continue
-                    buffers[fd] += chunk
-                    if len(out) + len(err) > cap:
-                        reason = "output_cap"
-            if reason == "output_cap":
-                break
-        if status is None:
-            _kill_quietly(pid)
-            _, status = os.waitpid(pid, 0)
-        for fd in (stdin_w, out_r, err_r, pidfd):
-            if fd >= 0:
-                os.close(fd)
-        result = self._describe(status, reason, bytes(out), bytes(err), cap)
-        result["killed_early"] = killed_early
-        return result
+                    killed_early += self._kill_leftovers([])
+            if status is None:
+                cleanup.kill_quietly(pid)
+                status = cleanup.wait_exit(pid, pidfd, time.monotonic() + WAIT_DEADLINE_S)
+        finally:
+            os.close(pidfd)
+            pump.close()
+        return status, pump.reason, killed_early
 
-    @staticmethod
-    def _describe(status: int, reason: str | None, out: bytes, err: bytes, cap: int) -> dict:
-        exit_code = os.waitstatus_to_exitcode(status)
-        sig = -exit_code if exit_code < 0 else None
-        if reason is None:
-            if sig == signal.SIGXCPU:
-                reason = "cpu_limit"
-            elif sig == signal.SIGXFSZ:
-                reason = "file_size_limit"
-            elif sig is not None:
-                reason = "signal"
-            else:
-                reason = "exit"
-        truncated = len(out) + len(err) > cap
-        out = out[:cap]
-        err = err[: max(0, cap - len(out))]
-        return {
-            "exit_code": exit_code if sig is None else None,
-            "signal": sig,
-            "reason": reason,
-            "truncated": truncated,
-            "stdout": base64.b64encode(out).decode(),
-            "stderr": base64.b64encode(err).decode(),
-        }
+    def _kill_leftovers(self, dirty: list[str]) -> int:
+        """SIGKILL (as root) every process of the sandbox uid; returns the kill rounds.
 
-    def _kill_leftovers(self) -> int:
-        """Kill every process of the sandbox uid; returns how many kill rounds it took.
-
-        ``kill(-1)`` from the sandbox uid reaches exactly that uid's processes (in the pid
-        namespace, or on the host for the process backend), however they re-grouped.
+        The killer never takes the sandbox uid, so nothing the code does (``kill(-1,
+        SIGSTOP)``, re-grouping, forking) can stop it; it gives up after
+        ``KILL_DEADLINE_S`` and reports the sandbox dirty instead of waiting on.
         """
         if self.uid is None:
             return 0
+        deadline = time.monotonic() + KILL_DEADLINE_S
         rounds = 0
-        self._reap()
-        while self._uid_processes():
-            rounds += 1
-            if rounds > 200:
-                raise RuntimeError("sandbox processes survive repeated SIGKILL")
-            reaper = os.fork()
-            if reaper == 0:
-                try:
-                    os.setgid(self.gid)
-                    os.setuid(self.uid)
-                    os.kill(-1, signal.SIGKILL)
-                finally:
-                    os._exit(0)
-            while os.waitpid(-1, 0)[0] != reaper:
-                pass  # reaps the killed orphans too (we are their subreaper)
-            self._reap()
-        return rounds
+        try:
+            while True:
+                pids = self._uid_processes()
+                if not pids:
+                    return rounds
+                if time.monotonic() > deadline:
+                    dirty.append(f"{len(pids)} processes survive SIGKILL")
+                    return rounds
+                rounds += 1
+                for pid in pids:
+                    cleanup.kill_as_root(pid, self.uid)
+                time.sleep(0.0005 * min(rounds, 20))
+        finally:
+            # Reap only now: until then the killed hold their RLIMIT_NPROC and pids.max
+            # slots as zombies, so a fork bomb cannot refill them faster than we kill.
+            cleanup.reap()  # the killed orphans are ours (we are their subreaper)
 
     def _uid_processes(self) -> list[int]:
         """Live (non-zombie) processes of the sandbox uid."""
-        if self.pids_current_file:
+        if self.pids_current_fd is not None:
             try:
-                with open(self.pids_current_file) as f:
-                    if int(f.read()) <= 1:  # only this server is left in the cgroup
-                        return []
+                if int(os.pread(self.pids_current_fd, 32, 0)) == 0:
+                    return []  # nothing is left in the sandbox's pids cgroup
             except (OSError, ValueError):
                 pass
         found = []
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
-                    if os.stat(f"/proc/{name}").st_uid == self.uid and not _zombie(name):
+                    if os.stat(f"/proc/{name}").st_uid == self.uid and not cleanup.is_zombie(name):
                         found.append(int(name))
                 except OSError:
                     pass
         return found
 
-    @staticmethod
-    def _reap() -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-
-    def _dirty(self, workdir: str) -> list[str]:
-        """What an exec left behind that the server could not clean."""
-        problems = []
-        if os.path.exists(workdir):
-            problems.append("work dir not removed")
+    def _remove_files(self, workdir: str, dirty: list[str]) -> None:
+        """Remove the work dir and the uid's files in scratch dirs, within the deadline."""
+        deadline = time.monotonic() + self.remove_deadline_s
+        if not cleanup.remove_tree(workdir, deadline):
+            dirty.append("work dir not removed in time")
         for scratch in self.scratch_dirs:
-            for entry in _owned_entries(scratch, self.uid):
-                _remove(entry)
-                if os.path.lexists(entry):
-                    problems.append(f"could not remove {entry}")
+            for entry in cleanup.owned_entries(scratch, self.uid):
+                if not cleanup.remove_tree(entry, deadline):
+                    dirty.append(f"could not remove {entry}")
+
+    def _clean_ipc(self, dirty: list[str]) -> None:
+        """Remove the exec's SysV IPC objects; any that stay make the sandbox dirty.
+
+        In its own IPC namespace (bwrap) every object is the code's; on the host's
+        (process backend) only those of the sandbox uid are. Without CAP_SYS_ADMIN (bwrap)
+        removal is refused, and the sandbox is replaced instead.
+        """
+        owner = None if self.scan_proc else self.uid
+        if owner is None and not self.scan_proc:
+            return  # no dedicated uid on the host's namespace: nothing is ours to judge
         for kind in ("shm", "msg", "sem"):
-            try:
-                with open(f"/proc/sysvipc/{kind}") as f:
-                    if len(f.read().splitlines()) > 1 and self.scan_proc:
-                        problems.append(f"sysv ipc {kind} objects left")
-            except OSError:
-                pass
-        if self._uid_processes():
-            problems.append("processes left")
-        return problems
+            for ident in cleanup.sysv_objects(kind, owner):
+                cleanup.ipc_rmid(kind, ident)
+            if cleanup.sysv_objects(kind, owner):
+                dirty.append(f"sysv ipc {kind} objects left")
 
     def serve(self) -> None:
         while True:
@@ -378,22 +480,103 @@ class Server:
             except Exception as err:  # noqa: BLE001 - reported to the host as infra error
                 result = {"reason": "sandbox_error", "error": repr(err)}
             write_frame(self.out_fd, result)
+            try:
+                self.prespawn()
+            except (OSError, RuntimeError):
+                pass  # the next exec tries again and reports it
 
 
-def _kill_quietly(pid: int) -> None:
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+class _Pump:
+    """Feeds an exec's stdin and collects its stdout/stderr up to a deadline and a cap."""
 
+    def __init__(self, req: dict, stdin_w: int, out_r: int, err_r: int) -> None:
+        self.deadline = time.monotonic() + float(req["timeout_s"])
+        self.cap = int(req["max_output_bytes"])
+        self.stdin = memoryview(base64.b64decode(req.get("stdin") or ""))
+        self.stdin_w = stdin_w
+        self.out, self.err = bytearray(), bytearray()
+        self.buffers = {out_r: self.out, err_r: self.err}
+        self.open_fds = {out_r, err_r}
+        self.reason: str | None = None
+        if self.stdin:
+            os.set_blocking(stdin_w, False)
+        else:
+            self._close_stdin()
 
-def _zombie(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
+    def step(self, extra_fds: list[int]) -> bool:
+        """Wait for one round of I/O (or ``extra_fds``); False once the exec must stop."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            self.reason = self.reason or "timeout"
+            return False
+        writers = [self.stdin_w] if self.stdin_w >= 0 else []
+        readable, writable, _ = select.select([*self.open_fds, *extra_fds], writers, [], remaining)
+        if writable:
+            self._feed_stdin()
+        for fd in readable:
+            if fd in self.open_fds:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self.open_fds.discard(fd)
+                    os.close(fd)
+                    continue
+                self.buffers[fd] += chunk
+                if len(self.out) + len(self.err) > self.cap:
+                    self.reason = "output_cap"
+                    return False
         return True
+
+    def _feed_stdin(self) -> None:
+        try:
+            written = os.write(self.stdin_w, self.stdin[:65536])
+            self.stdin = self.stdin[written:]
+        except (BrokenPipeError, BlockingIOError):
+            self.stdin = self.stdin[:0]
+        if not self.stdin:
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.stdin_w >= 0:
+            os.close(self.stdin_w)
+            self.stdin_w = -1
+
+    def close(self) -> None:
+        self._close_stdin()
+        for fd in self.open_fds:
+            os.close(fd)
+        self.open_fds = set()
+
+
+def _describe(status: int | None, reason: str | None, out: bytes, err: bytes, cap: int) -> dict:
+    if status is None:  # never reaped within its deadline (the sandbox is reported dirty)
+        exit_code, sig = None, signal.SIGKILL
+    else:
+        exit_code = os.waitstatus_to_exitcode(status)
+        sig = -exit_code if exit_code < 0 else None
+    if reason is None:
+        if sig == signal.SIGXCPU:
+            reason = "cpu_limit"
+        elif sig == signal.SIGXFSZ:
+            reason = "file_size_limit"
+        elif sig is not None:
+            reason = "signal"
+        else:
+            reason = "exit"
+    truncated = len(out) + len(err) > cap
+    out = out[:cap]
+    err = err[: max(0, cap - len(out))]
+    return {
+        "exit_code": exit_code if sig is None else None,
+        "signal": sig,
+        "reason": reason,
+        "truncated": truncated,
+        "stdout": base64.b64encode(out).decode(),
+        "stderr": base64.b64encode(err).decode(),
+    }
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _close_fds_from(low: int) -> None:
@@ -403,32 +586,6 @@ def _close_fds_from(low: int) -> None:
                 os.close(int(name))
             except OSError:
                 pass
-
-
-def _remove(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _owned_entries(directory: str, uid: int | None) -> list[str]:
-    found = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return found
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == uid:
-                found.append(path)
-        except OSError:
-            pass
-    return found
 
 
 def main() -> None:
@@ -443,6 +600,7 @@ def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     config = read_frame(in_fd)
     server = Server(in_fd, out_fd, config)
+    server.prespawn()
     write_frame(out_fd, {"op": "ready", "pid": os.getpid()})
     server.serve()
 

@@ -24,6 +24,7 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.sandbox.backends import resolve_backend
 from loomrl.sandbox.base import ExecResult, SandboxError, SandboxLimits
-from loomrl.sandbox.cgroups import remove_stale_cgroups
+from loomrl.sandbox.cgroups import cgroups_writable, remove_stale_cgroups
 from loomrl.sandbox.fork_sandbox import ForkServerSandbox, kill_uid_processes, uid_processes
 from loomrl.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidAllocator
 
@@ -39,7 +40,15 @@ logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_STARTS = 4
 PEAK_WINDOW_S = 30.0  # idle sandboxes up to the peak concurrency of this window are kept
-KILL_REASONS = ("timeout", "output_cap", "cpu_limit", "file_size_limit", "oom", "signal")
+KILL_REASONS = (
+    "timeout",
+    "output_cap",
+    "cpu_limit",
+    "file_size_limit",
+    "oom",
+    "signal",
+    "sandbox_lost",
+)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -47,6 +56,19 @@ def _percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _check_memory_limits(allowed_without: bool) -> None:
+    """Refuse to run code without per-sandbox memory limits unless the user opted in."""
+    if os.geteuid() == 0 and cgroups_writable():
+        return
+    why = "not root" if os.geteuid() != 0 else "no writable cgroup v1 or v2 memory+pids"
+    if not allowed_without:
+        raise SandboxError(
+            f"sandboxes would run without memory limits ({why}); set "
+            "sandbox.allow_no_memory_limit = true to run them anyway (RLIMIT_AS only)"
+        )
+    logger.warning("sandboxes run without memory limits (%s): opted in", why)
 
 
 class SandboxPool:
@@ -68,6 +90,7 @@ class SandboxPool:
         uid_base: int = DEFAULT_UID_BASE,
         uid_count: int = DEFAULT_UID_COUNT,
         reaper_interval_s: float = 5.0,
+        allow_no_memory_limit: bool = False,
     ) -> None:
         if not 0 <= min_warm <= max_warm <= max_sandboxes:
             raise ValueError(
@@ -76,6 +99,14 @@ class SandboxPool:
             )
         self.backend = resolve_backend(backend)
         self.limits = limits or SandboxLimits()
+        self._counts: Counter[str] = Counter()
+        if backend == "auto" and self.backend == "process":
+            self._counts["backend_fallbacks"] += 1
+            logger.warning(
+                "sandbox.backend = 'auto' fell back to the weaker 'process' backend (bubblewrap "
+                "is not installed): sandboxed code sees the host filesystem and network"
+            )
+        _check_memory_limits(allow_no_memory_limit)
         self.min_warm, self.max_warm, self.max_sandboxes = min_warm, max_warm, max_sandboxes
         self.ttl_s, self.max_execs_per_sandbox = ttl_s, max_execs_per_sandbox
         self.claim_timeout_s, self.max_retries, self.safety = claim_timeout_s, max_retries, safety
@@ -89,7 +120,6 @@ class SandboxPool:
         self._ready_s: deque[float] = deque(maxlen=128)
         self._busy_history: deque[tuple[float, int]] = deque(maxlen=4096)
         self._latency_ms: deque[float] = deque(maxlen=4096)
-        self._counts: Counter[str] = Counter()
         self._used_uids: set[int] = set()
         self._executor = ThreadPoolExecutor(max_sandboxes + 4, thread_name_prefix="sandbox-exec")
         remove_stale_cgroups(self._uid_is_free)
@@ -120,6 +150,7 @@ class SandboxPool:
             ttl_s=config.ttl_s,
             max_retries=config.max_retries,
             uid_base=config.uid_base,
+            allow_no_memory_limit=config.allow_no_memory_limit,
         )
 
     # --- sizing ---------------------------------------------------------------------
@@ -226,7 +257,7 @@ class SandboxPool:
                 self._cond.wait(remaining)
             self._num_busy += 1
             self._busy_history.append((time.monotonic(), self._num_busy))
-            return self._idle.pop()
+            return self._idle.popleft()  # the longest idle: its next child is ready
 
     def _release(self, sandbox: ForkServerSandbox, quarantine: str | None = None) -> None:
         retire = quarantine or self._closed or not sandbox.alive or sandbox.dirty
@@ -301,6 +332,7 @@ class SandboxPool:
         }
         names = ["claims", "buffer_misses", "execs", "started", "start_failures", "quarantined"]
         names += ["infra_failures", "infra_retries", "retired_ttl", "retired_surplus", "reaped"]
+        names += ["backend_fallbacks"]
         names += [f"kills_{r}" for r in (*KILL_REASONS, "leftover")]
         out.update({f"sandbox/{n}": float(self._counts[n]) for n in names})
         return out

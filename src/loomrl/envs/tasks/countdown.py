@@ -54,10 +54,13 @@ def check_expression(expression: str, numbers: list[int]) -> str | None:
 
 
 async def evaluate(expression: str, pool: SandboxPool | None = None) -> int | None:
-    """The expression's value as computed in the sandbox, or None if it did not evaluate."""
+    """The expression's value as computed in the sandbox, or None if it did not evaluate.
+
+    The exec runs under the pool's own limits (``sandbox.timeout_s``).
+    """
     pool = pool or default_pool()
     code = f"print(int({expression.strip()}))"
-    result = await pool.aexec(code, timeout_s=2.0, max_output_bytes=256)
+    result = await pool.aexec(code, max_output_bytes=256)
     if not result.ok:
         return None
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import tempfile
 import time
 import uuid
@@ -70,13 +71,53 @@ def _default_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _create_exclusive(path: Path) -> int:
+    """Create ``path`` (0600) exclusively: never adopt a file someone else put there.
+
+    A stale file of our own (a killed sender's) is replaced; anything else, a symlink or a
+    file of another user in the shared ``/dev/shm``, is refused.
+    """
+    for _ in range(2):
+        try:
+            return os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise TransportError(
+                    f"shm channel file {path} already exists and is not ours "
+                    f"(owner uid {st.st_uid}, {stat.filemode(st.st_mode)}): refusing to use it"
+                ) from None
+            path.unlink(missing_ok=True)  # our own stale file
+    raise TransportError(f"could not create shm channel file {path} exclusively")
+
+
+def _open_existing(path: Path) -> int:
+    try:
+        return os.open(path, _OPEN_FLAGS)
+    except OSError as err:
+        raise TransportError(f"cannot open shm channel file {path}: {err}") from None
+
+
+def _check_private(fd: int, path: Path) -> None:
+    """The channel's files must be ours, regular, and readable by nobody else."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise TransportError(
+            f"shm channel file {path} is not a private file of uid {os.geteuid()} "
+            f"(owner uid {st.st_uid}, {stat.filemode(st.st_mode)})"
+        )
+
+
 class _Mapped:
     """A memory-mapped file with numpy views of its index or data."""
 
     def __init__(self, path: Path, nbytes: int | None = None) -> None:
-        mode = os.O_RDWR | (os.O_CREAT if nbytes is not None else 0)
-        fd = os.open(path, mode, 0o600)
+        fd = _create_exclusive(path) if nbytes is not None else _open_existing(path)
         try:
+            _check_private(fd, path)
             if nbytes is not None:
                 os.ftruncate(fd, nbytes)
             size = os.fstat(fd).st_size
