@@ -41,11 +41,11 @@ def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
 
 def supervised_warmstart(
     model_spec: str, rows: list[dict[str, Any]], out: Path | None, *, steps: int, batch_size: int,
-    lr: float, seed: int, on_step: Callable[[int, Any, Any, float], None] | None = None,
+    lr: float, seed: int, on_step: Callable[[int, Any, Any, float], bool | None] | None = None,
 ) -> float:
-    """Train ``steps`` AdamW steps on random batches of ``rows``; save to ``out`` (unless
-    None); returns the last loss. ``on_step(step, model, tokenizer, loss)`` runs after each
-    step (a bench measures accuracy there)."""
+    """Train up to ``steps`` AdamW steps on random batches of ``rows``; save to ``out``
+    (unless None); returns the last loss. ``on_step(step, model, tokenizer, loss)`` runs
+    after each step; when it returns True, training stops there."""
     import torch
 
     from loomrl.models import load_model_and_tokenizer
@@ -66,24 +66,68 @@ def supervised_warmstart(
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             logger.info("warmstart step %4d loss %.3f (%.0fs)", step, loss.item(), time.time() - t0)
-        if on_step is not None:
-            on_step(step, model, tok, loss.item())
+        if on_step is not None and on_step(step, model, tok, loss.item()):
+            break
     if out is not None:
         model.save_pretrained(out)
         tok.save_pretrained(out)
     return loss.item()
 
 
+def greedy_accuracy(model, tok, rows: list[dict[str, Any]], answer_key: str = "answer") -> float:
+    """Fraction of ``rows`` whose greedy completion is exactly the row's answer."""
+    import torch
+
+    prompts = [tok(r["prompt"]).input_ids for r in rows]
+    max_new = max(len(str(r[answer_key])) for r in rows) + 1
+    correct = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for length in sorted({len(p) for p in prompts}):  # equal lengths: no padding needed
+            batch = [(p, r) for p, r in zip(prompts, rows) if len(p) == length]
+            ids = torch.tensor([p for p, _ in batch])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+            texts = tok.batch_decode(out[:, length:], skip_special_tokens=True)
+            correct += sum(t.strip() == str(r[answer_key]) for t, (_, r) in zip(texts, batch))
+    model.train(was_training)
+    return correct / len(rows)
+
+
+def accuracy_target(probe_rows: list[dict[str, Any]], target: float, every: int):
+    """An ``on_step`` that stops the warm-start once greedy accuracy on ``probe_rows`` (held
+    out of the warm-start's batches) reaches ``target``, checked every ``every`` steps."""
+    reached: dict[str, float] = {}
+
+    def on_step(step: int, model, tok, loss: float) -> bool:
+        if (step + 1) % every:
+            return False
+        accuracy = greedy_accuracy(model, tok, probe_rows)
+        logger.info("warmstart step %4d probe accuracy %.1f%%", step + 1, 100 * accuracy)
+        reached.update(step=step + 1, accuracy=accuracy)
+        return accuracy >= target
+
+    on_step.reached = reached  # type: ignore[attr-defined]
+    return on_step
+
+
 def warmstart_main(
     *, train_file: Path, default_out: str, default_steps: int, description: str,
-    argv: list[str] | None = None,
+    default_target_accuracy: float = 0.0, argv: list[str] | None = None,
 ) -> None:
     """Command line of an example's warm-start; rebuilds only when missing or when the
     settings or the training data changed (recorded in ``warmstart.json`` next to the
     weights)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(default_out))
-    parser.add_argument("--steps", type=int, default=default_steps)
+    parser.add_argument("--steps", type=int, default=default_steps,
+                        help="steps; with --target-accuracy, the most steps")
+    parser.add_argument("--target-accuracy", type=float, default=default_target_accuracy,
+                        help="stop once greedy accuracy on held-out training rows reaches this (0: off)")
+    parser.add_argument("--probe-rows", type=int, default=200,
+                        help="training rows held out of the warm-start to measure that accuracy")
+    parser.add_argument("--check-every", type=int, default=25)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -96,7 +140,10 @@ def warmstart_main(
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "force")}
     settings["train_sha256"] = hashlib.sha256(train_file.read_bytes()).hexdigest()  # new data: rebuild
     marker = args.out / "warmstart.json"
-    if not args.force and marker.is_file() and json.loads(marker.read_text()) == settings:
+    recorded = json.loads(marker.read_text()) if marker.is_file() else None
+    if recorded is not None:
+        recorded.pop("reached", None)
+    if not args.force and recorded == settings:
         print(f"warm-start model already at {args.out} (use --force to rebuild)")
         return
     import torch
@@ -105,7 +152,20 @@ def warmstart_main(
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    supervised_warmstart(args.model, load_rows(train_file), args.out, steps=args.steps,
-                         batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    rows, on_step = load_rows(train_file), None
+    if args.target_accuracy > 0:
+        rows, probe = rows[: -args.probe_rows], rows[-args.probe_rows :]
+        on_step = accuracy_target(probe, args.target_accuracy, args.check_every)
+    supervised_warmstart(args.model, rows, args.out, steps=args.steps, batch_size=args.batch_size,
+                         lr=args.lr, seed=args.seed, on_step=on_step)
+    if on_step is not None:
+        reached = on_step.reached
+        settings["reached"] = reached
+        if reached.get("accuracy", 0.0) < args.target_accuracy:
+            logger.warning("warm-start reached only %.1f%% of the %.1f%% target in %d steps; RL may have "
+                           "little signal", 100 * reached.get("accuracy", 0.0), 100 * args.target_accuracy,
+                           args.steps)
     marker.write_text(json.dumps(settings, indent=2))
-    print(f"warm-start model saved to {args.out}")
+    print(f"warm-start model saved to {args.out}" + (
+        f" (step {on_step.reached['step']}, {on_step.reached['accuracy']:.1%} on held-out training rows)"
+        if on_step is not None and on_step.reached else ""))
