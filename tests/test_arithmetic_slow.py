@@ -1,5 +1,6 @@
-"""The arithmetic example for real (slow): warm-start, then async RL with full and with
-delta weight sync; both learn, and delta sync reaches the same accuracy as full sync."""
+"""The arithmetic example for real (slow): warm-start, then async RL. It learns from
+warm-start seeds other than the default, and delta weight sync reaches the same accuracy
+as full sync on the same warm-start."""
 
 from __future__ import annotations
 
@@ -12,21 +13,38 @@ from loomrl.job import Job
 
 from conftest import ROOT
 
+# The demo job as shipped (1000 steps). Held-out accuracy points RL must gain (200 eval rows):
+# the slowest seed measured (seed 2) gained +15.5 points; the old unpadded demo lost 2.
+MIN_GAIN = 0.10
+
+
+def _warmstart(out, seed: int):
+    subprocess.run([sys.executable, "-m", "examples.arithmetic.warmstart", "--out", str(out), "--seed", str(seed)],
+                   cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def _rl(model, seed: int, codec: str, out) -> tuple[float, float]:
+    overrides = [f'model.path="{model}"', f"seed={seed}", f'weight_sync.codec="{codec}"',
+                 f'output_dir="{out}"', "eval.every_steps=1000"]
+    s = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run().summary
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    return s["eval_start"], s["eval_end"]
+
 
 @pytest.mark.slow
-def test_async_arithmetic_with_delta_sync_matches_full_sync(tmp_path):
-    model = tmp_path / "warmstart"
-    subprocess.run([sys.executable, "-m", "examples.arithmetic.warmstart", "--out", str(model)],
-                   cwd=ROOT, check=True, capture_output=True)
-    accuracy = {}
-    for codec in ("full", "delta"):
-        overrides = [f'model.path="{model}"', f'weight_sync.codec="{codec}"', "trainer.num_steps=300",
-                     "algorithm.max_staleness=2", f'output_dir="{tmp_path / codec}"', "eval.every_steps=1000"]
-        result = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run()
-        s = result.summary
-        assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
-        accuracy[codec] = (s["eval_start"], s["eval_end"])
-    (start_full, end_full), (start_delta, end_delta) = accuracy["full"], accuracy["delta"]
+def test_async_arithmetic_learns_with_delta_sync_as_with_full_sync(tmp_path):
+    model = _warmstart(tmp_path / "warmstart-1", seed=1)
+    start_full, end_full = _rl(model, 1, "full", tmp_path / "full")
+    start_delta, end_delta = _rl(model, 1, "delta", tmp_path / "delta")
     assert start_full == start_delta
-    assert end_full >= start_full + 0.15 and end_delta >= start_delta + 0.15  # RL learned
-    assert abs(end_full - end_delta) <= 0.08  # the same accuracy band (200 eval rows)
+    assert end_full >= start_full + MIN_GAIN, (start_full, end_full)
+    assert end_delta >= start_delta + MIN_GAIN, (start_delta, end_delta)
+    assert abs(end_full - end_delta) <= 0.1  # the same accuracy band (200 eval rows)
+
+
+@pytest.mark.slow
+def test_async_arithmetic_learns_from_another_warmstart_seed(tmp_path):
+    model = _warmstart(tmp_path / "warmstart-2", seed=2)
+    start, end = _rl(model, 2, "full", tmp_path / "run")
+    assert end >= start + MIN_GAIN, (start, end)
