@@ -95,21 +95,22 @@ def greedy_accuracy(model, tok, rows: list[dict[str, Any]], answer_key: str = "a
     return correct / len(rows)
 
 
-def accuracy_target(probe_rows: list[dict[str, Any]], target: float, every: int):
+class AccuracyTarget:
     """An ``on_step`` that stops the warm-start once greedy accuracy on ``probe_rows`` (held
-    out of the warm-start's batches) reaches ``target``, checked every ``every`` steps."""
-    reached: dict[str, float] = {}
+    out of the warm-start's batches) reaches ``target``, checked every ``every`` steps;
+    ``reached`` holds the last check's step and accuracy."""
 
-    def on_step(step: int, model, tok, loss: float) -> bool:
-        if (step + 1) % every:
+    def __init__(self, probe_rows: list[dict[str, Any]], target: float, every: int) -> None:
+        self.probe_rows, self.target, self.every = probe_rows, target, every
+        self.reached: dict[str, float] = {}
+
+    def __call__(self, step: int, model, tok, loss: float) -> bool:
+        if (step + 1) % self.every:
             return False
-        accuracy = greedy_accuracy(model, tok, probe_rows)
+        accuracy = greedy_accuracy(model, tok, self.probe_rows)
         logger.info("warmstart step %4d probe accuracy %.1f%%", step + 1, 100 * accuracy)
-        reached.update(step=step + 1, accuracy=accuracy)
-        return accuracy >= target
-
-    on_step.reached = reached  # type: ignore[attr-defined]
-    return on_step
+        self.reached = {"step": step + 1, "accuracy": accuracy}
+        return accuracy >= self.target
 
 
 def warmstart_main(
@@ -155,7 +156,7 @@ def warmstart_main(
     rows, on_step = load_rows(train_file), None
     if args.target_accuracy > 0:
         rows, probe = rows[: -args.probe_rows], rows[-args.probe_rows :]
-        on_step = accuracy_target(probe, args.target_accuracy, args.check_every)
+        on_step = AccuracyTarget(probe, args.target_accuracy, args.check_every)
     supervised_warmstart(args.model, rows, args.out, steps=args.steps, batch_size=args.batch_size,
                          lr=args.lr, seed=args.seed, on_step=on_step)
     if on_step is not None:
