@@ -33,6 +33,7 @@ def _rl(model, seed: int, codec: str, out) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # a warm-start and two 1000-step runs: ~8 min idle, far more when loaded
 def test_async_arithmetic_learns_with_delta_sync_as_with_full_sync(tmp_path):
     model = _warmstart(tmp_path / "warmstart-1", seed=1)
     start_full, end_full = _rl(model, 1, "full", tmp_path / "full")
@@ -44,6 +45,7 @@ def test_async_arithmetic_learns_with_delta_sync_as_with_full_sync(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_async_arithmetic_learns_from_another_warmstart_seed(tmp_path):
     model = _warmstart(tmp_path / "warmstart-2", seed=2)
     start, end = _rl(model, 2, "full", tmp_path / "run")
