@@ -75,7 +75,7 @@ def print_table(stats: dict, losses: list[str], staleness: list[int], start: flo
             st = stats.get((loss, s))
             if st is None:
                 continue
-            ratio = f"{st['acc_mean'] - sync['acc_mean']:+.1%}" if sync else "-"
+            ratio = f"{100 * (st['acc_mean'] - sync['acc_mean']):+.1f} pts" if sync else "-"
             table.add_row(loss, str(s), f"{st['staleness']:.2f}", f"{st['acc_mean']:.1%}",
                           f"{st['acc_min']:.1%}..{st['acc_max']:.1%}", ratio, f"{st['samples_per_s']:.0f}",
                           str(st["n"]))
