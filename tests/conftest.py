@@ -46,6 +46,16 @@ def tiny_job_raw(tmp_path: Path, train: Path, evals: Path | None = None, **secti
     return raw
 
 
+def json_to_toml(raw: dict) -> str:
+    """A job dict (top-level keys and one table per section) as TOML text."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
 @pytest.fixture
 def tiny_job(tmp_path: Path, tiny_data):
     """``tiny_job(**sections)`` -> a JobConfig for a 4-step job on 400 arithmetic rows."""

@@ -20,7 +20,7 @@ from loomrl.models import ModelLoadError
 from loomrl.telemetry.metrics import read_metrics
 from loomrl.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
-from conftest import ROOT, tiny_job_raw
+from conftest import ROOT, json_to_toml, tiny_job_raw
 
 
 def length_reward(prompt, completion, **row):
@@ -145,7 +145,7 @@ def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, t
     raw = tiny_job_raw(tmp_path, train, None, algorithm={"max_staleness": 2}, runtime=runtime,
                        trainer={"num_steps": 40}, checkpoint={"every_steps": 5, "keep": 50})
     job_file = tmp_path / "job.toml"
-    job_file.write_text(_to_toml(raw))
+    job_file.write_text(json_to_toml(raw))
     run_dir = Path(raw["output_dir"])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     shm_at_start = _shm_files()
@@ -181,15 +181,6 @@ def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, t
     assert killed_at >= 12
 
 
-def _to_toml(raw: dict) -> str:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
-    for section, values in raw.items():
-        if isinstance(values, dict):
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
-
-
 def test_build_config_rejects_unknown_section():
     with pytest.raises(ValueError, match="unknown key"):
         build_config({"data": {"train": "x"}, "task": {"reward": "a:b"}, "trainr": {}})
@@ -217,7 +208,7 @@ def test_ctrl_c_checkpoints_the_current_step_and_names_it_for_resume(tmp_path, t
     raw = tiny_job_raw(tmp_path, train, None, runtime=runtime, trainer={"num_steps": 400},
                        checkpoint={"every_steps": 1000})  # fmt: skip
     job_file = tmp_path / "job.toml"
-    job_file.write_text(_to_toml(raw))
+    job_file.write_text(json_to_toml(raw))
     run_dir = Path(raw["output_dir"])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,

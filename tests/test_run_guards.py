@@ -19,7 +19,7 @@ from loomrl.envs.scorer import JobFailedError
 from loomrl.job import Job
 from loomrl.training.checkpoint import latest_checkpoint
 
-from conftest import ROOT, tiny_job_raw
+from conftest import ROOT, json_to_toml, tiny_job_raw
 
 BASE = {"data": {"train": "t.jsonl"}, "task": {"reward": "m:f"}}
 
@@ -86,12 +86,3 @@ def test_first_ctrl_c_stops_a_run_waiting_for_a_batch_that_never_comes(tmp_path,
     last = latest_checkpoint(run_dir / "checkpoints")
     assert last is not None and f"continues from {last.name}" in stderr
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
-
-
-def json_to_toml(raw: dict) -> str:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
-    for section, values in raw.items():
-        if isinstance(values, dict):
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
