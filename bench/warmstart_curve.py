@@ -21,8 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from learning import ISA_ENV  # bench/learning.py, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
-ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
 def _rows(name: str, fmt: str) -> list[dict]:
