@@ -50,11 +50,11 @@ def test_measuring_the_update_does_not_change_the_step():
 
 def _plain_step(trainer: Trainer):
     from loomrl.algorithms import policy_loss
-    from loomrl.training.trainer import build_token_batch, compute_advantages, token_logprobs
+    from loomrl.training.trainer import compute_advantages, token_logprobs
 
     def step(groups):
         rollouts, adv = compute_advantages(groups, trainer.algo.advantage_scale)
-        batch = build_token_batch(rollouts, adv, trainer.version, trainer.pad_id)
+        batch = trainer._micro_batch(rollouts, adv)
         logp, _ = token_logprobs(trainer.model, batch, trainer.temperature)
         trainer.optimizer.zero_grad(set_to_none=True)
         policy_loss(trainer.algo.loss, logp, batch.behaviour, batch.advantages, batch.target_mask,

@@ -12,6 +12,7 @@ import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
 from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.training.prefix import PrefixBatch, build_prefix_batch, prefix_logits
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,19 @@ def build_token_batch(
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, temperature: float
+    model: torch.nn.Module, batch: TokenBatch | PrefixBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token ``[batch, seq-1]`` and the entropy of each prediction."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1, :].float() / temperature
+    """Log-probs of each next token and the entropy of each prediction, aligned with
+    ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch, completion]``
+    for a ``PrefixBatch`` (each prompt computed once)."""
+    if isinstance(batch, PrefixBatch):
+        logits = prefix_logits(model, batch).float() / temperature
+        targets = batch.suffix_ids.unsqueeze(-1)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1, :].float() / temperature
+        targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logp_all = torch.log_softmax(logits, dim=-1)
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logp = logp_all.gather(-1, targets).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
@@ -135,9 +142,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.micro_batch_size
         for start in range(0, len(rollouts), size):
-            micro = build_token_batch(
-                rollouts[start : start + size], advantages[start : start + size], self.version, self.pad_id
-            )
+            micro = self._micro_batch(rollouts[start : start + size], advantages[start : start + size])
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         metrics = batch_stats.finish()
@@ -169,8 +174,14 @@ class Trainer:
         )
         return metrics
 
+    def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
+        """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
+        if self.cfg.shared_prefix and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
+            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id)
+        return build_token_batch(rollouts, advantages, self.version, self.pad_id)
+
     def _micro_step(
-        self, batch: TokenBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
+        self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
     ) -> None:
         logp, entropy = token_logprobs(self.model, batch, self.temperature)
         mask = batch.target_mask
