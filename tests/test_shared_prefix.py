@@ -89,3 +89,38 @@ def test_distinct_prompts_take_the_plain_forward():
     trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
     rollouts = _rollouts(0, prompt_lengths=(3, 4, 5), group_size=1)
     assert not isinstance(trainer._micro_batch(rollouts, [0.0] * 3), PrefixBatch)
+
+
+def test_generation_shares_each_prompt_prefill_and_samples_the_same():
+    from loomrl.generation.hf import HFGenerator
+    from loomrl.types import GenerationRequest, SamplingParams
+
+    model, tok = _model(7)
+    model.eval()
+    requests = [GenerationRequest([1] + [3 + (i * 7 + j) % 50 for j in range(2 + i)], 4,
+                                  SamplingParams(temperature=1.0, max_new_tokens=5), seed=11 + i) for i in range(3)]
+    outputs, prefill_rows = [], []
+    for share in (True, False):
+        gen = HFGenerator(model, tok, publish_dtype="float32")
+        gen.share_prefill = share
+        calls = []
+        forward = model.forward
+
+        def counting(*args, _forward=forward, **kwargs):
+            calls.append(kwargs["input_ids"].shape)
+            return _forward(*args, **kwargs)
+
+        model.forward = counting
+        try:
+            outputs.append(gen.generate(requests))
+        finally:
+            model.forward = forward
+        prefill_rows.append(calls[0][0])
+        # a forward per sampled token but the last: none for a token that is never sampled
+        longest = max(len(c.token_ids) for r in outputs[-1] for c in r.completions)
+        assert len(calls) == longest
+    assert prefill_rows == [3, 12]
+    for shared, plain in zip(*outputs):
+        for a, b in zip(shared.completions, plain.completions):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)

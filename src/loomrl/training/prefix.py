@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loomrl.models.cache import repeat_cache
 from loomrl.types import Rollout
 
 
@@ -68,16 +69,6 @@ def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version
     )
 
 
-def _repeat_cache(cache, owner: torch.Tensor):
-    """A new cache whose row ``i`` is the prompt cache's row ``owner[i]`` (differentiable)."""
-    from transformers.cache_utils import DynamicCache
-
-    repeated = DynamicCache()
-    for layer_idx, layer in enumerate(cache.layers):
-        repeated.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), layer_idx)
-    return repeated
-
-
 def prefix_logits(model: torch.nn.Module, batch: PrefixBatch) -> torch.Tensor:
     """Logits ``[rows, S, vocab]``: position ``j`` predicts completion token ``j``."""
     out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True)
@@ -89,5 +80,5 @@ def prefix_logits(model: torch.nn.Module, batch: PrefixBatch) -> torch.Tensor:
     positions = batch.prefix_len.index_select(0, batch.owner)[:, None] + torch.arange(inputs.shape[1])[None, :]
     attention = torch.cat([batch.prefix_attn.index_select(0, batch.owner), batch.suffix_attn[:, :-1]], dim=1)
     rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
-                 past_key_values=_repeat_cache(out.past_key_values, batch.owner), use_cache=False).logits
+                 past_key_values=repeat_cache(out.past_key_values, batch.owner), use_cache=False).logits
     return torch.cat([first, rest], dim=1)
