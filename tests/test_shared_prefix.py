@@ -106,7 +106,7 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
         calls = []
         forward = model.forward
 
-        def counting(*args, _forward=forward, **kwargs):
+        def counting(*args, _forward=forward, calls=calls, **kwargs):
             calls.append(kwargs["input_ids"].shape)
             return _forward(*args, **kwargs)
 

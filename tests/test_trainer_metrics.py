@@ -63,3 +63,12 @@ def _plain_step(trainer: Trainer):
         trainer.optimizer.step()
 
     return step
+
+
+def test_step_phases_are_timed_within_the_step():
+    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, micro_batch_size=3), 1.0)
+    metrics = trainer.train_step(_groups())
+    phases = [metrics[f"timing/train_{p}_s"] for p in ("forward", "backward", "optimizer")]
+    assert all(p > 0 for p in phases)
+    assert sum(phases) <= metrics["timing/train_step_s"]

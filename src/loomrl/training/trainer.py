@@ -121,6 +121,7 @@ class Trainer:
         self.cfg = trainer
         self.temperature = temperature
         self.version = 0
+        self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
@@ -137,6 +138,7 @@ class Trainer:
         if not rollouts:
             raise ValueError("train_step got no successfully scored rollout")
         batch_stats = _Accumulator()
+        self._phase_s = {"forward": 0.0, "backward": 0.0}
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
         self.optimizer.zero_grad(set_to_none=True)
@@ -156,7 +158,9 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         before = torch._foreach_mul(params, 1.0)  # a copy, to measure the step's size
+        t_opt = time.perf_counter()
         self.optimizer.step()
+        optimizer_s = time.perf_counter() - t_opt
         update_rms, weight_rms = _update_and_weight_rms(before, params)
         self.scheduler.step()
         self.version += 1
@@ -170,6 +174,9 @@ class Trainer:
                 "train/num_tokens": float(total_tokens),
                 "train/advantage_abs_mean": sum(abs(a) for a in advantages) / len(advantages),
                 "timing/train_step_s": time.perf_counter() - t0,
+                "timing/train_forward_s": self._phase_s["forward"],
+                "timing/train_backward_s": self._phase_s["backward"],
+                "timing/train_optimizer_s": optimizer_s,
             }
         )
         return metrics
@@ -183,6 +190,7 @@ class Trainer:
     def _micro_step(
         self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
     ) -> None:
+        t0 = time.perf_counter()
         logp, entropy = token_logprobs(self.model, batch, self.temperature)
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
@@ -201,7 +209,10 @@ class Trainer:
             kl = kl_penalty(logp, ref_logp, mask)
             total = total + self.algo.kl_coef * kl * weight
             acc.add("train/kl", float(kl), n_tokens)
+        t1 = time.perf_counter()
         total.backward()
+        self._phase_s["forward"] += t1 - t0
+        self._phase_s["backward"] += time.perf_counter() - t1
         with torch.no_grad():
             acc.add("train/loss", float(loss), weight, weighted_sum=True)
             acc.add("train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens)
