@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT / "examples/arithmetic"
+PHASE_ORDER = ["generate", "score", "train forward", "train backward", "optimizer", "publish", "trainer busy",
+               "wait for batch"]
 SYSTEMS = ("trl", "sync-local", "async-local", "async-process")
 
 
@@ -122,12 +124,65 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
     )
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
                           processing_class=tok)
+    phases = _time_trl_phases(trainer)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     trainer.model.save_pretrained(out / "final")
     tok.save_pretrained(out / "final")
-    return {"wall_s": wall, "completions": args.steps * args.groups_per_step * 8, "final": out / "final"}
+    return {"wall_s": wall, "completions": args.steps * args.groups_per_step * 8, "final": out / "final",
+            "phases": {k: v / args.steps for k, v in phases.items()}}
+
+
+def _time_trl_phases(trainer) -> dict[str, float]:
+    """Seconds spent in each phase of TRL's loop, by wrapping the methods that do them."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    phases = {"generate": 0.0, "score": 0.0, "train forward": 0.0, "train backward": 0.0, "optimizer": 0.0}
+
+    def timed(obj, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                phases[phase] += time.perf_counter() - t0
+
+        setattr(obj, name, wrapper)
+
+    timed(trainer, "_generate_single_turn", "generate")
+    timed(trainer, "_calculate_rewards", "score")
+    timed(trainer, "compute_loss", "train forward")
+    timed(trainer.accelerator, "backward", "train backward")
+    started: list[float] = []
+    register_optimizer_step_pre_hook(lambda *_: started.append(time.perf_counter()))
+
+    def post(*_):
+        phases["optimizer"] += time.perf_counter() - started.pop()
+
+    register_optimizer_step_post_hook(post)
+    return phases
+
+
+def _loomrl_phases(run_dir: Path, steps: int) -> dict[str, float]:
+    """Seconds per step of each phase, from the run's metrics and summary (executor phases
+    overlap in async mode)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "train/loss" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in records) / steps
+
+    return {"generate": summary["generator_busy_s"] / steps, "train forward": total("timing/train_forward_s"),
+            "train backward": total("timing/train_backward_s"), "optimizer": total("timing/train_optimizer_s"),
+            "publish": total("timing/publish_s"), "trainer busy": summary["trainer_busy_s"] / steps,
+            "wait for batch": total("timing/wait_for_batch_s")}
 
 
 def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
@@ -146,7 +201,9 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
     t0 = time.perf_counter()
     result = Job.from_toml(DATA / "job.toml", overrides).run()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "completions": result.summary["trained"], "final": Path(result.summary["run_dir"]) / "final"}
+    run_dir = Path(result.summary["run_dir"])
+    return {"wall_s": wall, "completions": result.summary["trained"], "final": run_dir / "final",
+            "phases": _loomrl_phases(run_dir, args.steps)}
 
 
 def child(system: str, args: argparse.Namespace) -> None:
@@ -156,7 +213,7 @@ def child(system: str, args: argparse.Namespace) -> None:
     rss_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps({"wall_s": r["wall_s"], "completions": r["completions"], "accuracy": accuracy,
-                      "rss_mb": rss_self, "child_rss_mb": rss_children}))
+                      "rss_mb": rss_self, "child_rss_mb": rss_children, "phases": r["phases"]}))
 
 
 def main() -> None:
@@ -223,6 +280,15 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                       f"{cps[s] * flops / rate:.0%}", f"{med(s, lambda r: r['accuracy']):.1%}", f"{rss:.0f}")
     console = Console(width=max(Console().width, 120))
     console.print(table)
+    phases = sorted({p for s in results for p in results[s][0]["phases"]}, key=PHASE_ORDER.index)
+    by_phase = Table(title="seconds per step in each phase (median; loomrl's executors overlap in async mode)")
+    for col in ("system", *phases, "wall"):
+        by_phase.add_column(col, justify="right")
+    for s in results:
+        cells = [f"{med(s, lambda r, p=p: r['phases'][p]):.3f}" if p in results[s][0]["phases"] else "-"
+                 for p in phases]
+        by_phase.add_row(s, *cells, f"{med(s, lambda r: r['wall_s']) / args.steps:.3f}")
+    console.print(by_phase)
     console.print(f"model FLOPs per completion {flops / 1e6:.1f} M; fp32 matmul rate at the model's shapes "
                   f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads; machine limit "
                   f"~{rate / flops:.0f} completions/s")
