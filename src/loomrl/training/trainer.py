@@ -12,6 +12,7 @@ import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
 from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.device import module_device
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ class TokenBatch:
     behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [batch]
     same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
+                                                    self.behaviour, self.advantages, self.same_version)))  # fmt: skip
 
 
 def build_token_batch(
@@ -109,6 +114,7 @@ class Trainer:
         temperature: float,
     ) -> None:
         self.model = model.float().train()
+        self.device = module_device(self.model)
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
         self.cfg = trainer
@@ -137,7 +143,7 @@ class Trainer:
         for start in range(0, len(rollouts), size):
             micro = build_token_batch(
                 rollouts[start : start + size], advantages[start : start + size], self.version, self.pad_id
-            )
+            ).to(self.device)
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         metrics = batch_stats.finish()
