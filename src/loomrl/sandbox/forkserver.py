@@ -580,12 +580,8 @@ def _readable(fd: int) -> bool:
 
 
 def _close_fds_from(low: int) -> None:
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
-        if int(name) >= low:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
+    """Close every fd from ``low`` up (close_range(2) where the kernel has it)."""
+    os.closerange(low, max(low, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
 
 
 def main() -> None:
