@@ -87,7 +87,12 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
 
 
 def lr_factor(cfg: TrainerConfig):
-    """Multiplier of the base learning rate at a step: linear warmup, then the schedule."""
+    """Multiplier of the base learning rate at a step: linear warmup, then the schedule.
+
+    Run by ``torch.optim.lr_scheduler.LambdaLR``. Not ``transformers.get_scheduler``: its
+    warmup starts at 0, so the first RL step (a whole generation round) would not move the
+    weights, and its linear decay rounds differently; torch's chained LinearLR/SequentialLR
+    compute the factor recursively. Either would change trained numbers on the same seed."""
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
