@@ -23,7 +23,7 @@ from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.telemetry.metrics import MetricsLogger
-from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
+from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,17 @@ class Controller:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Apply the newest weights the requests may use (a step of its own, which a
+        scheduler's lease can wrap), then generate on them."""
+        applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
+        self._apply_s += applied.apply_s
+        if applied.weight_metrics:
+            self._generator_weight_metrics = applied.weight_metrics
+        results = await generator.generate(requests)
+        self._apply_s += sum(r.weight_apply_s for r in results)  # generate's own catch-up, if any
+        return results
+
     async def _generation_loop(self, generator: ExecutorHandle) -> None:
         per_request = self.cfg.generation.prompts_per_request
         group_size = self.cfg.algorithm.group_size
@@ -166,10 +177,7 @@ class Controller:
                 )
                 for epoch, i in picks
             ]
-            results = await generator.call("generate", requests)
-            self._apply_s += sum(r.weight_apply_s for r in results)
-            if results and results[0].weight_metrics:
-                self._generator_weight_metrics = results[0].weight_metrics
+            results = await self._generate(generator, requests)
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
                 rollouts = [
@@ -201,7 +209,7 @@ class Controller:
         try:
             rollouts = await run_group_episodes(
                 envs, self.train_rows[index], index,
-                generate=lambda requests: generator.call("generate", self._require(requests)),
+                generate=lambda requests: self._generate(generator, self._require(requests)),
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
@@ -256,7 +264,7 @@ class Controller:
         else:
             requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
                         for r in self.eval_rows]  # fmt: skip
-            results = await self.generators[0].call("generate", requests)
+            results = await self._generate(self.generators[0], requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
                         [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
@@ -266,7 +274,7 @@ class Controller:
             await self.eval_scorer.score(rollouts)
         rewards = [r.reward for r in rollouts if r.status == "ok"]
         record = {
-            "eval/accuracy": sum(rewards) / len(rollouts),
+            "eval/mean_reward": sum(rewards) / len(rollouts),
             "eval/num_failed": len(rollouts) - len(rewards),
             "eval/version": min(r.version for r in rollouts),
             "timing/eval_s": time.perf_counter() - t0,
@@ -288,7 +296,7 @@ class Controller:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", self._require(reqs, eval_=True)),
+                    [env], row, i, generate=lambda reqs: self._generate(self.generators[0], self._require(reqs, eval_=True)),
                     encode=self._encode, decode=self._decode, sampling=greedy,
                     max_turns=self.cfg.task.max_turns, seed=0,
                 )
@@ -307,7 +315,7 @@ class Controller:
         if batch is None:  # stop requested while waiting for a batch
             return None
         wait_s = time.perf_counter() - t0
-        metrics = await self.trainer.call("train_step", batch.groups)
+        metrics = await self.trainer.train_step(batch.groups)
         rollouts = [r for g in batch.groups for r in g.rollouts]
         self.counters.trained += len(rollouts)
         for g in batch.groups:
@@ -315,7 +323,7 @@ class Controller:
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
-            metrics.update(await self.trainer.call("publish"))
+            metrics.update(await self.trainer.publish())
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
@@ -365,12 +373,12 @@ class Controller:
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
         adds its time to the time before the checkpoint and keeps the first eval)."""
-        await self.trainer.call("publish")  # version v to every generator before any request
+        await self.trainer.publish()  # version v to every generator before any request
         if self.resumed:
-            first_eval = {"eval/accuracy": self.history["eval_start"]}
+            first_eval = {"eval/mean_reward": self.history["eval_start"]}
         else:
             first_eval = await self.evaluate()
-            self.history["eval_start"] = first_eval.get("eval/accuracy")
+            self.history["eval_start"] = first_eval.get("eval/mean_reward")
             if first_eval:
                 self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
@@ -397,8 +405,8 @@ class Controller:
             "samples_per_s": self.counters.trained / max(elapsed, 1e-9),
             "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
-            "eval_start": first_eval.get("eval/accuracy"),
-            "eval_end": final_eval.get("eval/accuracy"),
+            "eval_start": first_eval.get("eval/mean_reward"),
+            "eval_end": final_eval.get("eval/mean_reward"),
             "interrupted": self.stop_requested and self.version < self.cfg.trainer.num_steps,
             **{k.split("/")[1]: v for k, v in self.accounting().items()},
         }
