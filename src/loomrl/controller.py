@@ -383,7 +383,7 @@ class Controller:
                 self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
-        started = time.perf_counter()
+        started, loop_cpu = time.perf_counter(), time.thread_time()
         self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         try:
@@ -399,7 +399,12 @@ class Controller:
                 await asyncio.wait(list(self.scoring), timeout=2.0 if self.stop_requested else None)
         final_eval = {} if self.stop_requested else await self.evaluate()
         elapsed = self._elapsed(started)
+        # The loop's own CPU time: neither waiting (no CPU) nor executor calls (other threads
+        # or processes), so all the controller's overhead, as a share of this session's wall.
+        loop_cpu = time.thread_time() - loop_cpu
         summary = {
+            "controller_cpu_s": loop_cpu,
+            "controller_overhead": loop_cpu / max(time.perf_counter() - started, 1e-9),
             "steps": self.version,
             "elapsed_s": elapsed,
             "samples_per_s": self.counters.trained / max(elapsed, 1e-9),

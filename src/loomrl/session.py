@@ -26,7 +26,7 @@ from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir
-from loomrl.runtime.base import Runtime
+from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import TrainerEndpoints
@@ -315,6 +315,9 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
         await trainer.load_state_dict(trainer_state)
     with _graceful_interrupt(controller):
         summary = await controller.run(checkpoint=checkpoint)
+    # per executor; on the local runtime every executor shares the controller's process
+    summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),
+                              **{h.name: peak_rss_mb(h.pid) for h in runtime.handles}}
     if not summary["interrupted"]:
         await trainer.save_pretrained(str(run_dir / "final"))
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -90,6 +91,11 @@ class ExecutorHandle(ABC):
         """Where the executor runs, for messages (``"pid 123"``, a Ray actor id ...)."""
         return "this process"
 
+    @property
+    def pid(self) -> int | None:
+        """The process the executor runs in, on this host (None if elsewhere)."""
+        return os.getpid()
+
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` there by name; checked against the interface, if any."""
         if self.interface is not None:
@@ -125,3 +131,18 @@ class Runtime(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+
+def peak_rss_mb(pid: int | None) -> float | None:
+    """The peak resident memory of process ``pid`` so far, in MiB (Linux ``VmHWM``); None
+    where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None

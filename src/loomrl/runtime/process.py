@@ -230,6 +230,10 @@ class ProcessHandle(ExecutorHandle):
     def where(self) -> str:
         return f"pid {self.process.pid}"
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
         try:
