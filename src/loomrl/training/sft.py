@@ -119,7 +119,7 @@ class AccuracyTarget:
 
 def warmstart_main(
     *, train_file: Path, default_out: str, default_steps: int, description: str,
-    default_target_accuracy: float = 0.0, argv: list[str] | None = None,
+    default_target_accuracy: float = 0.0, default_weight_decay: float = 0.01, argv: list[str] | None = None,
 ) -> None:
     """Command line of an example's warm-start; rebuilds only when missing or when the
     settings or the training data changed (recorded in ``warmstart.json`` next to the
@@ -135,6 +135,8 @@ def warmstart_main(
     parser.add_argument("--check-every", type=int, default=25)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--weight-decay", type=float, default=default_weight_decay, help="AdamW weight decay")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny:llama")
     parser.add_argument("--threads", type=int, default=2,
@@ -162,7 +164,8 @@ def warmstart_main(
         rows, probe = rows[: -args.probe_rows], rows[-args.probe_rows :]
         on_step = AccuracyTarget(probe, args.target_accuracy, args.check_every)
     supervised_warmstart(args.model, rows, args.out, steps=args.steps, batch_size=args.batch_size,
-                         lr=args.lr, seed=args.seed, on_step=on_step)
+                         lr=args.lr, seed=args.seed, on_step=on_step, weight_decay=args.weight_decay,
+                         warmup_steps=args.warmup_steps)
     if on_step is not None:
         reached = on_step.reached
         settings["reached"] = reached
