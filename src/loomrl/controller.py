@@ -94,6 +94,7 @@ class Controller:
         )
         self._prompt_key = cfg.data.prompt_key
         self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
@@ -132,6 +133,17 @@ class Controller:
     def _encode_prompt(self, text: str) -> list[int]:
         return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
 
+    def _encode_train_prompts(self, indices: list[int]) -> None:
+        """Encode the training rows' prompts not encoded yet, in one tokenizer call; each is
+        encoded once per run (epochs and groups share the ids; nothing downstream changes
+        them)."""
+        new = [i for i in dict.fromkeys(indices) if i not in self._prompt_ids]
+        if not new:
+            return
+        encoded = self.tokenizer([self.train_rows[i][self._prompt_key] for i in new]).input_ids
+        for i, ids in zip(new, encoded):
+            self._prompt_ids[i] = truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published
         version, less what max_staleness allows (so in synchronous mode exactly it)."""
@@ -167,9 +179,10 @@ class Controller:
                 for epoch, index in picks:
                     self._watch(asyncio.create_task(self._episode_group(generator, epoch, index)))
                 continue
+            self._encode_train_prompts([i for _, i in picks])
             requests = [
                 GenerationRequest(
-                    self._encode_prompt(self.train_rows[i][self._prompt_key]),
+                    self._prompt_ids[i],
                     group_size,
                     self._sampling,
                     sample_seed(self.cfg.seed, epoch, i),
@@ -178,8 +191,11 @@ class Controller:
                 for epoch, i in picks
             ]
             results = await self._generate(generator, requests)
+            groups: list[Group] = []
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
+                texts = self.tokenizer.batch_decode([c.token_ids for c in result.completions],
+                                                    skip_special_tokens=True)
                 rollouts = [
                     Rollout(
                         prompt_index=index,
@@ -189,17 +205,18 @@ class Controller:
                         loss_mask=[1] * len(c.token_ids),
                         version=result.version,
                         prompt=row[self._prompt_key],
-                        completion=self._decode(c.token_ids),
+                        completion=text,
                         row=row,
                         finish_reason=c.finish_reason,
                     )
-                    for c in result.completions
+                    for c, text in zip(result.completions, texts)
                 ]
                 self.counters.generated += len(rollouts)
                 self.scoring_rollouts += len(rollouts)
-                task = asyncio.create_task(self._score_and_put(Group(index, epoch, rollouts)))
-                self.scoring.add(task)
-                self._watch(task)
+                groups.append(Group(index, epoch, rollouts))
+            task = asyncio.create_task(self._score_and_put_groups(groups))
+            self.scoring.add(task)
+            self._watch(task)
 
     async def _episode_group(self, generator: ExecutorHandle, epoch: int, index: int) -> None:
         """One group of multi-turn episodes (environment tasks): generated and scored together."""
@@ -225,10 +242,19 @@ class Controller:
         await self._score_and_put(Group(index, epoch, rollouts))
 
     async def _score_and_put(self, group: Group) -> None:
+        await self._score_and_put_groups([group])
+
+    async def _score_and_put_groups(self, groups: list[Group]) -> None:
+        """Score the groups of one request together (one reward batch), then put each."""
+        rollouts = [r for group in groups for r in group.rollouts]
         try:
-            await self.scorer.score(group.rollouts)
+            await self.scorer.score(rollouts)
         finally:
-            self.scoring_rollouts -= len(group.rollouts)
+            self.scoring_rollouts -= len(rollouts)
+        for group in groups:
+            await self._put_scored(group)
+
+    async def _put_scored(self, group: Group) -> None:
         failed = [r for r in group.rollouts if r.status == "failed"]
         self.counters.failed += len(failed)
         group.rollouts = [r for r in group.rollouts if r.status == "ok"]
