@@ -71,7 +71,20 @@ class Controller:
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
-        algo = cfg.algorithm
+        self._init_pipeline(version, counters)
+        self._sampling = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_p=cfg.generation.top_p,
+            max_new_tokens=cfg.generation.max_new_tokens,
+        )
+        self._prompt_key = cfg.data.prompt_key
+        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
+        self._init_run_state(version, history)
+
+    def _init_pipeline(self, version: int, counters: Counters | None) -> None:
+        """The gate, buffer and counters rollouts flow through, at ``version``."""
+        algo = self.cfg.algorithm
         self.version = version
         self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
         self.gate.version = version
@@ -81,20 +94,15 @@ class Controller:
         self.scoring: set[asyncio.Task] = set()
         self.scoring_rollouts = 0
         self.eval_history: list[dict[str, Any]] = []
-        self._stop = False
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
+
+    def _init_run_state(self, version: int, history: dict[str, Any] | None) -> None:
+        """Stopping, failure and watchdog state, and what a resumed run carries over."""
+        self._stop = False
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
-        self._sampling = SamplingParams(
-            temperature=cfg.generation.temperature,
-            top_p=cfg.generation.top_p,
-            max_new_tokens=cfg.generation.max_new_tokens,
-        )
-        self._prompt_key = cfg.data.prompt_key
-        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
-        self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end

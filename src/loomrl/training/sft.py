@@ -117,13 +117,8 @@ class AccuracyTarget:
         return accuracy >= self.target
 
 
-def warmstart_main(
-    *, train_file: Path, default_out: str, default_steps: int, description: str,
-    default_target_accuracy: float = 0.0, default_weight_decay: float = 0.01, argv: list[str] | None = None,
-) -> None:
-    """Command line of an example's warm-start; rebuilds only when missing or when the
-    settings or the training data changed (recorded in ``warmstart.json`` next to the
-    weights)."""
+def _warmstart_parser(description: str, default_out: str, default_steps: int, default_target_accuracy: float,
+                      default_weight_decay: float) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(default_out))
     parser.add_argument("--steps", type=int, default=default_steps,
@@ -143,6 +138,18 @@ def warmstart_main(
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads; another count changes the floating-point order")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    return parser
+
+
+def warmstart_main(
+    *, train_file: Path, default_out: str, default_steps: int, description: str,
+    default_target_accuracy: float = 0.0, default_weight_decay: float = 0.01, argv: list[str] | None = None,
+) -> None:
+    """Command line of an example's warm-start; rebuilds only when missing or when the
+    settings or the training data changed (recorded in ``warmstart.json`` next to the
+    weights)."""
+    parser = _warmstart_parser(description, default_out, default_steps, default_target_accuracy,
+                               default_weight_decay)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "force")}
