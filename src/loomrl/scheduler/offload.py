@@ -1,0 +1,197 @@
+"""Move a module's state (parameters, gradients, buffers) and an optimizer's state off the
+device and back, bit for bit.
+
+- CPU tensors go to one file (in ``/dev/shm`` when it exists, so it is shared memory) and
+  their storage is freed, then glibc is asked to hand the freed pages back
+  (``malloc_trim``), so the process's resident memory really falls.
+- CUDA tensors go to pinned host memory, and the CUDA caching allocator releases the
+  device memory (``torch.cuda.empty_cache``).
+
+The objects stay the same (``param.data`` is swapped, not the ``Parameter``), so an
+optimizer, hooks and references into the module keep working after ``restore``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class _Entry:
+    kind: str  # param | grad | buffer | optim
+    owner: Any  # the Parameter / buffer tensor, or (optimizer state dict, key)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    offset: int = 0  # in the file (CPU tensors)
+    nbytes: int = 0
+    host: torch.Tensor | None = None  # pinned copy (CUDA tensors)
+
+
+@dataclass
+class OffloadedState:
+    """What ``offload`` took away; ``restore`` puts it back and deletes the file."""
+
+    entries: list[_Entry]
+    path: Path | None
+    bytes_moved: int
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    seen: set[int] = set()
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        yield "param", p, p.data
+        if p.grad is not None:
+            yield "grad", p, p.grad
+    for b in module.buffers():
+        if id(b) not in seen:
+            seen.add(id(b))
+            yield "buffer", b, b.data
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    yield "optim", (state, key), value
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _as_bytes(t: torch.Tensor):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def default_offload_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def release_freed_memory() -> None:
+    """Ask glibc to return freed heap pages to the OS (no-op where there is no glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def offload(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+            directory: str | None = None) -> OffloadedState:  # fmt: skip
+    """Take every tensor of ``module`` (and ``optimizer``) off its device; returns what
+    ``restore`` needs. The module must not be used until then."""
+    t0 = time.perf_counter()
+    entries: list[_Entry] = []
+    path: Path | None = None
+    f = None
+    moved = 0
+    try:
+        for kind, owner, t in _tensors(module, optimizer):
+            entry = _Entry(kind, owner, tuple(t.shape), t.dtype, t.device)
+            entry.nbytes = t.numel() * t.element_size()
+            if t.device.type == "cpu":
+                if f is None:
+                    fd, name = tempfile.mkstemp(prefix="loomrl-offload-", suffix=".bin", dir=directory or default_offload_dir())
+                    path, f = Path(name), os.fdopen(fd, "wb")
+                entry.offset = f.tell()
+                f.write(_as_bytes(t).data)
+            else:
+                entry.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                entry.host.copy_(t, non_blocking=True)
+            moved += entry.nbytes
+            entries.append(entry)
+    finally:
+        if f is not None:
+            f.close()
+    if any(e.host is not None for e in entries):
+        torch.cuda.synchronize()
+    for e in entries:
+        _detach(e)
+    if any(e.device.type == "cuda" for e in entries):
+        torch.cuda.empty_cache()
+    release_freed_memory()
+    return OffloadedState(entries, path, moved, time.perf_counter() - t0)
+
+
+def _detach(e: _Entry) -> None:
+    if e.kind == "param" or e.kind == "buffer":
+        e.owner.data = _placeholder(e.owner.data)
+    elif e.kind == "grad":
+        e.owner.grad = None
+    else:
+        state, key = e.owner
+        state[key] = _placeholder(state[key])
+
+
+def _attach(e: _Entry, t: torch.Tensor) -> None:
+    if e.kind == "param" or e.kind == "buffer":
+        e.owner.data = t
+    elif e.kind == "grad":
+        e.owner.grad = t
+    else:
+        state, key = e.owner
+        state[key] = t
+
+
+def restore(state: OffloadedState) -> float:
+    """Put back what ``offload`` took; returns the seconds it took."""
+    t0 = time.perf_counter()
+    f = open(state.path, "rb") if state.path is not None else None  # noqa: SIM115 - closed below
+    try:
+        for e in state.entries:
+            if e.host is not None:
+                t = e.host.to(e.device, non_blocking=True)
+            else:
+                t = torch.empty(e.shape, dtype=e.dtype)
+                f.seek(e.offset)
+                got = f.readinto(_as_bytes(t).data) if e.nbytes else 0
+                if got != e.nbytes:
+                    raise OSError(f"offload file {state.path} is short: read {got} of {e.nbytes} bytes")
+                if e.device.type != "cpu":
+                    t = t.to(e.device)
+            _attach(e, t)
+        if any(e.host is not None for e in state.entries):
+            torch.cuda.synchronize()
+    finally:
+        if f is not None:
+            f.close()
+            state.path.unlink(missing_ok=True)
+    state.entries = []
+    return time.perf_counter() - t0
+
+
+class Swappable:
+    """A module (and optimizer) that a scheduler client can offload and restore; the
+    trainer's or the generator's state."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 directory: str | None = None) -> None:  # fmt: skip
+        self.module, self.optimizer, self.directory = module, optimizer, directory
+        self._state: OffloadedState | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        return self._state is not None
+
+    def offload(self) -> float:
+        if self._state is None:
+            self._state = offload(self.module, self.optimizer, directory=self.directory)
+            return self._state.seconds
+        return 0.0
+
+    def restore(self) -> float:
+        if self._state is None:
+            return 0.0
+        state, self._state = self._state, None
+        return restore(state)
