@@ -16,6 +16,10 @@ run the same rules:
   job's expected idle gap exceeds ``switch_cost_multiple`` times its swap cost.
 - A lease held past ``max_hold_s`` while others wait is asked to yield at its next
   phase boundary.
+- A job that expects to be back within ``hold_gap_s`` of its release (back-to-back
+  phases) competes at its release as if it were still waiting; when the policy picks it,
+  the device is kept for it that long (no swap, and the fair policy can give a job with
+  more credit two turns in a row).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Scheduler:
         max_hold_s: float | None = None,
         switch_cost_multiple: float = 0.0,
         quantum_s: float = 1.0,
+        hold_gap_s: float = 0.05,
         store: Any = None,
         now: float = 0.0,
         history_s: float = 600.0,
@@ -58,6 +63,7 @@ class Scheduler:
         self.policy = make_policy(policy, quantum_s) if isinstance(policy, str) else policy
         self.max_hold_s = max_hold_s
         self.switch_cost_multiple = switch_cost_multiple
+        self.hold_gap_s = hold_gap_s
         self.store = store
         self.started_at = now
         self.history_s = history_s
@@ -252,6 +258,9 @@ class Scheduler:
                 if device.holder is not None:
                     continue
                 waiters = [r for r in self.requests.values() if device.name in r.devices]
+                kept = self._kept_for(device, now)
+                if kept is not None:  # only the job it is kept for may have it now
+                    waiters = [r for r in waiters if r.job_id == kept]
                 pick = self.policy.pick(device.name, waiters, self, now) if waiters else None
                 if pick is not None and self._try_grant(pick, now):
                     progress = True
@@ -271,6 +280,14 @@ class Scheduler:
             latest = max(latest, holder.granted_at + holder.expected_s)
         return latest
 
+    def _kept_for(self, device: Device, now: float) -> str | None:
+        if device.reserved_for is not None and now < device.reserved_until:
+            return device.reserved_for
+        resident = self.jobs.get(device.resident or "")
+        if resident is not None and device.evict_for is None and self._switch_deferred(resident, now):
+            return resident.id
+        return None
+
     def _switch_deferred(self, resident: Job, now: float) -> bool:
         """Keep a device for its resident job when its expected gap is too short to pay
         for a swap (and it is not yet overdue)."""
@@ -285,6 +302,10 @@ class Scheduler:
     def _try_grant(self, request: Request, now: float) -> bool:
         if not self.devices_free(request):
             return False
+        for name in request.devices:
+            device = self.devices[name]
+            if device.reserved_for not in (None, request.job_id) and now < device.reserved_until:
+                return False
         blocked = False
         for name in request.devices:
             device = self.devices[name]
@@ -309,6 +330,7 @@ class Scheduler:
         for name in request.devices:
             device = self.devices[name]
             device.holder, device.resident, device.evict_for = lease.id, job.id, None
+            device.reserved_for = None
             self.save(device)
         request.lease_id = lease.id
         self._finish_request(request, "granted", None)
@@ -347,26 +369,40 @@ class Scheduler:
             job.swap_s += restore_s
             job.restore_ema_s = restore_s if job.restore_ema_s is None else (1 - EMA) * job.restore_ema_s + EMA * restore_s
             self.policy.on_charge(job, restore_s)
-        waiter = self._next_waiter(lease, now)
+        self._charge_use(lease, now - lease.granted_at)  # before the policy looks at accounts
+        back_soon = expected_idle_s is not None and expected_idle_s <= self.hold_gap_s
+        waiter = self._next_waiter(lease, now, include_holder=back_soon)
+        if waiter is not None and waiter.job_id == job_id:  # the policy would pick the holder again
+            self._end_lease(lease, now, "released")
+            for name in lease.devices:
+                device = self.devices[name]
+                device.reserved_for, device.reserved_until = job_id, now + expected_idle_s + self.hold_gap_s
+                self.save(device)
+            self.event(now, "release", job_id, ",".join(lease.devices), lease=lease.id, evict=False, kept=True)
+            return {"evict": False}
         if waiter is not None and not self._switch_deferred(job, now):
             lease.state, lease.evict_for = "evicting", waiter.job_id
             lease.extra["released_at"] = now
-            self._charge_use(lease, now - lease.granted_at)
             self.save(lease)
             self.save(job)
             self.event(now, "release", job_id, ",".join(lease.devices), lease=lease.id, evict=True)
             return {"evict": True}
-        self._charge_use(lease, now - lease.granted_at)
         self._end_lease(lease, now, "released")
         self.event(now, "release", job_id, ",".join(lease.devices), lease=lease.id, evict=False)
         self.schedule(now)
         return {"evict": False}
 
-    def _next_waiter(self, lease: Lease, now: float) -> Request | None:
+    def _next_waiter(self, lease: Lease, now: float, include_holder: bool = False) -> Request | None:
+        """The request the policy would grant next on the lease's devices; with
+        ``include_holder``, the holder competes too, as a request made now."""
         for name in lease.devices:
             waiters = [r for r in self.requests.values() if name in r.devices and r.job_id != lease.job_id]
-            if waiters:
-                return self.policy.pick(name, waiters, self, now) or waiters[0]
+            if not waiters:
+                continue
+            if include_holder:
+                waiters.append(Request(id="~holder", job_id=lease.job_id, devices=lease.devices, phase=lease.phase,
+                                       expected_s=lease.expected_s, requested_at=now, deadline_at=None))  # fmt: skip
+            return self.policy.pick(name, waiters, self, now) or waiters[0]
         return None
 
     def _charge_use(self, lease: Lease, held_s: float) -> None:

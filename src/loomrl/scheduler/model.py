@@ -78,6 +78,8 @@ class Device(Record):
     holder: str | None = None  # lease id
     resident: str | None = None  # job id whose state is on the device (lazy eviction)
     evict_for: str | None = None  # job id that waits for the resident job to offload
+    reserved_for: str | None = None  # job id the device is kept for, until reserved_until
+    reserved_until: float = 0.0
     busy_s: float = 0.0
     created_at: float = 0.0
 

@@ -59,6 +59,9 @@ class PriorityBackfill:
                 return request
         return head  # nothing fits before it: the device waits for the head
 
+    def on_charge(self, job: Job, seconds: float) -> None:
+        pass
+
 
 class FairShare:
     """Weighted fair share by deficit round robin on device-seconds.
@@ -66,8 +69,8 @@ class FairShare:
     Jobs are visited in registration order, starting after the last one served. A job
     with positive credit (``deficit_s``) is served; what it then uses (lease time, and
     swap time it caused) is taken off its credit. When no waiting job has credit, every
-    waiting job gets ``quantum_s * weight`` per round, as many rounds as it takes for one
-    of them to have some. Credit is capped at one quantum, so a job cannot bank time while
+    live job gets ``quantum_s * weight`` per round, as many rounds as it takes for one
+    waiting job to have some. Credit is capped at one quantum, so a job cannot bank time while
     it does not ask; debt is kept, so a job that took long phases waits its turn out.
     """
 
@@ -89,10 +92,13 @@ class FairShare:
         # round-robin order: the jobs after the one served last, then the rest
         jobs = [j for j in jobs if j.seq > self.last_seq] + [j for j in jobs if j.seq <= self.last_seq]
         if not any(j.deficit_s > 0 for j in jobs):
+            # Rounds go to every live job, also those between phases (their idle gap is
+            # part of their work), so a job with short gaps is not starved of credit.
             rounds = min(math.floor(-j.deficit_s / (self.quantum_s * j.weight)) + 1 for j in jobs)
-            for j in jobs:
-                j.deficit_s = min(j.deficit_s + rounds * self.quantum_s * j.weight, self.quantum_s * j.weight)
-                sched.save(j)
+            for j in sched.jobs.values():
+                if j.state == "alive":
+                    j.deficit_s = min(j.deficit_s + rounds * self.quantum_s * j.weight, self.quantum_s * j.weight)
+                    sched.save(j)
         chosen = next(j for j in jobs if j.deficit_s > 0)
         return by_job[chosen.id]
 
