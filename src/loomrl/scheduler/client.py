@@ -79,6 +79,7 @@ class Lease:
     cores: list[int] | None
     waited_s: float
     client: SchedulerClient
+    phase: str = ""
     restore_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -103,8 +104,8 @@ class SchedulerClient:
         self.phase_lock = threading.RLock()  # one phase (or offload) of this job at a time
         self.stats = {"offload_s": 0.0, "restore_s": 0.0, "num_offloads": 0, "wait_s": 0.0, "held_s": 0.0,
                       "num_leases": 0}  # fmt: skip
-        self._gap_ema_s: float | None = None
-        self._released_at: float | None = None
+        self._gap_ema_s: dict[str, float] = {}  # phase -> the gap after it, before the next acquire
+        self._released: tuple[str, float] | None = None  # (phase, when) of the last release
         self._stop = threading.Event()
         interval = heartbeat_interval_s or heartbeat_timeout_s / 4
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,), daemon=True,
@@ -128,25 +129,27 @@ class SchedulerClient:
         ``timeout_s`` with the reason it waited. Prefer ``with client.lease(...)``."""
         devices = [devices] if isinstance(devices, str) else list(devices)
         t0 = time.time()
-        if self._released_at is not None:
-            gap = t0 - self._released_at
-            self._gap_ema_s = gap if self._gap_ema_s is None else 0.7 * self._gap_ema_s + 0.3 * gap
+        if self._released is not None:
+            last, at = self._released
+            gap, ema = t0 - at, self._gap_ema_s.get(last)
+            self._gap_ema_s[last] = gap if ema is None else 0.7 * ema + 0.3 * gap
+            self._released = None
         body = {"devices": devices, "phase": phase, "expected_s": expected_s, "timeout_s": timeout_s,
                 "poll_s": self.poll_s}  # fmt: skip
         out = self._post("/v1/acquire", body, timeout_s=self.poll_s + 30)
         while "pending" in out:
             out = self._post("/v1/wait", {"request_id": out["pending"], "poll_s": self.poll_s}, self.poll_s + 30)
         self.stats["wait_s"] += time.time() - t0
-        return Lease(out["lease_id"], out["devices"], out["cores"], out["waited_s"], self)
+        return Lease(out["lease_id"], out["devices"], out["cores"], out["waited_s"], self, phase=phase)
 
     def release(self, lease: Lease) -> None:
         """End the phase; offload first if another job waits for the devices."""
         self.stats["num_leases"] += 1
         out = self._post("/v1/release", {"lease_id": lease.id, "restore_s": lease.restore_s,
-                                         "expected_idle_s": self._gap_ema_s})  # fmt: skip
+                                         "expected_idle_s": self._gap_ema_s.get(lease.phase)})  # fmt: skip
         if out.get("evict"):
             self._offload(lease.devices)
-        self._released_at = time.time()
+        self._released = (lease.phase, time.time())
 
     @contextmanager
     def lease(self, devices: str | list[str], phase: str, *, expected_s: float | None = None,

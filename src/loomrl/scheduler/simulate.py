@@ -58,7 +58,8 @@ def jain(values: list[float]) -> float:
 
 class _Sim:
     def __init__(self, jobs: list[SimJob], policy: str, *, switch_cost_multiple: float, max_hold_s: float | None,
-                 tick_s: float, quantum_s: float, seed: int) -> None:  # fmt: skip
+                 tick_s: float, quantum_s: float, seed: int, heartbeat_s: float = 0.0) -> None:  # fmt: skip
+        self.heartbeat_s = heartbeat_s
         devices = sorted({j.device for j in jobs})
         self.core = Scheduler({d: None for d in devices}, policy, switch_cost_multiple=switch_cost_multiple,
                               max_hold_s=max_hold_s, quantum_s=quantum_s)  # fmt: skip
@@ -131,8 +132,18 @@ class _Sim:
             self.at(t + restore + seconds, "release", i)
             self.lease_restore[i] = restore
 
+    def _gap_after(self, i: int) -> float:
+        """The idle time between this device phase and the job's next one."""
+        phases, gap = self.jobs[i].phases, 0.0
+        for step in range(1, len(phases) + 1):
+            kind, seconds = phases[(self.phase[i] + step) % len(phases)]
+            if kind == "device":
+                break
+            gap += seconds
+        return gap
+
     def _on_release(self, t: float, i: int) -> None:
-        gap = sum(s for k, s in self.jobs[i].phases if k == "idle")
+        gap = self._gap_after(i)
         out = self.core.release(self.lease_of.pop(i), self.ids[i], t, restore_s=self.lease_restore.pop(i, 0.0),
                                 expected_idle_s=gap)  # fmt: skip
         if out["evict"]:
@@ -161,14 +172,17 @@ class _Sim:
                 if i not in self.lease_of and -1 - i not in self.evicting:
                     self.offloaded[i] = True
                     self.evicting.add(-1 - i)
-                    self.at(t + self.jobs[i].offload_s, "idle_evicted", i)
+                    # the client hears of it at its next heartbeat: on average half an interval
+                    self.at(t + self.heartbeat_s / 2 + self.jobs[i].offload_s, "idle_evicted", i)
 
 
 def simulate(jobs: list[SimJob], policy: str = "fair", duration_s: float = 600.0, *,
              switch_cost_multiple: float = 0.0, max_hold_s: float | None = None, tick_s: float = 0.05,
-             quantum_s: float = 1.0, seed: int = 0) -> SimResult:  # fmt: skip
+             quantum_s: float = 1.0, seed: int = 0, heartbeat_s: float = 0.0,
+             hold_gap_s: float = 0.05) -> SimResult:  # fmt: skip
     sim = _Sim(jobs, policy, switch_cost_multiple=switch_cost_multiple, max_hold_s=max_hold_s, tick_s=tick_s,
-               quantum_s=quantum_s, seed=seed)  # fmt: skip
+               quantum_s=quantum_s, seed=seed, heartbeat_s=heartbeat_s)  # fmt: skip
+    sim.core.hold_gap_s = hold_gap_s
     sim.run(duration_s)
     core = sim.core
     for lease in list(core.leases.values()):  # count what is held at the end up to the end
