@@ -31,7 +31,7 @@ def _rows(name: str, fmt: str) -> list[dict]:
     return [dict(r, answer=str(int(r["answer"]))) for r in rows] if fmt == "unpadded" else rows
 
 
-def curve(seed: int, fmt: str, steps: int, every: int, threads: int) -> list[dict]:
+def curve(seed: int, fmt: str, steps: int, every: int, threads: int, holdout: int, recipe: dict) -> list[dict]:
     """Runs in the child: the warm-start with an accuracy probe every ``every`` steps."""
     import torch
 
@@ -55,8 +55,10 @@ def curve(seed: int, fmt: str, steps: int, every: int, threads: int) -> list[dic
                        "accuracy": sum(t == r["answer"] for t, r in zip(texts, evals)) / len(evals),
                        "units": sum(t[-1:] == r["answer"][-1:] for t, r in zip(texts, evals)) / len(evals)})
 
-    supervised_warmstart("tiny:llama", _rows("train.jsonl", fmt), None, steps=steps, batch_size=64, lr=2e-3,
-                         seed=seed, on_step=probe)
+    rows = _rows("train.jsonl", fmt)
+    rows = rows[:-holdout] if holdout else rows  # as the demo's warm-start, which holds out its probe rows
+    supervised_warmstart("tiny:llama", rows, None, steps=steps, seed=seed, on_step=probe,
+                         **recipe)
     return points
 
 
@@ -68,19 +70,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--holdout", type=int, default=200,
+                        help="last training rows left out, as the demo's warm-start does for its probe")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # seed,format: one curve, printed as JSON
         seed, fmt = args.child.split(",")
-        print(json.dumps(curve(int(seed), fmt, args.steps, args.every, args.threads)))
+        recipe = {"lr": args.lr, "batch_size": args.batch_size, "weight_decay": args.weight_decay,
+                  "warmup_steps": args.warmup_steps}
+        print(json.dumps(curve(int(seed), fmt, args.steps, args.every, args.threads, args.holdout, recipe)))
         return
     results = []
     for fmt in args.formats.split(","):
         for isa in args.isas.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 cmd = [sys.executable, __file__, "--child", f"{seed},{fmt}", "--steps", str(args.steps),
-                       "--every", str(args.every), "--threads", str(args.threads)]
+                       "--every", str(args.every), "--threads", str(args.threads), "--lr", str(args.lr),
+                       "--batch-size", str(args.batch_size), "--weight-decay", str(args.weight_decay),
+                       "--warmup-steps", str(args.warmup_steps),
+                       "--holdout", str(args.holdout)]
                 out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ISA_ENV[isa]}, check=True,
                                      capture_output=True, text=True).stdout
                 results.append({"format": fmt, "isa": isa, "seed": seed, "points": json.loads(out.splitlines()[-1])})

@@ -50,11 +50,11 @@ def test_measuring_the_update_does_not_change_the_step():
 
 def _plain_step(trainer: Trainer):
     from loomrl.algorithms import policy_loss
-    from loomrl.training.trainer import build_token_batch, compute_advantages, token_logprobs
+    from loomrl.training.trainer import compute_advantages, token_logprobs
 
     def step(groups):
         rollouts, adv = compute_advantages(groups, trainer.algo.advantage_scale)
-        batch = build_token_batch(rollouts, adv, trainer.version, trainer.pad_id)
+        batch = trainer._micro_batch(rollouts, adv)
         logp, _ = token_logprobs(trainer.model, batch, trainer.temperature)
         trainer.optimizer.zero_grad(set_to_none=True)
         policy_loss(trainer.algo.loss, logp, batch.behaviour, batch.advantages, batch.target_mask,
@@ -63,3 +63,12 @@ def _plain_step(trainer: Trainer):
         trainer.optimizer.step()
 
     return step
+
+
+def test_step_phases_are_timed_within_the_step():
+    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, micro_batch_size=3), 1.0)
+    metrics = trainer.train_step(_groups())
+    phases = [metrics[f"timing/train_{p}_s"] for p in ("forward", "backward", "optimizer")]
+    assert all(p > 0 for p in phases)
+    assert sum(phases) <= metrics["timing/train_step_s"]

@@ -113,6 +113,10 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_size: int = Field(64, gt=0, description="Rollouts per forward/backward.")
+    shared_prefix: bool = Field(
+        True, description="Run each distinct prompt of a micro-batch once and its completions on its "
+        "key/value cache (same loss up to float order, far less work with groups of short completions)."
+    )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate decay after warmup: to 0 at num_steps for linear/cosine."

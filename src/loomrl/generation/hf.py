@@ -14,6 +14,7 @@ import time
 import torch
 
 from loomrl.generation.base import Generator
+from loomrl.models.cache import repeat_cache
 from loomrl.types import Completion, GenerationRequest, GenerationResult, SamplingParams
 from loomrl.weights.publisher import DTYPES, Subscriber
 
@@ -69,6 +70,7 @@ class HFGenerator(Generator):
         self.version = -1  # no version applied yet; the trainer publishes version 0 first
         self.num_updates_applied = 0
         self.weight_wait_timeout_s = 300.0  # how long a request waits for its min_version
+        self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
 
     # -- weights -------------------------------------------------------------------------
 
@@ -159,31 +161,23 @@ class HFGenerator(Generator):
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
     ) -> list[Completion]:
         n = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[row, width - len(p) :] = 1
-        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         # Each sequence's uniforms come from its own generator, drawn once for all steps.
         uniforms = torch.stack([
             torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(s % (2**63)),
                        dtype=torch.float64)
             for s in seeds
         ], dim=1)  # [max_new_tokens, n]
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        logits, cache, attention, positions = self._prefill(prompts)
         step_tokens, step_logprobs, step_live = [], [], []
         done = torch.zeros(n, dtype=torch.bool)
         next_pos = positions[:, -1] + 1
         for step in range(sampling.max_new_tokens):
-            logits = out.logits[:, -1, :].float()
             chosen, chosen_logp = self._pick(logits, uniforms[step], sampling)
             step_tokens.append(chosen)
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
             done = done | (chosen == self.eos_id)
-            if bool(done.all()):
+            if bool(done.all()) or step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
             attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
@@ -191,11 +185,39 @@ class HFGenerator(Generator):
                 input_ids=step_ids,
                 attention_mask=attention,
                 position_ids=next_pos.unsqueeze(1),
-                past_key_values=out.past_key_values,
+                past_key_values=cache,
                 use_cache=True,
             )
+            logits, cache = out.logits[:, -1, :].float(), out.past_key_values
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
+
+    def _prefill(self, prompts: list[list[int]]):
+        """The forward over the prompts, left-padded, each distinct prompt once (a request's
+        samples share it, through a repeated KV cache): last-position logits, KV cache,
+        attention mask and positions, one row per entry of ``prompts``."""
+        from transformers.cache_utils import Cache
+
+        index: dict[tuple[int, ...], int] = {}
+        owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts])
+        shared = self.share_prefill and len(index) < len(prompts)
+        rows = list(index) if shared else prompts
+        width = max(len(p) for p in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, p in enumerate(rows):
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p) :] = 1
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        logits, cache = out.logits[:, -1, :].float(), out.past_key_values
+        if shared:
+            if not isinstance(cache, Cache):  # a model with its own cache type: no sharing
+                self.share_prefill = False
+                return self._prefill(prompts)
+            logits, cache = logits.index_select(0, owner), repeat_cache(cache, owner)
+            attention, positions = attention.index_select(0, owner), positions.index_select(0, owner)
+        return logits, cache, attention, positions
 
     def _completions(self, tokens: list, logprobs: list, live: list) -> list[Completion]:
         """Per-sequence token lists from per-step tensors, up to and including EOS."""

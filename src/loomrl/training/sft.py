@@ -42,9 +42,11 @@ def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
 def supervised_warmstart(
     model_spec: str, rows: list[dict[str, Any]], out: Path | None, *, steps: int, batch_size: int,
     lr: float, seed: int, on_step: Callable[[int, Any, Any, float], bool | None] | None = None,
+    weight_decay: float = 0.01, warmup_steps: int = 0,
 ) -> float:
     """Train up to ``steps`` AdamW steps on random batches of ``rows``; save to ``out``
-    (unless None); returns the last loss. ``on_step(step, model, tokenizer, loss)`` runs
+    (unless None); returns the last loss. The learning rate rises linearly over
+    ``warmup_steps``, then stays at ``lr``. ``on_step(step, model, tokenizer, loss)`` runs
     after each step; when it returns True, training stops there."""
     import torch
 
@@ -54,7 +56,8 @@ def supervised_warmstart(
     model, tok = load_model_and_tokenizer(model_spec, seed=seed)
     model.train()
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
     t0, loss = time.time(), torch.tensor(float("nan"))
     for step in range(steps):
         ids, mask, attn = answer_batch(tok, rng.sample(rows, batch_size))
@@ -64,6 +67,7 @@ def supervised_warmstart(
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         if step % 50 == 0 or step == steps - 1:
             logger.info("warmstart step %4d loss %.3f (%.0fs)", step, loss.item(), time.time() - t0)
         if on_step is not None and on_step(step, model, tok, loss.item()):

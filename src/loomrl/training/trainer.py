@@ -12,6 +12,7 @@ import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
 from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.training.prefix import PrefixBatch, build_prefix_batch, prefix_logits
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,19 @@ def build_token_batch(
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, temperature: float
+    model: torch.nn.Module, batch: TokenBatch | PrefixBatch, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token ``[batch, seq-1]`` and the entropy of each prediction."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1, :].float() / temperature
+    """Log-probs of each next token and the entropy of each prediction, aligned with
+    ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch, completion]``
+    for a ``PrefixBatch`` (each prompt computed once)."""
+    if isinstance(batch, PrefixBatch):
+        logits = prefix_logits(model, batch).float() / temperature
+        targets = batch.suffix_ids.unsqueeze(-1)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1, :].float() / temperature
+        targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logp_all = torch.log_softmax(logits, dim=-1)
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logp = logp_all.gather(-1, targets).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
@@ -114,6 +121,7 @@ class Trainer:
         self.cfg = trainer
         self.temperature = temperature
         self.version = 0
+        self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
@@ -130,14 +138,13 @@ class Trainer:
         if not rollouts:
             raise ValueError("train_step got no successfully scored rollout")
         batch_stats = _Accumulator()
+        self._phase_s = {"forward": 0.0, "backward": 0.0}
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
         self.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.micro_batch_size
         for start in range(0, len(rollouts), size):
-            micro = build_token_batch(
-                rollouts[start : start + size], advantages[start : start + size], self.version, self.pad_id
-            )
+            micro = self._micro_batch(rollouts[start : start + size], advantages[start : start + size])
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         metrics = batch_stats.finish()
@@ -151,7 +158,9 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         before = torch._foreach_mul(params, 1.0)  # a copy, to measure the step's size
+        t_opt = time.perf_counter()
         self.optimizer.step()
+        optimizer_s = time.perf_counter() - t_opt
         update_rms, weight_rms = _update_and_weight_rms(before, params)
         self.scheduler.step()
         self.version += 1
@@ -165,13 +174,23 @@ class Trainer:
                 "train/num_tokens": float(total_tokens),
                 "train/advantage_abs_mean": sum(abs(a) for a in advantages) / len(advantages),
                 "timing/train_step_s": time.perf_counter() - t0,
+                "timing/train_forward_s": self._phase_s["forward"],
+                "timing/train_backward_s": self._phase_s["backward"],
+                "timing/train_optimizer_s": optimizer_s,
             }
         )
         return metrics
 
+    def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
+        """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
+        if self.cfg.shared_prefix and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
+            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id)
+        return build_token_batch(rollouts, advantages, self.version, self.pad_id)
+
     def _micro_step(
-        self, batch: TokenBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
+        self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
     ) -> None:
+        t0 = time.perf_counter()
         logp, entropy = token_logprobs(self.model, batch, self.temperature)
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
@@ -190,7 +209,10 @@ class Trainer:
             kl = kl_penalty(logp, ref_logp, mask)
             total = total + self.algo.kl_coef * kl * weight
             acc.add("train/kl", float(kl), n_tokens)
+        t1 = time.perf_counter()
         total.backward()
+        self._phase_s["forward"] += t1 - t0
+        self._phase_s["backward"] += time.perf_counter() - t1
         with torch.no_grad():
             acc.add("train/loss", float(loss), weight, weighted_sum=True)
             acc.add("train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens)

@@ -1,0 +1,126 @@
+"""The shared-prompt training forward computes the full forward's loss and gradients."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.models.tiny import build_tiny_model
+from loomrl.training.prefix import PrefixBatch
+from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
+from loomrl.types import Group, Rollout
+
+
+def _rollouts(seed: int, prompt_lengths=(3, 5, 4), group_size=4, max_completion=5) -> list[Rollout]:
+    rng = random.Random(seed)
+    out = []
+    for i, length in enumerate(prompt_lengths):
+        prompt = [1] + [rng.randrange(3, 60) for _ in range(length - 1)]
+        for _ in range(group_size):
+            k = rng.randrange(1, max_completion + 1)
+            completion = [rng.randrange(3, 60) for _ in range(k)]
+            mask = [1] * k
+            if k >= 3:  # an environment-inserted token in the middle, never trained
+                mask[1] = 0
+            logps = [-rng.random() * 3 if m else 0.0 for m in mask]
+            out.append(Rollout(i, prompt, completion, logps, mask, 0, reward=float(rng.random() > 0.5)))
+    return out
+
+
+def _model(seed=0):
+    model, tok = build_tiny_model("llama", seed=seed, hidden_size=32, num_layers=2, num_heads=2,
+                                  intermediate_size=64)
+    return model.float().train(), tok
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_log_probs_and_gradients_match_the_full_forward(seed):
+    from loomrl.training.prefix import build_prefix_batch
+
+    model, tok = _model(seed)
+    rollouts = _rollouts(seed)
+    adv = [random.Random(seed).uniform(-1, 1) for _ in rollouts]
+    full = build_token_batch(rollouts, adv, 0, tok.pad_token_id)
+    shared = build_prefix_batch(rollouts, adv, 0, tok.pad_token_id)
+    assert shared.num_prompts == 3 and shared.suffix_ids.shape[0] == len(rollouts)
+
+    def run(batch):
+        model.zero_grad()
+        logp, entropy = token_logprobs(model, batch, temperature=0.7)
+        mask = batch.target_mask
+        ((logp * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+        picked = [logp[i][mask[i] > 0] for i in range(len(rollouts))]
+        return picked, [p.grad.clone() for p in model.parameters()]
+
+    full_logp, full_grads = run(full)
+    shared_logp, shared_grads = run(shared)
+    for a, b in zip(full_logp, shared_logp):
+        assert a.shape == b.shape and a.numel() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(full_grads, shared_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # behaviour log-probs and masks sit on the same trained tokens in both layouts
+    assert torch.equal(full.behaviour[full.target_mask > 0], shared.behaviour[shared.target_mask > 0])
+
+
+def test_trainer_step_matches_with_and_without_sharing():
+    results = []
+    for shared in (True, False):
+        model, tok = _model(5)
+        trainer = Trainer(model, tok, AlgorithmConfig(loss="aipo"), TrainerConfig(lr=1e-3, shared_prefix=shared), 1.0)
+        rollouts = _rollouts(5)
+        groups = [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(3)]
+        batch = trainer._micro_batch(rollouts, [0.0] * len(rollouts))
+        assert isinstance(batch, PrefixBatch) == shared
+        metrics = trainer.train_step(groups)
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (m_shared, w_shared), (m_full, w_full) = results
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/importance_ratio_mean"):
+        assert m_shared[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(w_shared, w_full):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_distinct_prompts_take_the_plain_forward():
+    model, tok = _model()
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    rollouts = _rollouts(0, prompt_lengths=(3, 4, 5), group_size=1)
+    assert not isinstance(trainer._micro_batch(rollouts, [0.0] * 3), PrefixBatch)
+
+
+def test_generation_shares_each_prompt_prefill_and_samples_the_same():
+    from loomrl.generation.hf import HFGenerator
+    from loomrl.types import GenerationRequest, SamplingParams
+
+    model, tok = _model(7)
+    model.eval()
+    requests = [GenerationRequest([1] + [3 + (i * 7 + j) % 50 for j in range(2 + i)], 4,
+                                  SamplingParams(temperature=1.0, max_new_tokens=5), seed=11 + i) for i in range(3)]
+    outputs, prefill_rows = [], []
+    for share in (True, False):
+        gen = HFGenerator(model, tok, publish_dtype="float32")
+        gen.share_prefill = share
+        calls = []
+        forward = model.forward
+
+        def counting(*args, _forward=forward, calls=calls, **kwargs):
+            calls.append(kwargs["input_ids"].shape)
+            return _forward(*args, **kwargs)
+
+        model.forward = counting
+        try:
+            outputs.append(gen.generate(requests))
+        finally:
+            model.forward = forward
+        prefill_rows.append(calls[0][0])
+        # a forward per sampled token but the last: none for a token that is never sampled
+        longest = max(len(c.token_ids) for r in outputs[-1] for c in r.completions)
+        assert len(calls) == longest
+    assert prefill_rows == [3, 12]
+    for shared, plain in zip(*outputs):
+        for a, b in zip(shared.completions, plain.completions):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
