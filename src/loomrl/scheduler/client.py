@@ -155,8 +155,10 @@ class SchedulerClient:
     def lease(self, devices: str | list[str], phase: str, *, expected_s: float | None = None,
               timeout_s: float | None = None) -> Iterator[Lease]:  # fmt: skip
         """Run the body as a device phase: acquired, restored, pinned; then released."""
+        # Not under the phase lock while waiting: the heartbeat thread may have to offload
+        # this job's state for the job the scheduler picks first.
+        lease = self.acquire(devices, phase, expected_s=expected_s, timeout_s=timeout_s)
         with self.phase_lock:
-            lease = self.acquire(devices, phase, expected_s=expected_s, timeout_s=timeout_s)
             t0 = time.time()
             try:
                 if self.offloaded:
