@@ -63,6 +63,7 @@ class Controller:
         extra_metrics: Callable[[], dict[str, float]] | None = None,
         history: dict[str, Any] | None = None,
         max_prompt_tokens: int | None = None,
+        leases: Any = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.eval_scorer = scorer.for_eval()  # eval failures are counted under eval/*, apart
@@ -71,6 +72,7 @@ class Controller:
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
+        self.leases = leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
         algo = cfg.algorithm
         self.version = version
         self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
@@ -124,6 +126,13 @@ class Controller:
             "rollout/lost_on_resume": c.lost_on_resume,
         }
 
+    async def on_device(self, phase: str, call: Callable[[], Any]) -> Any:
+        """Run ``call()`` as a device phase: in a scheduler lease when the job shares its
+        devices (``scheduler.url``), else just awaited."""
+        if self.leases is None:
+            return await call()
+        return await self.leases.run(phase, call)
+
     # -- generation ----------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
@@ -166,7 +175,7 @@ class Controller:
                 )
                 for epoch, i in picks
             ]
-            results = await generator.call("generate", requests)
+            results = await self.on_device("generate", lambda requests=requests: generator.call("generate", requests))
             self._apply_s += sum(r.weight_apply_s for r in results)
             if results and results[0].weight_metrics:
                 self._generator_weight_metrics = results[0].weight_metrics
@@ -201,7 +210,7 @@ class Controller:
         try:
             rollouts = await run_group_episodes(
                 envs, self.train_rows[index], index,
-                generate=lambda requests: generator.call("generate", self._require(requests)),
+                generate=lambda requests: self.on_device("generate", lambda: generator.call("generate", self._require(requests))),
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
@@ -256,7 +265,7 @@ class Controller:
         else:
             requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
                         for r in self.eval_rows]  # fmt: skip
-            results = await self.generators[0].call("generate", requests)
+            results = await self.on_device("generate", lambda: self.generators[0].call("generate", requests))
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
                         [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
@@ -288,7 +297,8 @@ class Controller:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self.generators[0].call("generate", self._require(reqs, eval_=True)),
+                    [env], row, i, generate=lambda reqs: self.on_device(
+                        "generate", lambda: self.generators[0].call("generate", self._require(reqs, eval_=True))),
                     encode=self._encode, decode=self._decode, sampling=greedy,
                     max_turns=self.cfg.task.max_turns, seed=0,
                 )
@@ -307,7 +317,7 @@ class Controller:
         if batch is None:  # stop requested while waiting for a batch
             return None
         wait_s = time.perf_counter() - t0
-        metrics = await self.trainer.call("train_step", batch.groups)
+        metrics = await self.on_device("train", lambda: self.trainer.call("train_step", batch.groups))
         rollouts = [r for g in batch.groups for r in g.rollouts]
         self.counters.trained += len(rollouts)
         for g in batch.groups:
@@ -315,7 +325,7 @@ class Controller:
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
-            metrics.update(await self.trainer.call("publish"))
+            metrics.update(await self.on_device("weight_sync", lambda: self.trainer.call("publish")))
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
@@ -365,7 +375,7 @@ class Controller:
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
         adds its time to the time before the checkpoint and keeps the first eval)."""
-        await self.trainer.call("publish")  # version v to every generator before any request
+        await self.on_device("weight_sync", lambda: self.trainer.call("publish"))  # version v first
         if self.resumed:
             first_eval = {"eval/accuracy": self.history["eval_start"]}
         else:

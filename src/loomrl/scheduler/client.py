@@ -101,7 +101,7 @@ class SchedulerClient:
         self.state: list[Offloadable] = []
         self.offloaded = False
         self.lost: str | None = None
-        self.phase_lock = threading.RLock()  # one phase (or offload) of this job at a time
+        self.state_lock = threading.Lock()  # one phase (or offload) of this job at a time
         self.stats = {"offload_s": 0.0, "restore_s": 0.0, "num_offloads": 0, "wait_s": 0.0, "held_s": 0.0,
                       "num_leases": 0}  # fmt: skip
         self._gap_ema_s: dict[str, float] = {}  # phase -> the gap after it, before the next acquire
@@ -142,45 +142,56 @@ class SchedulerClient:
         self.stats["wait_s"] += time.time() - t0
         return Lease(out["lease_id"], out["devices"], out["cores"], out["waited_s"], self, phase=phase)
 
-    def release(self, lease: Lease) -> None:
-        """End the phase; offload first if another job waits for the devices."""
+    def begin(self, lease: Lease) -> None:
+        """The start of a phase (holding ``state_lock``): bring the state back if it left."""
+        lease.stats["begun_at"] = time.time()
+        if self.offloaded:
+            lease.restore_s = sum(s.restore() for s in self.state)
+            self.offloaded = False
+            self.stats["restore_s"] += lease.restore_s
+
+    def end(self, lease: Lease) -> None:
+        """The end of a phase (holding ``state_lock``): release; offload first if another
+        job waits for the devices."""
+        self.stats["held_s"] += time.time() - lease.stats.get("begun_at", time.time())
         self.stats["num_leases"] += 1
+        if self.lost:
+            return
         out = self._post("/v1/release", {"lease_id": lease.id, "restore_s": lease.restore_s,
                                          "expected_idle_s": self._gap_ema_s.get(lease.phase)})  # fmt: skip
         if out.get("evict"):
             self._offload(lease.devices)
         self._released = (lease.phase, time.time())
 
+    def release(self, lease: Lease) -> None:
+        """End a lease taken with ``acquire`` (offloading first if another job waits)."""
+        with self.state_lock:
+            self.end(lease)
+
     @contextmanager
     def lease(self, devices: str | list[str], phase: str, *, expected_s: float | None = None,
               timeout_s: float | None = None) -> Iterator[Lease]:  # fmt: skip
         """Run the body as a device phase: acquired, restored, pinned; then released."""
-        # Not under the phase lock while waiting: the heartbeat thread may have to offload
+        # Not under the state lock while waiting: the heartbeat thread may have to offload
         # this job's state for the job the scheduler picks first.
         lease = self.acquire(devices, phase, expected_s=expected_s, timeout_s=timeout_s)
-        with self.phase_lock:
-            t0 = time.time()
+        with self.state_lock:
             try:
-                if self.offloaded:
-                    lease.restore_s = sum(s.restore() for s in self.state)
-                    self.offloaded = False
-                    self.stats["restore_s"] += lease.restore_s
-                with _pinned(lease.cores if self.pin else None):
+                self.begin(lease)
+                with pinned(lease.cores if self.pin else None):
                     yield lease
             finally:
-                self.stats["held_s"] += time.time() - t0
-                if not self.lost:
-                    self.release(lease)
+                self.end(lease)
 
     def _offload(self, devices: list[str]) -> None:
-        with self.phase_lock:
-            seconds = 0.0
-            if not self.offloaded and self.state:
-                seconds = sum(s.offload() for s in self.state)
-                self.offloaded = True
-                self.stats["offload_s"] += seconds
-                self.stats["num_offloads"] += 1
-            self._post("/v1/evicted", {"devices": devices, "offload_s": seconds})
+        """Move the state off (the caller holds ``state_lock``) and tell the scheduler."""
+        seconds = 0.0
+        if not self.offloaded and self.state:
+            seconds = sum(s.offload() for s in self.state)
+            self.offloaded = True
+            self.stats["offload_s"] += seconds
+            self.stats["num_offloads"] += 1
+        self._post("/v1/evicted", {"devices": devices, "offload_s": seconds})
 
     # -- heartbeats ----------------------------------------------------------------------
 
@@ -197,13 +208,13 @@ class SchedulerClient:
                 continue
             # Offload now unless a phase of this job runs (then the device is not idle and
             # the scheduler asks again at the next heartbeat); never block the heartbeat.
-            if out.get("evict") and self.phase_lock.acquire(blocking=False):
+            if out.get("evict") and self.state_lock.acquire(blocking=False):
                 try:
                     self._offload(out["evict"])
                 except SchedulerError as err:
                     logger.warning("scheduler: offload for another job failed: %s", err)
                 finally:
-                    self.phase_lock.release()
+                    self.state_lock.release()
 
     def close(self) -> None:
         self._stop.set()
@@ -216,15 +227,25 @@ class SchedulerClient:
 
 
 @contextmanager
-def _pinned(cores: list[int] | None) -> Iterator[None]:
-    """Run the calling thread on ``cores`` meanwhile (a CPU device)."""
+def pinned(cores: list[int] | None, *, whole_process: bool = False) -> Iterator[None]:
+    """Run the calling thread (or every thread of this process) on ``cores`` meanwhile:
+    a phase on a CPU device."""
     if not cores or not hasattr(os, "sched_setaffinity"):
         yield
         return
-    before = os.sched_getaffinity(0)
-    allowed = set(cores) & os.sched_getaffinity(0) or set(cores)
-    os.sched_setaffinity(0, allowed)
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if whole_process else [0]
+    before = {}
+    for tid in tids:
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, set(cores))
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            before.pop(tid, None)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        for tid, mask in before.items():
+            try:
+                os.sched_setaffinity(tid, mask)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -48,19 +48,28 @@ class OffloadedState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+Modules = torch.nn.Module | list[torch.nn.Module]
+
+
+def _tensors(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_dicts: list[dict]):
     seen: set[int] = set()
-    for p in module.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        yield "param", p, p.data
-        if p.grad is not None:
-            yield "grad", p, p.grad
-    for b in module.buffers():
-        if id(b) not in seen:
-            seen.add(id(b))
-            yield "buffer", b, b.data
+    for module in modules if isinstance(modules, list) else [modules]:
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield "param", p, p.data
+            if p.grad is not None:
+                yield "grad", p, p.grad
+        for b in module.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                yield "buffer", b, b.data
+    for tensors in tensor_dicts:  # e.g. a generator's mirror of the published weights
+        for key, value in tensors.items():
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                yield "optim", (tensors, key), value
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
@@ -88,17 +97,17 @@ def release_freed_memory() -> None:
         pass
 
 
-def offload(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def offload(module: Modules, optimizer: torch.optim.Optimizer | None = None, *, tensor_dicts: list[dict] | None = None,
             directory: str | None = None) -> OffloadedState:  # fmt: skip
-    """Take every tensor of ``module`` (and ``optimizer``) off its device; returns what
-    ``restore`` needs. The module must not be used until then."""
+    """Take every tensor of ``module`` (one or a list), ``optimizer`` and ``tensor_dicts``
+    off its device; returns what ``restore`` needs. Nothing may use them until then."""
     t0 = time.perf_counter()
     entries: list[_Entry] = []
     path: Path | None = None
     f = None
     moved = 0
     try:
-        for kind, owner, t in _tensors(module, optimizer):
+        for kind, owner, t in _tensors(module, optimizer, tensor_dicts or []):
             entry = _Entry(kind, owner, tuple(t.shape), t.dtype, t.device)
             entry.nbytes = t.numel() * t.element_size()
             if t.device.type == "cpu":
@@ -193,9 +202,10 @@ class Swappable:
     """A module (and optimizer) that a scheduler client can offload and restore; the
     trainer's or the generator's state."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 directory: str | None = None) -> None:  # fmt: skip
+    def __init__(self, module: Modules, optimizer: torch.optim.Optimizer | None = None, *,
+                 tensor_dicts: list[dict] | None = None, directory: str | None = None) -> None:  # fmt: skip
         self.module, self.optimizer, self.directory = module, optimizer, directory
+        self.tensor_dicts = tensor_dicts or []
         self._state: OffloadedState | None = None
 
     @property
@@ -204,7 +214,7 @@ class Swappable:
 
     def offload(self) -> float:
         if self._state is None:
-            self._state = offload(self.module, self.optimizer, directory=self.directory)
+            self._state = offload(self.module, self.optimizer, tensor_dicts=self.tensor_dicts, directory=self.directory)
             return self._state.seconds
         return 0.0
 
