@@ -2,8 +2,10 @@
 device and back, bit for bit.
 
 - CPU tensors go to one file (in ``/dev/shm`` when it exists, so it is shared memory) and
-  their storage is freed, then glibc is asked to hand the freed pages back
-  (``malloc_trim``), so the process's resident memory really falls.
+  their storage is freed, so the process's resident memory really falls: restored tensors
+  of 64 KiB or more live in anonymous mappings of their own, unmapped when freed; tensors
+  the allocator holds (a first offload, gradients made since) are handed back by asking
+  glibc to trim (``malloc_trim``).
 - CUDA tensors go to pinned host memory, and the CUDA caching allocator releases the
   device memory (``torch.cuda.empty_cache``).
 
@@ -14,6 +16,7 @@ optimizer, hooks and references into the module keep working after ``restore``.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import tempfile
 import time
@@ -23,7 +26,10 @@ from typing import Any
 
 import torch
 
-ALIGN = 64  # bytes: tensors restored as views of one buffer stay aligned for vector code
+ALIGN = 64  # bytes: every tensor's offset in the offload file
+MAPPED_MIN_BYTES = 64 << 10  # restored tensors this large get an anonymous mapping each
+TRIM_MIN_BYTES = 1 << 20  # heap-allocated bytes offloaded before malloc_trim is worth it
+_MAPPED: set[int] = set()  # data pointers of tensors restored into their own mapping
 
 @dataclass
 class _Entry:
@@ -127,12 +133,27 @@ def offload(module: Modules, optimizer: torch.optim.Optimizer | None = None, *, 
             f.close()
     if any(e.host is not None for e in entries):
         torch.cuda.synchronize()
+    heap_bytes = 0
     for e in entries:
+        if e.device.type == "cpu":
+            ptr = _owner_tensor(e).data_ptr()
+            heap_bytes += 0 if ptr in _MAPPED else e.nbytes
+            _MAPPED.discard(ptr)
         _detach(e)
     if any(e.device.type == "cuda" for e in entries):
         torch.cuda.empty_cache()
-    release_freed_memory()
+    if heap_bytes >= TRIM_MIN_BYTES:  # tensors the allocator holds (a first offload, new gradients)
+        release_freed_memory()
     return OffloadedState(entries, path, moved, time.perf_counter() - t0)
+
+
+def _owner_tensor(e: _Entry) -> torch.Tensor:
+    if e.kind in ("param", "buffer"):
+        return e.owner.data
+    if e.kind == "grad":
+        return e.owner.grad
+    state, key = e.owner
+    return state[key]
 
 
 def _detach(e: _Entry) -> None:
@@ -166,7 +187,7 @@ def restore(state: OffloadedState) -> float:
             if e.host is not None:
                 restored.append(e.host.to(e.device, non_blocking=True))
                 continue
-            t = torch.empty(e.shape, dtype=e.dtype)
+            t = _allocate(e.shape, e.dtype, e.nbytes)
             restored.append(t)
             views.append(_as_bytes(t).data)
             views.append(memoryview(bytearray(-e.nbytes % ALIGN)))  # the padding in the file
@@ -181,6 +202,18 @@ def restore(state: OffloadedState) -> float:
             state.path.unlink(missing_ok=True)
     state.entries = []
     return time.perf_counter() - t0
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """A restored tensor: the large ones each in an anonymous mapping of their own, so the
+    next offload returns their pages at once (no ``malloc_trim``, which would also make
+    the allocator hand out fresh, faulting pages for the next phase's activations)."""
+    if nbytes < MAPPED_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)  # keeps ``area`` alive
+    _MAPPED.add(t.data_ptr())
+    return t
 
 
 def _read_all(path: Path, views: list) -> None:
