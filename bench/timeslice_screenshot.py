@@ -1,5 +1,5 @@
 """The dashboard screenshot in docs/timeslice.md: three clients sharing one core (sleeps
-stand in for their device phases and tool calls), one of them waiting, rendered by
+stand in for their device phases and tool calls), over-subscribing it (so some wait), rendered by
 headless Chromium after 20 s.
 
     python bench/timeslice_screenshot.py --out docs/img/timeslice-dashboard.png
@@ -42,7 +42,7 @@ def main() -> None:
     clients = [SchedulerClient(daemon.url, name, weight=w, pin=False, heartbeat_interval_s=0.2)
                for name, w in (("grpo-math", 1.0), ("ppo-code", 1.0), ("dpo-chat", 2.0))]  # fmt: skip
     threads = [threading.Thread(target=job, args=(c, d, i, stop, n), daemon=True)
-               for n, (c, d, i) in enumerate(zip(clients, (1.0, 1.5, 0.8), (1.2, 0.8, 1.5)))]  # fmt: skip
+               for n, (c, d, i) in enumerate(zip(clients, (1.0, 1.5, 0.8), (0.4, 0.3, 0.5)))]  # fmt: skip
     for t in threads:
         t.start()
     time.sleep(args.seconds)
