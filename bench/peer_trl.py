@@ -203,7 +203,8 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
     wall = time.perf_counter() - t0
     run_dir = Path(result.summary["run_dir"])
     return {"wall_s": wall, "completions": result.summary["trained"], "final": run_dir / "final",
-            "phases": _loomrl_phases(run_dir, args.steps)}
+            "phases": _loomrl_phases(run_dir, args.steps), "executor_rss_mb": result.summary["peak_rss_mb"],
+            "controller_overhead": result.summary["controller_overhead"]}
 
 
 def child(system: str, args: argparse.Namespace) -> None:
@@ -213,7 +214,8 @@ def child(system: str, args: argparse.Namespace) -> None:
     rss_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps({"wall_s": r["wall_s"], "completions": r["completions"], "accuracy": accuracy,
-                      "rss_mb": rss_self, "child_rss_mb": rss_children, "phases": r["phases"]}))
+                      "rss_mb": rss_self, "child_rss_mb": rss_children, "phases": r["phases"],
+                      "executor_rss_mb": r.get("executor_rss_mb"), "controller_overhead": r.get("controller_overhead")}))
 
 
 def main() -> None:
@@ -272,7 +274,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     base = cps.get("trl")
     table = Table(title=f"loomrl vs TRL GRPOTrainer: {args.steps} steps x {args.groups_per_step * 8} completions, "
                         f"{args.threads} threads, median of {args.repeats}")
-    for col in ("system", "completions/s", "tokens/s", "vs TRL", "MFU", "held-out acc", "peak RSS MB"):
+    for col in ("system", "completions/s", "tokens/s (<=4 each)", "vs TRL", "MFU", "held-out acc", "peak RSS MB"):
         table.add_column(col, justify="right")
     for s in results:
         rss = med(s, lambda r: max(r["rss_mb"], r["child_rss_mb"]))
@@ -289,6 +291,11 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                  for p in phases]
         by_phase.add_row(s, *cells, f"{med(s, lambda r: r['wall_s']) / args.steps:.3f}")
     console.print(by_phase)
+    for s in results:
+        if results[s][0].get("executor_rss_mb"):
+            rss = {name: med(s, lambda r, n=name: r["executor_rss_mb"][n]) for name in results[s][0]["executor_rss_mb"]}
+            console.print(f"{s}: controller loop overhead {med(s, lambda r: r['controller_overhead']):.1%} of wall; "
+                          "peak RSS MB " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items()))
     console.print(f"model FLOPs per completion {flops / 1e6:.1f} M; fp32 matmul rate at the model's shapes "
                   f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads; machine limit "
                   f"~{rate / flops:.0f} completions/s")

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_METRICS = ("rollout/reward_mean,eval/accuracy,train/grad_norm,train/update_rms,train/entropy,"
+DEFAULT_METRICS = ("rollout/reward_mean,eval/mean_reward,train/grad_norm,train/update_rms,train/entropy,"
                    "train/importance_ratio_mean,train/importance_ratio_max,train/clip_fraction")
 
 

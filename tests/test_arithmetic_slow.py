@@ -13,9 +13,11 @@ from loomrl.job import Job
 
 from conftest import ROOT
 
-# The demo job as shipped (1000 steps). Held-out accuracy points RL must gain (200 eval rows):
-# the slowest seed measured (seed 2) gained +15.5 points; the old unpadded demo lost 2.
-MIN_GAIN = 0.10
+# The demo job as shipped (1500 steps). Held-out accuracy points RL must gain (200 eval rows):
+# every cell of bench/learning.py (seeds 0-2, native and AVX2 order) gained 40 points or more;
+# 30 leaves room for another machine's floating-point order and async timing. The old
+# unpadded demo lost 2.
+MIN_GAIN = 0.30
 
 
 def _warmstart(out, seed: int):
@@ -33,7 +35,7 @@ def _rl(model, seed: int, codec: str, out) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # a warm-start and two 1000-step runs: ~8 min idle, far more when loaded
+@pytest.mark.timeout(2400)  # a warm-start and two 1500-step runs: ~8 min idle, far more when loaded
 def test_async_arithmetic_learns_with_delta_sync_as_with_full_sync(tmp_path):
     model = _warmstart(tmp_path / "warmstart-1", seed=1)
     start_full, end_full = _rl(model, 1, "full", tmp_path / "full")

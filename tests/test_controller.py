@@ -18,10 +18,12 @@ from loomrl.buffer import RolloutBuffer
 from loomrl.controller import Controller
 from loomrl.data import PromptStream, load_rows
 from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.generation.base import Generator
 from loomrl.models import build_char_tokenizer
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
-from loomrl.types import Completion, GenerationResult, Group, Rollout
+from loomrl.training.base import TrainerEndpoints
+from loomrl.types import Completion, GenerationResult, Group, Rollout, WeightsApplied
 
 
 class Published:
@@ -30,12 +32,22 @@ class Published:
         self.lock = threading.Lock()
 
 
-class FakeGenerator:
+class FakeGenerator(Generator):
     """Applies the latest published version before each request, like the real engine."""
 
     def __init__(self, published: Published, delays: list[float], seed: int) -> None:
         self.published, self.delays, self.rng = published, delays, random.Random(seed)
         self.calls = 0
+
+    def apply_weights(self, min_version=0):
+        with self.published.lock:
+            return WeightsApplied(self.published.version)
+
+    def update_weights(self, update):  # pragma: no cover - weights come by the fake's lock
+        raise NotImplementedError
+
+    def load_weights(self, weights):  # pragma: no cover
+        raise NotImplementedError
 
     def generate(self, requests):
         with self.published.lock:
@@ -53,7 +65,7 @@ class FakeGenerator:
         ]
 
 
-class FakeTrainer:
+class FakeTrainer(TrainerEndpoints):
     def __init__(self, published: Published, delays: list[float]) -> None:
         self.published, self.delays = published, delays
         self.version = 0
@@ -70,14 +82,26 @@ class FakeTrainer:
             self.published.version = self.version
         return {}
 
+    def state_dict(self):
+        return {"version": self.version}
+
+    def load_state_dict(self, state):
+        self.version = state["version"]
+
+    def save_checkpoint(self, root, step, extra, keep):  # pragma: no cover - no checkpoints here
+        raise NotImplementedError
+
+    def save_pretrained(self, path):  # pragma: no cover
+        raise NotImplementedError
+
 
 def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None):
     if reward_path:
         cfg.task.reward = reward_path
     runtime = LocalRuntime()
     published = Published()
-    trainer = runtime.start("trainer", lambda: FakeTrainer(published, train_delays))
-    gens = [runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i))
+    trainer = runtime.start("trainer", lambda: FakeTrainer(published, train_delays), TrainerEndpoints)
+    gens = [runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i), Generator)
             for i in range(cfg.generation.num_generators)]
     rows = load_rows(cfg.data.train)
     metrics = MetricsLogger(tmp_path, tensorboard=False)

@@ -58,7 +58,7 @@ def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_jo
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     assert all(r["rollout/reward_mean"] >= 0.5 for r in steps)  # every episode reached turn 2
-    assert result.eval_history and result.eval_history[-1]["eval/accuracy"] >= 0.5
+    assert result.eval_history and result.eval_history[-1]["eval/mean_reward"] >= 0.5
 
 
 def test_environment_that_raises_fails_rollouts_and_stops_the_job(tiny_job):

@@ -84,7 +84,7 @@ def test_a_small_dataset_warns_and_eval_failures_are_counted_apart(tiny_job, tin
     records = read_metrics(result.run_dir)
     train_keys = set().union(*(r for r in records if "train/loss" in r))
     assert not any(k.startswith("rollout/failed_") and k != "rollout/failed" for k in train_keys)
-    evals_seen = [r for r in records if "eval/accuracy" in r]
+    evals_seen = [r for r in records if "eval/mean_reward" in r]
     assert evals_seen and all(r["eval/failed_raised"] == 4 for r in evals_seen)
     assert result.summary["failed"] == 0  # training rollouts: none failed
 

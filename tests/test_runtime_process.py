@@ -194,6 +194,14 @@ def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path,
     assert len(losses(local.run_dir)) == 4 and losses(local.run_dir)[0][0] != 0.0
     assert losses(spawned.run_dir) == losses(local.run_dir)  # bit-identical at fp32 on CPU
     assert spawned.summary["trained"] == local.summary["trained"]
+    # every executor's peak memory, its own process's on `process`, the shared one on `local`
+    for result in (local, spawned):
+        assert set(result.summary["peak_rss_mb"]) == {"controller", "trainer", "generator0"}
+        assert all(50 < mb < 8192 for mb in result.summary["peak_rss_mb"].values())
+        assert 0 < result.summary["controller_overhead"] < 1
+    rss = local.summary["peak_rss_mb"]
+    assert max(rss.values()) - min(rss.values()) <= 0.01 * max(rss.values())  # one process
+    assert len(set(spawned.summary["peak_rss_mb"].values())) > 1  # three processes, three peaks
     assert not multiprocessing.active_children()
     assert _shm_files() <= shm_before  # the channel's files are gone
 

@@ -41,13 +41,13 @@ def _progress_callback(total_steps: int):
     state: dict[str, Any] = {"eval": None}
 
     def on_record(record: dict[str, Any]) -> None:
-        if "eval/accuracy" in record:
-            state["eval"] = record["eval/accuracy"]
+        if "eval/mean_reward" in record:
+            state["eval"] = record["eval/mean_reward"]
         parts = []
         if "rollout/reward_mean" in record:
             parts.append(f"reward {record['rollout/reward_mean']:.3f}")
         if state["eval"] is not None:
-            parts.append(f"eval {state['eval']:.1%}")
+            parts.append(f"eval {state['eval']:.3f}")
         if "rollout/staleness_mean" in record:
             parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
         if "throughput/samples_per_s" in record:
@@ -69,7 +69,7 @@ def _print_summary(result) -> None:
     table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")
     if start is not None and end is not None:
-        table.add_row("eval accuracy", f"{start:.1%} -> {end:.1%} ({(end - start) * 100:+.1f} points)")
+        table.add_row("eval mean reward", f"{start:.3f} -> {end:.3f} ({end - start:+.3f})")
     table.add_row("steps", str(s["steps"]))
     table.add_row("training time", f"{s['elapsed_s']:.1f} s")
     table.add_row("samples/s", f"{s['samples_per_s']:.1f}")

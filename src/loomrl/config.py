@@ -26,6 +26,12 @@ class ModelConfig(_Section):
         "(e.g. 'tiny:llama', 'tiny:qwen2?hidden_size=128&num_layers=4').",
     )
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of all weights.")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the trainer and generators compute: 'auto' (CUDA when present, else the CPU), "
+        "'cpu', 'cuda' or 'cuda:<index>'.",
+    )
 
 
 class LoraConfig(_Section):

@@ -23,7 +23,7 @@ from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.telemetry.metrics import MetricsLogger
-from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
+from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,20 @@ class Controller:
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
         self.leases = leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
-        algo = cfg.algorithm
+        self._init_pipeline(version, counters)
+        self._sampling = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_p=cfg.generation.top_p,
+            max_new_tokens=cfg.generation.max_new_tokens,
+        )
+        self._prompt_key = cfg.data.prompt_key
+        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
+        self._init_run_state(version, history)
+
+    def _init_pipeline(self, version: int, counters: Counters | None) -> None:
+        """The gate, buffer and counters rollouts flow through, at ``version``."""
+        algo = self.cfg.algorithm
         self.version = version
         self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
         self.gate.version = version
@@ -83,19 +96,15 @@ class Controller:
         self.scoring: set[asyncio.Task] = set()
         self.scoring_rollouts = 0
         self.eval_history: list[dict[str, Any]] = []
-        self._stop = False
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
+
+    def _init_run_state(self, version: int, history: dict[str, Any] | None) -> None:
+        """Stopping, failure and watchdog state, and what a resumed run carries over."""
+        self._stop = False
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
-        self._sampling = SamplingParams(
-            temperature=cfg.generation.temperature,
-            top_p=cfg.generation.top_p,
-            max_new_tokens=cfg.generation.max_new_tokens,
-        )
-        self._prompt_key = cfg.data.prompt_key
-        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
@@ -141,6 +150,17 @@ class Controller:
     def _encode_prompt(self, text: str) -> list[int]:
         return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
 
+    def _encode_train_prompts(self, indices: list[int]) -> None:
+        """Encode the training rows' prompts not encoded yet, in one tokenizer call; each is
+        encoded once per run (epochs and groups share the ids; nothing downstream changes
+        them)."""
+        new = [i for i in dict.fromkeys(indices) if i not in self._prompt_ids]
+        if not new:
+            return
+        encoded = self.tokenizer([self.train_rows[i][self._prompt_key] for i in new]).input_ids
+        for i, ids in zip(new, encoded):
+            self._prompt_ids[i] = truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published
         version, less what max_staleness allows (so in synchronous mode exactly it)."""
@@ -155,6 +175,21 @@ class Controller:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Apply the newest weights the requests may use, then generate on them: one
+        device phase (one lease when the job shares its devices, so no other job's phase
+        and no swap comes between applying the weights and using them)."""
+        return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
+
+    async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
+        self._apply_s += applied.apply_s
+        if applied.weight_metrics:
+            self._generator_weight_metrics = applied.weight_metrics
+        results = await generator.generate(requests)
+        self._apply_s += sum(r.weight_apply_s for r in results)  # generate's own catch-up, if any
+        return results
+
     async def _generation_loop(self, generator: ExecutorHandle) -> None:
         per_request = self.cfg.generation.prompts_per_request
         group_size = self.cfg.algorithm.group_size
@@ -165,9 +200,10 @@ class Controller:
                 for epoch, index in picks:
                     self._watch(asyncio.create_task(self._episode_group(generator, epoch, index)))
                 continue
+            self._encode_train_prompts([i for _, i in picks])
             requests = [
                 GenerationRequest(
-                    self._encode_prompt(self.train_rows[i][self._prompt_key]),
+                    self._prompt_ids[i],
                     group_size,
                     self._sampling,
                     sample_seed(self.cfg.seed, epoch, i),
@@ -175,12 +211,12 @@ class Controller:
                 )
                 for epoch, i in picks
             ]
-            results = await self.on_device("generate", lambda requests=requests: generator.call("generate", requests))
-            self._apply_s += sum(r.weight_apply_s for r in results)
-            if results and results[0].weight_metrics:
-                self._generator_weight_metrics = results[0].weight_metrics
+            results = await self._generate(generator, requests)
+            groups: list[Group] = []
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
+                texts = self.tokenizer.batch_decode([c.token_ids for c in result.completions],
+                                                    skip_special_tokens=True)
                 rollouts = [
                     Rollout(
                         prompt_index=index,
@@ -190,17 +226,18 @@ class Controller:
                         loss_mask=[1] * len(c.token_ids),
                         version=result.version,
                         prompt=row[self._prompt_key],
-                        completion=self._decode(c.token_ids),
+                        completion=text,
                         row=row,
                         finish_reason=c.finish_reason,
                     )
-                    for c in result.completions
+                    for c, text in zip(result.completions, texts)
                 ]
                 self.counters.generated += len(rollouts)
                 self.scoring_rollouts += len(rollouts)
-                task = asyncio.create_task(self._score_and_put(Group(index, epoch, rollouts)))
-                self.scoring.add(task)
-                self._watch(task)
+                groups.append(Group(index, epoch, rollouts))
+            task = asyncio.create_task(self._score_and_put_groups(groups))
+            self.scoring.add(task)
+            self._watch(task)
 
     async def _episode_group(self, generator: ExecutorHandle, epoch: int, index: int) -> None:
         """One group of multi-turn episodes (environment tasks): generated and scored together."""
@@ -210,7 +247,7 @@ class Controller:
         try:
             rollouts = await run_group_episodes(
                 envs, self.train_rows[index], index,
-                generate=lambda requests: self.on_device("generate", lambda: generator.call("generate", self._require(requests))),
+                generate=lambda requests: self._generate(generator, self._require(requests)),
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
@@ -226,10 +263,19 @@ class Controller:
         await self._score_and_put(Group(index, epoch, rollouts))
 
     async def _score_and_put(self, group: Group) -> None:
+        await self._score_and_put_groups([group])
+
+    async def _score_and_put_groups(self, groups: list[Group]) -> None:
+        """Score the groups of one request together (one reward batch), then put each."""
+        rollouts = [r for group in groups for r in group.rollouts]
         try:
-            await self.scorer.score(group.rollouts)
+            await self.scorer.score(rollouts)
         finally:
-            self.scoring_rollouts -= len(group.rollouts)
+            self.scoring_rollouts -= len(rollouts)
+        for group in groups:
+            await self._put_scored(group)
+
+    async def _put_scored(self, group: Group) -> None:
         failed = [r for r in group.rollouts if r.status == "failed"]
         self.counters.failed += len(failed)
         group.rollouts = [r for r in group.rollouts if r.status == "ok"]
@@ -265,7 +311,7 @@ class Controller:
         else:
             requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
                         for r in self.eval_rows]  # fmt: skip
-            results = await self.on_device("generate", lambda: self.generators[0].call("generate", requests))
+            results = await self._generate(self.generators[0], requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
                         [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
@@ -275,7 +321,7 @@ class Controller:
             await self.eval_scorer.score(rollouts)
         rewards = [r.reward for r in rollouts if r.status == "ok"]
         record = {
-            "eval/accuracy": sum(rewards) / len(rollouts),
+            "eval/mean_reward": sum(rewards) / len(rollouts),
             "eval/num_failed": len(rollouts) - len(rewards),
             "eval/version": min(r.version for r in rollouts),
             "timing/eval_s": time.perf_counter() - t0,
@@ -297,8 +343,7 @@ class Controller:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self.on_device(
-                        "generate", lambda: self.generators[0].call("generate", self._require(reqs, eval_=True))),
+                    [env], row, i, generate=lambda reqs: self._generate(self.generators[0], self._require(reqs, eval_=True)),
                     encode=self._encode, decode=self._decode, sampling=greedy,
                     max_turns=self.cfg.task.max_turns, seed=0,
                 )
@@ -317,7 +362,7 @@ class Controller:
         if batch is None:  # stop requested while waiting for a batch
             return None
         wait_s = time.perf_counter() - t0
-        metrics = await self.on_device("train", lambda: self.trainer.call("train_step", batch.groups))
+        metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups))
         rollouts = [r for g in batch.groups for r in g.rollouts]
         self.counters.trained += len(rollouts)
         for g in batch.groups:
@@ -325,7 +370,7 @@ class Controller:
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
-            metrics.update(await self.on_device("weight_sync", lambda: self.trainer.call("publish")))
+            metrics.update(await self.on_device("weight_sync", self.trainer.publish))
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
@@ -375,17 +420,17 @@ class Controller:
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
         adds its time to the time before the checkpoint and keeps the first eval)."""
-        await self.on_device("weight_sync", lambda: self.trainer.call("publish"))  # version v first
+        await self.on_device("weight_sync", self.trainer.publish)  # version v to every generator first
         if self.resumed:
-            first_eval = {"eval/accuracy": self.history["eval_start"]}
+            first_eval = {"eval/mean_reward": self.history["eval_start"]}
         else:
             first_eval = await self.evaluate()
-            self.history["eval_start"] = first_eval.get("eval/accuracy")
+            self.history["eval_start"] = first_eval.get("eval/mean_reward")
             if first_eval:
                 self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
-        started = time.perf_counter()
+        started, loop_cpu = time.perf_counter(), time.thread_time()
         self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
         try:
@@ -401,14 +446,19 @@ class Controller:
                 await asyncio.wait(list(self.scoring), timeout=2.0 if self.stop_requested else None)
         final_eval = {} if self.stop_requested else await self.evaluate()
         elapsed = self._elapsed(started)
+        # The loop's own CPU time: neither waiting (no CPU) nor executor calls (other threads
+        # or processes), so all the controller's overhead, as a share of this session's wall.
+        loop_cpu = time.thread_time() - loop_cpu
         summary = {
+            "controller_cpu_s": loop_cpu,
+            "controller_overhead": loop_cpu / max(time.perf_counter() - started, 1e-9),
             "steps": self.version,
             "elapsed_s": elapsed,
             "samples_per_s": self.counters.trained / max(elapsed, 1e-9),
             "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
-            "eval_start": first_eval.get("eval/accuracy"),
-            "eval_end": final_eval.get("eval/accuracy"),
+            "eval_start": first_eval.get("eval/mean_reward"),
+            "eval_end": final_eval.get("eval/mean_reward"),
             "interrupted": self.stop_requested and self.version < self.cfg.trainer.num_steps,
             **{k.split("/")[1]: v for k, v in self.accounting().items()},
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ class PromptStream:
 
     def _start_epoch(self) -> None:
         done = set(self.trained)
-        self._pending = [i for i in self._order(self.epoch) if i not in done]
+        self._pending = deque(i for i in self._order(self.epoch) if i not in done)
         self._outstanding: set[int] = set()
 
     def next(self) -> tuple[int, int]:
@@ -96,14 +97,14 @@ class PromptStream:
             self.epoch += 1
             self.trained = []
             self._start_epoch()
-        index = self._pending.pop(0)
+        index = self._pending.popleft()
         self._outstanding.add(index)
         return self.epoch, index
 
     def requeue(self, epoch: int, index: int) -> None:
         if epoch == self.epoch and index in self._outstanding:
             self._outstanding.discard(index)
-            self._pending.insert(0, index)
+            self._pending.appendleft(index)
 
     def mark_trained(self, epoch: int, index: int) -> None:
         if epoch == self.epoch:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+from loomrl.run_folder import JobResult, default_run_dir
+
+__all__ = ["Job", "JobResult", "default_run_dir", "load_run_config", "resume_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,6 @@ SHORTCUTS = {
     "output_dir": "output_dir",
     "runtime": "runtime",
 }
-
-
-@dataclass
-class JobResult:
-    run_dir: Path
-    summary: dict[str, Any]
-    eval_history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -92,12 +86,6 @@ class Job:
         from loomrl.session import run_job
 
         return run_job(self.config, resume=resume, overwrite=overwrite, from_step=from_step, on_record=on_record)
-
-
-def default_run_dir(cfg: JobConfig) -> Path:
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def load_run_config(run_dir: str | Path) -> JobConfig:

@@ -14,13 +14,35 @@ import fcntl
 import logging
 import os
 import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loomrl.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 # What a run writes into its folder; --overwrite removes exactly these.
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "final", "weight_updates")
+
+
+@dataclass
+class JobResult:
+    """What a finished run returns: its folder, its summary and the evals along the way."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def default_run_dir(cfg: JobConfig) -> Path:
+    """``output_dir``, or ``runs/<name>-<date>-<time>``."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class RunFolderError(ValueError):

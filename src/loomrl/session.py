@@ -20,14 +20,16 @@ from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
 from loomrl.envs.scorer import Scorer
-from loomrl.job import JobResult, default_run_dir
+from loomrl.generation.base import Generator
+from loomrl.generation.executor import start_generator
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
-from loomrl.run_folder import claim_run_folder
-from loomrl.runtime.base import Runtime
+from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir
+from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import (
     CheckpointError,
     checkpoint_step,
@@ -39,7 +41,7 @@ from loomrl.training.checkpoint import (
     restore_rng_state,
     rng_state,
 )
-from loomrl.training.executor import start_generator, start_trainer
+from loomrl.training.executor import start_trainer
 from loomrl.weights.transports import make_transport
 
 logger = logging.getLogger(__name__)
@@ -82,9 +84,9 @@ def _start_executors(
         with_rank = (lambda rank: {**kwargs, "rank": rank}) if kind == "torch_dist" else (lambda rank: kwargs)
         trainer_end, generator_end = (kind, with_rank(0)), lambda rank: (kind, with_rank(rank))
         cleanup = (lambda: make_transport(kind, **kwargs).unlink()) if kind == "shm" else (lambda: None)
-    trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end))
+    trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints)
     generators = [
-        runtime.start(f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i))
+        runtime.start(f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i), Generator)
         for i in range(cfg.generation.num_generators)
     ]
     return trainer, generators, cleanup
@@ -314,6 +316,30 @@ def _run_locked(
         raise
 
 
+async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runtime, run_dir: Path,
+                 trainer_state: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """Wait for the executors, restore the trainer, run the controller with checkpoints,
+    and save the final model; the run's summary."""
+    checkpoint_root = run_dir / "checkpoints"
+
+    async def checkpoint(step: int) -> None:
+        extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
+        await controller.on_device(
+            "checkpoint", lambda: trainer.save_checkpoint(str(checkpoint_root), step, extra, cfg.checkpoint.keep))
+
+    await runtime.wait_ready()  # model loading is not training time
+    if trainer_state is not None:
+        await controller.on_device("checkpoint", lambda: trainer.load_state_dict(trainer_state))
+    with _graceful_interrupt(controller):
+        summary = await controller.run(checkpoint=checkpoint)
+    # per executor; on the local runtime every executor shares the controller's process
+    summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),
+                              **{h.name: peak_rss_mb(h.pid) for h in runtime.handles}}
+    if not summary["interrupted"]:
+        await controller.on_device("checkpoint", lambda: trainer.save_pretrained(str(run_dir / "final")))
+    return summary
+
+
 def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder, budget) -> JobResult:
     """Start the executors and run the controller; ``holder`` gets the controller."""
     import torch
@@ -325,7 +351,6 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
     )
 
     (train_rows, eval_rows), (resume_from, resume_state) = rows, resume
-    checkpoint_root = run_dir / "checkpoints"
     torch.manual_seed(cfg.seed)
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
     runtime = _make_runtime(cfg.runtime)
@@ -344,23 +369,7 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
             extra_metrics=_with_lease_metrics(default_pool_metrics, leases), max_prompt_tokens=budget,
             leases=leases, **kwargs,
         )
-
-        async def checkpoint(step: int) -> None:
-            extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
-            await controller.on_device("checkpoint", lambda: trainer.call(
-                "save_checkpoint", str(checkpoint_root), step, extra, cfg.checkpoint.keep))
-
-        async def main() -> dict[str, Any]:
-            await runtime.wait_ready()  # model loading is not training time
-            if trainer_state is not None:
-                await controller.on_device("checkpoint", lambda: trainer.call("load_state_dict", trainer_state))
-            with _graceful_interrupt(controller):
-                summary = await controller.run(checkpoint=checkpoint)
-            if not summary["interrupted"]:
-                await controller.on_device("checkpoint", lambda: trainer.call("save_pretrained", str(run_dir / "final")))
-            return summary
-
-        summary = asyncio.run(main())
+        summary = asyncio.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
         summary["run_dir"] = str(run_dir)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return JobResult(run_dir, summary, controller.eval_history)

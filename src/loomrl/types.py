@@ -44,6 +44,17 @@ class GenerationResult:
     weight_metrics: dict[str, float] = field(default_factory=dict)  # the generator's weight_sync/*
 
 
+@dataclass
+class WeightsApplied:
+    """What a generator's ``apply_weights`` did: the version it holds after it, and the
+    seconds it paused for (0.0 when nothing was applied)."""
+
+    version: int
+    apply_s: float = 0.0
+    num_updates: int = 0
+    weight_metrics: dict[str, float] = field(default_factory=dict)  # the subscriber's weight_sync/*
+
+
 RolloutStatus = Literal["ok", "failed"]
 
 

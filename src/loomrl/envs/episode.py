@@ -83,6 +83,42 @@ async def _step(ep: _Episode, completion: str) -> StepResult | None:
     return result
 
 
+def _turn_requests(episodes: list[_Episode], live: list[int], sampling: SamplingParams, seed: int,
+                   turn: int) -> list[GenerationRequest]:  # fmt: skip
+    """One request per live episode: its conversation so far, seeded by (seed, turn, index)."""
+    return [
+        GenerationRequest(
+            prompt_ids=episodes[i].prompt_ids + episodes[i].ids,
+            num_samples=1,
+            sampling=sampling,
+            seed=turn_seed(seed, turn, i),
+        )
+        for i in live
+    ]
+
+
+async def _take_turn(ep: _Episode, result, *, decode: Callable, encode: Callable, special_prefix: list[int],
+                     more_turns: bool) -> None:  # fmt: skip
+    """Record the model's turn, step the environment with it, and append its observation
+    (masked out of the loss) when the episode goes on."""
+    completion = result.completions[0]
+    ep.append(list(completion.token_ids), list(completion.logprobs), trained=True)
+    ep.versions.append(result.version)
+    ep.num_turns += 1
+    ep.finish_reason = completion.finish_reason
+    text = decode(list(completion.token_ids))
+    ep.texts.append(text)
+    step = await _step(ep, text)
+    if step is None:
+        return
+    ep.reward += float(step.reward)
+    ep.done = bool(step.done)
+    if not ep.done and more_turns and step.observation:
+        obs_ids = _strip_prefix(list(encode(step.observation)), special_prefix)
+        ep.append(obs_ids, [], trained=False)
+        ep.texts.append(step.observation)
+
+
 async def run_group_episodes(
     envs: list[Environment],
     row: dict,
@@ -104,34 +140,10 @@ async def run_group_episodes(
         live = [i for i, ep in enumerate(episodes) if not ep.done]
         if not live:
             break
-        requests = [
-            GenerationRequest(
-                prompt_ids=episodes[i].prompt_ids + episodes[i].ids,
-                num_samples=1,
-                sampling=sampling,
-                seed=turn_seed(seed, turn, i),
-            )
-            for i in live
-        ]
-        results = await generate(requests)
+        results = await generate(_turn_requests(episodes, live, sampling, seed, turn))
         for i, result in zip(live, results):
-            ep = episodes[i]
-            completion = result.completions[0]
-            ep.append(list(completion.token_ids), list(completion.logprobs), trained=True)
-            ep.versions.append(result.version)
-            ep.num_turns += 1
-            ep.finish_reason = completion.finish_reason
-            text = decode(list(completion.token_ids))
-            ep.texts.append(text)
-            step = await _step(ep, text)
-            if step is None:
-                continue
-            ep.reward += float(step.reward)
-            ep.done = bool(step.done)
-            if not ep.done and turn + 1 < max_turns and step.observation:
-                obs_ids = _strip_prefix(list(encode(step.observation)), special_prefix)
-                ep.append(obs_ids, [], trained=False)
-                ep.texts.append(step.observation)
+            await _take_turn(episodes[i], result, decode=decode, encode=encode, special_prefix=special_prefix,
+                             more_turns=turn + 1 < max_turns)  # fmt: skip
     elapsed = time.perf_counter() - t0
     return [_to_rollout(ep, row, prompt_index, elapsed) for ep in episodes]
 

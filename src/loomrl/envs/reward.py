@@ -16,6 +16,7 @@ import math
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,101 @@ async def call_reward(
     if status == "raised":
         raise RewardFailure("raised", f"reward function raised {_describe(value)}")
     return _check_value(value)
+
+
+async def call_reward_batch(
+    fn: Callable[..., Any], items: list[tuple[str, str, dict[str, Any]]], timeout_s: float
+) -> list[tuple[float | RewardFailure, float]]:
+    """Score ``(prompt, completion, row)`` items; for each, its reward or the
+    ``RewardFailure``, and the seconds it took. Same rules as ``call_reward``, one item at a
+    time, but a sync function runs the whole batch on one worker thread, so the event loop
+    pays one wake-up per batch instead of one per item. Each item keeps its own timeout,
+    counted from when it starts: one that runs past it fails with ``timeout``, its worker is
+    left to it (and replaced), and the items after it go on on another worker."""
+    if inspect.iscoroutinefunction(fn):
+        return list(await asyncio.gather(*(_timed_call(fn, *item, timeout_s) for item in items)))
+    calls = [(prompt, completion, {k: v for k, v in row.items() if k not in ("prompt", "completion")})
+             for prompt, completion, row in items]
+    outcomes: dict[int, tuple[str, Any, float]] = {}
+    start = 0
+    while start < len(calls):
+        run = _BatchRun(fn, calls, start, outcomes, asyncio.get_running_loop())
+        _REWARD_THREADS.submit(run)
+        hung = await run.wait(timeout_s)
+        if hung is None:
+            break
+        outcomes[hung] = ("timeout", None, timeout_s)
+        _REWARD_THREADS.replace_hung_worker()
+        start = hung + 1
+    results: list[tuple[float | RewardFailure, float]] = []
+    for i in range(len(calls)):
+        status, value, seconds = outcomes[i]
+        if status == "timeout":
+            results.append((RewardFailure("timeout", f"reward function took longer than {timeout_s}s"), seconds))
+        elif status == "raised":
+            results.append((RewardFailure("raised", f"reward function raised {_describe(value)}"), seconds))
+        else:
+            try:
+                results.append((_check_value(value), seconds))
+            except RewardFailure as failure:
+                results.append((failure, seconds))
+    return results
+
+
+async def _timed_call(fn, prompt: str, completion: str, row: dict[str, Any], timeout_s: float):
+    t0 = time.perf_counter()
+    try:
+        value: float | RewardFailure = await call_reward(fn, prompt, completion, row, timeout_s)
+    except RewardFailure as failure:
+        value = failure
+    return value, time.perf_counter() - t0
+
+
+class _BatchRun:
+    """One worker thread's pass over a batch of sync reward calls, from ``start`` on."""
+
+    def __init__(self, fn, calls: list, start: int, outcomes: dict, loop: asyncio.AbstractEventLoop) -> None:
+        self.fn, self.calls, self.outcomes, self.loop = fn, calls, outcomes, loop
+        self.index, self.item_started = start, None  # the item in progress (written by the worker)
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.done = loop.create_future()
+
+    def __call__(self) -> None:  # on the worker thread
+        for i in range(self.index, len(self.calls)):
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.index, self.item_started = i, time.monotonic()
+            prompt, completion, kwargs = self.calls[i]
+            t0 = time.perf_counter()
+            try:
+                outcome: tuple[str, Any, float] = ("ok", self.fn(prompt, completion, **kwargs), 0.0)
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
+                outcome = ("raised", err, 0.0)
+            with self.lock:
+                if self.abandoned:  # the loop gave up on this item: its outcome is the timeout
+                    return
+                self.outcomes[i] = (outcome[0], outcome[1], time.perf_counter() - t0)
+        try:
+            self.loop.call_soon_threadsafe(lambda: self.done.done() or self.done.set_result(None))
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    async def wait(self, timeout_s: float) -> int | None:
+        """None once every item has an outcome; else the index of an item that ran past
+        ``timeout_s`` (this run is then abandoned)."""
+        while True:
+            started = self.item_started
+            remaining = timeout_s if started is None else started + timeout_s - time.monotonic()
+            done, _ = await asyncio.wait({self.done}, timeout=max(remaining, 0.0))
+            if done:
+                return None
+            with self.lock:
+                index, started = self.index, self.item_started
+                if started is not None and index not in self.outcomes and time.monotonic() - started >= timeout_s:
+                    self.abandoned = True
+                    return index
 
 
 async def _guarded(coro) -> tuple[str, Any]:

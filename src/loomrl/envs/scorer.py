@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import time
 from collections import Counter, deque
 
 from loomrl.config import TaskConfig
-from loomrl.envs.reward import RewardFailure, call_reward, load_object
+from loomrl.envs.reward import RewardFailure, call_reward_batch, load_object
 from loomrl.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -41,21 +40,18 @@ class Scorer:
 
     async def score(self, rollouts: list[Rollout]) -> None:
         """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""
-        t0 = time.perf_counter()
-        await asyncio.gather(*(self._score_one(r) for r in rollouts))
-        self.busy_s += time.perf_counter() - t0
-
-    async def _score_one(self, rollout: Rollout) -> None:
         if self.fn is None:
             return
         t0 = time.perf_counter()
-        try:
-            rollout.reward = await call_reward(
-                self.fn, rollout.prompt, rollout.completion, rollout.row, self.task.reward_timeout_s
-            )
-        except RewardFailure as failure:
-            self.record_failure(rollout, failure.reason, str(failure))
-        rollout.timings["score_s"] = time.perf_counter() - t0
+        items = [(r.prompt, r.completion, r.row) for r in rollouts]
+        for rollout, (value, seconds) in zip(rollouts, await call_reward_batch(self.fn, items,
+                                                                               self.task.reward_timeout_s)):
+            if isinstance(value, RewardFailure):
+                self.record_failure(rollout, value.reason, str(value))
+            else:
+                rollout.reward = value
+            rollout.timings["score_s"] = seconds
+        self.busy_s += time.perf_counter() - t0
 
     def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
         rollout.status, rollout.error, rollout.reward = "failed", message, None

@@ -1,10 +1,19 @@
-"""The Generator interface: batched sampling that reports behaviour log-probs and version."""
+"""The Generator interface: batched sampling that reports behaviour log-probs and version.
+
+Its ``@endpoint`` methods are what the controller calls on a generator's handle. Weights
+arrive through a ``loomrl.weights.receiver.WeightReceiver``, which every engine shares: it
+applies updates to a mirror and hands the engine the tensors they changed
+(``load_weights``). Applying the newest weights is a step of its own (``apply_weights``),
+so a scheduler can wrap it in a lease, apart from ``generate``.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
-from loomrl.types import GenerationRequest, GenerationResult
+from loomrl.runtime.endpoints import endpoint
+from loomrl.types import GenerationRequest, GenerationResult, WeightsApplied
 
 
 class Generator(ABC):
@@ -12,22 +21,42 @@ class Generator(ABC):
 
     ``generate`` samples completions and reports, per token, the log-prob of the sampled
     token under ``log_softmax(logits / temperature)`` (top-p truncation is not folded in),
-    and the policy version of the weights used. ``update_weights`` is only ever called
-    between requests.
+    and the policy version of the weights used. Weights change only in ``apply_weights``
+    or ``update_weights``, never in the middle of a request; ``generate`` applies them
+    itself only when it is asked for a version it does not hold yet. An engine that batches
+    continuously marks its own ``generate`` ``@endpoint(concurrent=True)``.
     """
 
     version: int = 0
 
+    @endpoint
     @abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """One result per request, each with ``request.num_samples`` completions."""
 
+    @endpoint
+    @abstractmethod
+    def apply_weights(self, min_version: int = 0) -> WeightsApplied:
+        """Apply the newest weights the transport holds, waiting until this generator holds
+        at least ``min_version``; returns the version and how long it paused."""
+
+    @endpoint
     @abstractmethod
     def update_weights(self, update: object) -> int:
-        """Apply a ``loomrl.weights.WeightUpdate``; returns the new version."""
+        """Apply a ``loomrl.weights.WeightUpdate`` handed over directly; the new version."""
 
-    def sleep(self) -> None:  # noqa: B027 - optional hook for time-slicing
-        """Release accelerator memory until ``wake`` (no-op by default)."""
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Load ``(name, tensor)`` pairs into the engine's compute weights (what a weight
+        update committed; vLLM's ``model.load_weights`` takes the same)."""
 
-    def wake(self) -> None:  # noqa: B027
-        """Reacquire what ``sleep`` released (no-op by default)."""
+    @endpoint
+    def offload(self) -> None:
+        """Release accelerator memory until ``restore`` (a no-op until the time-slicing
+        scheduler uses it)."""
+        return None  # a hook: nothing to release yet
+
+    @endpoint
+    def restore(self) -> None:
+        """Reacquire what ``offload`` released (a no-op until the scheduler uses it)."""
+        return None

@@ -9,31 +9,25 @@ synchronous run is reproducible step by step on CPU.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Iterable
 
 import torch
 
+from loomrl.device import module_device
 from loomrl.generation.base import Generator
 from loomrl.models.cache import repeat_cache
-from loomrl.types import Completion, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.types import (
+    Completion,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    WeightsApplied,
+)
+from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
+from loomrl.weights.receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
-
-
-def synced_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors weight sync carries, detached and sharing storage with the model: every
-    parameter (tied weights once), or for a PEFT model only the adapter, all that changes."""
-    from loomrl.weights.lora import adapter_state, is_peft_model
-
-    if is_peft_model(model):
-        return adapter_state(model)
-    return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def published_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A copy of ``synced_params`` in the published dtype."""
-    return {name: t.to(dtype).clone() for name, t in synced_params(model).items()}
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -47,10 +41,11 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class HFGenerator(Generator):
-    """Generation with a transformers causal LM, computing in fp32 on the CPU.
+    """Generation with a transformers causal LM, computing in fp32 on the model's device.
 
-    The weights are those of the last ``WeightUpdate`` applied: a mirror in the published
-    dtype is the base deltas apply to; the model's fp32 parameters are copied from it.
+    The weights are those of the last ``WeightUpdate`` applied: the receiver's mirror in the
+    published dtype is the base deltas apply to; the model's fp32 parameters are loaded
+    from the tensors each update changed.
     """
 
     def __init__(
@@ -63,61 +58,47 @@ class HFGenerator(Generator):
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.subscriber = subscriber
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
-        self.mirror = published_state(model, DTYPES[publish_dtype])
-        self.version = -1  # no version applied yet; the trainer publishes version 0 first
-        self.num_updates_applied = 0
-        self.weight_wait_timeout_s = 300.0  # how long a request waits for its min_version
+        self.device = module_device(model)
+        mirror = published_state(model, DTYPES[publish_dtype])
+        self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
 
     # -- weights -------------------------------------------------------------------------
 
-    def _load_mirror(self) -> None:
+    @property
+    def version(self) -> int:
+        return self.receiver.version
+
+    @property
+    def mirror(self) -> dict[str, torch.Tensor]:
+        return self.receiver.mirror
+
+    @property
+    def weight_wait_timeout_s(self) -> float:
+        return self.receiver.wait_timeout_s
+
+    @weight_wait_timeout_s.setter
+    def weight_wait_timeout_s(self, seconds: float) -> None:
+        self.receiver.wait_timeout_s = seconds
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from loomrl.weights.lora import is_peft_model, load_adapter_state
 
         if is_peft_model(self.model):
-            load_adapter_state(self.model, self.mirror)
+            load_adapter_state(self.model, dict(weights))
             return
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                param.copy_(self.mirror[name])
-
-    def _adopt(self, version: int) -> int:
-        """The mirror now holds ``version``: copy it into the model's compute weights."""
-        self._load_mirror()
-        self.version = version
-        self.num_updates_applied += 1
-        return version
+            for name, tensor in weights:
+                params[name].copy_(tensor)
 
     def update_weights(self, update) -> int:
-        from loomrl.weights import apply_update
+        return self.receiver.apply(update)
 
-        apply_update(self.mirror, update)
-        return self._adopt(update.version)
-
-    def sync_weights(self) -> int:
-        """Apply whatever the subscriber has (between requests); returns the version."""
-        if self.subscriber is None:
-            return self.version
-        update, _ = self.subscriber.poll(self.mirror, self.version if self.version >= 0 else None)
-        return self._adopt(update.version) if update is not None else self.version
-
-    def wait_for_version(self, needed: int) -> int:
-        """Apply updates until this generator holds at least ``needed`` (a prefetched or
-        torch_dist update may land a moment after the trainer's publish returned)."""
-        deadline = time.monotonic() + self.weight_wait_timeout_s
-        self.sync_weights()
-        while self.version < needed and self.subscriber is not None:  # none: weights come by hand
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"generator at version {self.version} waited {self.weight_wait_timeout_s:g} s for version "
-                    f"{needed} and it never arrived; check the weight transport and the trainer's log"
-                )
-            time.sleep(0.001)
-            self.sync_weights()
-        return self.version
+    def apply_weights(self, min_version: int = 0) -> WeightsApplied:
+        return self.receiver.apply_newest(min_version)
 
     # -- time-slicing (loomrl.scheduler): the state leaves the device while another job has it
 
@@ -134,19 +115,24 @@ class HFGenerator(Generator):
         return self._swap.restore() if getattr(self, "_swap", None) is not None else 0.0
 
     def close(self) -> None:
-        """Stop the subscriber's background work (prefetch thread), if any."""
-        if self.subscriber is not None:
-            self.subscriber.close()
+        """Stop the receiver's background work (prefetch thread), if any."""
+        self.receiver.close()
 
     # -- sampling ------------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        applied_before = self.num_updates_applied
-        t0 = time.perf_counter()
-        self.wait_for_version(max((r.min_version for r in requests), default=0))
-        apply_s = time.perf_counter() - t0 if self.num_updates_applied > applied_before else 0.0
+        needed = max((r.min_version for r in requests), default=0)
+        applied = self.apply_weights(needed) if needed > self.version or self.version < 0 else None
         if not requests:
             return []
+        results = self._generate_grouped(requests)
+        if applied is not None:
+            results[0].weight_apply_s = applied.apply_s
+            results[0].weight_metrics = applied.weight_metrics
+        return results
+
+    def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Requests with the same sampling params are sampled as one batch."""
         by_params: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             s = req.sampling
@@ -165,9 +151,6 @@ class HFGenerator(Generator):
                 results[i] = GenerationResult([], self.version)
             for owner, completion in zip(owners, completions):
                 results[owner].completions.append(completion)
-        results[0].weight_apply_s = apply_s
-        if self.subscriber is not None:
-            results[0].weight_metrics = self.subscriber.metrics()
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
@@ -180,10 +163,10 @@ class HFGenerator(Generator):
             torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(s % (2**63)),
                        dtype=torch.float64)
             for s in seeds
-        ], dim=1)  # [max_new_tokens, n]
+        ], dim=1).to(self.device)  # [max_new_tokens, n], drawn on the CPU
         logits, cache, attention, positions = self._prefill(prompts)
         step_tokens, step_logprobs, step_live = [], [], []
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=self.device)
         next_pos = positions[:, -1] + 1
         for step in range(sampling.max_new_tokens):
             chosen, chosen_logp = self._pick(logits, uniforms[step], sampling)
@@ -194,7 +177,7 @@ class HFGenerator(Generator):
             if bool(done.all()) or step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention,
@@ -213,12 +196,12 @@ class HFGenerator(Generator):
         from transformers.cache_utils import Cache
 
         index: dict[tuple[int, ...], int] = {}
-        owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts])
+        owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=self.device)
         shared = self.share_prefill and len(index) < len(prompts)
         rows = list(index) if shared else prompts
         width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
+        attention = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
         for row, p in enumerate(rows):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p) :] = 1

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 from loomrl.models.tiny import TINY_DEFAULTS, build_tiny_model
+
+if TYPE_CHECKING:
+    from loomrl.config import ModelConfig
 
 
 class ModelLoadError(ValueError):
@@ -104,3 +107,15 @@ def apply_lora(model, r: int, alpha: float, target_modules: list[str]):
         raise ModelLoadError(f"LoRA target modules {missing} not found in the model")
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
     return get_peft_model(model, config)
+
+
+def load_policy(model_cfg: ModelConfig, *, seed: int = 0):
+    """The job's policy model (with a fresh LoRA adapter when ``model.lora`` is set) on
+    ``model.device``, and its tokenizer; trainer and generators both start from it."""
+    from loomrl.device import resolve_device
+
+    model, tokenizer = load_model_and_tokenizer(model_cfg.path, seed=seed)
+    if model_cfg.lora is not None:
+        lora = model_cfg.lora
+        model = apply_lora(model, lora.r, lora.alpha, lora.target_modules)
+    return model.to(resolve_device(model_cfg.device)), tokenizer

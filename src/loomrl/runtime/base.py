@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from loomrl.runtime.endpoints import bind_arguments, endpoints_of, unknown_endpoint
 
 
 class CallTracker:
@@ -37,19 +40,73 @@ class CallTracker:
             return [(i, m, now - t0) for i, (m, t0) in self._running.items()]
 
 
+class UnknownEndpointError(AttributeError):
+    """A handle was asked for a method its interface does not declare."""
+
+
+def _endpoint_method(handle: ExecutorHandle, interface: type, name: str) -> Callable[..., Awaitable[Any]]:
+    """``await handle.<name>(...)``: arguments checked here, the call run there."""
+    spec = endpoints_of(interface)[name]
+
+    async def method(*args: Any, **kwargs: Any) -> Any:
+        bind_arguments(interface, name, args, kwargs)
+        return await handle._invoke(name, args, kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"{interface.__name__}Handle.{name}"
+    if spec.signature is not None:
+        params = list(spec.signature.parameters.values())[1:]  # without self
+        method.__signature__ = spec.signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return method
+
+
 class ExecutorHandle(ABC):
-    """A started executor. ``await handle.call("method", *args)`` runs the method there."""
+    """A started executor. Started against an interface (``Generator``, ``TrainerEndpoints``),
+    the handle has one async method per endpoint: ``await trainer.train_step(groups)``; any
+    other name fails at once with ``UnknownEndpointError``. ``await handle.call("method",
+    ...)`` is the same call by name (the only way for an executor started without one)."""
 
     name: str
     calls: CallTracker  # what is running there now (the controller's stall watchdog reads it)
+    interface: type | None = None
+
+    def _bind_interface(self, interface: type | None) -> None:
+        """Give this handle the interface's endpoints as methods."""
+        self.interface = interface
+        if interface is None:
+            return
+        for endpoint_name in endpoints_of(interface):
+            if hasattr(type(self), endpoint_name):
+                raise TypeError(f"endpoint {interface.__name__}.{endpoint_name} clashes with the handle's own attribute")
+            setattr(self, endpoint_name, _endpoint_method(self, interface, endpoint_name))
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names the handle lacks
+        interface = self.__dict__.get("interface")
+        if interface is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        raise UnknownEndpointError(str(unknown_endpoint(interface, name)))
 
     @property
     def where(self) -> str:
         """Where the executor runs, for messages (``"pid 123"``, a Ray actor id ...)."""
         return "this process"
 
+    @property
+    def pid(self) -> int | None:
+        """The process the executor runs in, on this host (None if elsewhere)."""
+        return os.getpid()
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` there by name; checked against the interface, if any."""
+        if self.interface is not None:
+            if method not in endpoints_of(self.interface):
+                raise UnknownEndpointError(str(unknown_endpoint(self.interface, method)))
+            bind_arguments(self.interface, method, args, kwargs)
+        return await self._invoke(method, args, kwargs)
+
     @abstractmethod
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """Run ``method(*args, **kwargs)`` on the executor and return its result."""
 
     @property
     @abstractmethod
@@ -63,8 +120,10 @@ class Runtime(ABC):
     in_process: bool = True
 
     @abstractmethod
-    def start(self, name: str, factory: Callable[[], Any]) -> ExecutorHandle:
-        """Build an executor object with ``factory`` where it will live, and return a handle."""
+    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> ExecutorHandle:
+        """Build an executor object with ``factory`` where it will live, and return a handle
+        with the endpoints of ``interface``; an object that lacks one of them fails the start
+        (``MissingEndpointError``, here or from ``wait_ready``)."""
 
     async def wait_ready(self) -> None:  # noqa: B027 - executors built in start() are ready
         """Wait until every started executor is built (a runtime may build them in the
@@ -72,3 +131,18 @@ class Runtime(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+
+def peak_rss_mb(pid: int | None) -> float | None:
+    """The peak resident memory of process ``pid`` so far, in MiB (Linux ``VmHWM``); None
+    where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None

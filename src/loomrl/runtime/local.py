@@ -2,7 +2,8 @@
 
 Each executor thread runs one call at a time, so calls to one executor are serialized
 (a weight update queued behind a generate call runs between requests) while different
-executors run in parallel. Torch is limited to one intra-op thread per process, so a
+executors run in parallel. Endpoints the executor declares ``concurrent`` run on a pool of
+their own, so their calls may overlap (an engine that batches continuously). Torch is limited to one intra-op thread per process, so a
 generator and a trainer each keep one core busy.
 """
 
@@ -17,16 +18,35 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
+from loomrl.runtime.endpoints import MissingEndpointError, check_implements
+
+CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
 
 
 class LocalHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any]) -> None:
+    def __init__(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> None:
         self.name = name
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
+        self._concurrent_pool: ThreadPoolExecutor | None = None
         self._busy_s = 0.0
         self._lock = threading.Lock()
         self.calls = CallTracker()
         self.obj = self._pool.submit(factory).result()
+        self.concurrent: dict[str, bool] = {}
+        if interface is not None:
+            try:
+                self.concurrent = check_implements(self.obj, interface)
+            except MissingEndpointError:
+                self.close()
+                raise
+        self._bind_interface(interface)
+
+    def _pool_for(self, method: str) -> ThreadPoolExecutor:
+        if not self.concurrent.get(method):
+            return self._pool
+        if self._concurrent_pool is None:
+            self._concurrent_pool = ThreadPoolExecutor(CONCURRENT_WORKERS, thread_name_prefix=f"loomrl-{self.name}-c")
+        return self._concurrent_pool
 
     def _timed(self, method: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         t0 = time.perf_counter()
@@ -37,10 +57,10 @@ class LocalHandle(ExecutorHandle):
             with self._lock:
                 self._busy_s += time.perf_counter() - t0
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.obj, method)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._timed, method, fn, args, kwargs)
+        return await loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs)
 
     @property
     def where(self) -> str:
@@ -54,6 +74,8 @@ class LocalHandle(ExecutorHandle):
     def close(self) -> None:
         """Let the executor release what it holds (its ``close()``), then end its thread."""
         closer = getattr(self.obj, "close", None)
+        if self._concurrent_pool is not None:
+            self._concurrent_pool.shutdown(wait=True, cancel_futures=True)
         if callable(closer):
             self._pool.submit(closer).result()
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -66,8 +88,8 @@ class LocalRuntime(Runtime):
         torch.set_num_threads(torch_threads)
         self.handles: list[LocalHandle] = []
 
-    def start(self, name: str, factory: Callable[[], Any]) -> LocalHandle:
-        handle = LocalHandle(name, factory)
+    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> LocalHandle:
+        handle = LocalHandle(name, factory, interface)
         self.handles.append(handle)
         return handle
 

@@ -1,7 +1,9 @@
 """The ``process`` runtime: every executor lives in its own (spawned) process on this host.
 
 Same contract as ``local``: calls to one executor run one at a time, in order; different
-executors run in parallel. Each executor has its own interpreter, so a generator and a
+executors run in parallel. (Endpoints declared ``concurrent`` still run one at a time here:
+one pipe carries one call at a time. The executor reports the flags at start-up, in
+``ProcessHandle.concurrent``, for a runtime that multiplexes calls.) Each executor has its own interpreter, so a generator and a
 trainer no longer take turns on one GIL (the ``local`` runtime's limit for small models,
 where per-op Python overhead dominates; see ``bench/async_vs_sync.py``).
 
@@ -31,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
+from loomrl.runtime.endpoints import check_implements
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +96,8 @@ def _forward_logs(conn: Connection) -> None:
             target.handle(record)
 
 
-def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_threads: int,
-           log_conn: Connection, log_level: int) -> None:  # fmt: skip
+def _serve(conn: Connection, name: str, factory: Callable[[], Any], interface: type | None,
+           torch_threads: int, log_conn: Connection, log_level: int) -> None:  # fmt: skip
     """The executor process: build the object, then answer calls until told to stop."""
     root = logging.getLogger()
     root.handlers[:] = [_PipeLogHandler(log_conn, name)]
@@ -105,10 +108,11 @@ def _serve(conn: Connection, name: str, factory: Callable[[], Any], torch_thread
     torch.set_num_threads(torch_threads)
     try:  # building is not a call: it does not count as busy time (as in ``local``)
         obj = factory()
+        concurrent = check_implements(obj, interface) if interface is not None else {}
     except BaseException as err:  # noqa: BLE001 - reported to the controller, then exit
         conn.send_bytes(_error_reply(err, 0.0))
         return
-    conn.send_bytes(_dumps(("ok", None, None, 0.0)))
+    conn.send_bytes(_dumps(("ok", concurrent, None, 0.0)))
     try:
         _answer_calls(conn, obj)
     finally:  # asked to stop, or the controller is gone: release what the object holds
@@ -143,13 +147,14 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
 
 
 class ProcessHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int) -> None:
+    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, interface: type | None = None) -> None:
         self.name = name
+        self._bind_interface(interface)
         self._conn, child = _CTX.Pipe()
         log_reader, log_writer = _CTX.Pipe(duplex=False)
         self.process = _CTX.Process(
             target=_serve, name=f"loomrl-{name}", daemon=True,
-            args=(child, name, factory, torch_threads, log_writer, logging.getLogger().getEffectiveLevel()),
+            args=(child, name, factory, interface, torch_threads, log_writer, logging.getLogger().getEffectiveLevel()),
         )  # fmt: skip
         self.process.start()
         child.close()
@@ -206,7 +211,12 @@ class ProcessHandle(ExecutorHandle):
                 raise self._died() from err
             return self._reply()
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def concurrent(self) -> dict[str, bool]:
+        """``{endpoint: concurrent}`` as the executor declared it (after it started)."""
+        return self._ready.result() if self._ready.done() and self._ready.exception() is None else {}
+
+    async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self._ready)
         return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
@@ -219,6 +229,10 @@ class ProcessHandle(ExecutorHandle):
     @property
     def where(self) -> str:
         return f"pid {self.process.pid}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
@@ -252,7 +266,7 @@ class ProcessRuntime(Runtime):
         self.torch_threads = torch_threads
         self.handles: list[ProcessHandle] = []
 
-    def start(self, name: str, factory: Callable[[], Any]) -> ProcessHandle:
+    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> ProcessHandle:
         try:
             pickle.dumps(factory)
         except Exception as err:
@@ -260,7 +274,7 @@ class ProcessRuntime(Runtime):
                 f"the factory of executor {name!r} must pickle to reach its process (a "
                 f"module-level function or a functools.partial of one): {err}"
             ) from err
-        handle = ProcessHandle(name, factory, self.torch_threads)
+        handle = ProcessHandle(name, factory, self.torch_threads, interface)
         self.handles.append(handle)
         return handle
 

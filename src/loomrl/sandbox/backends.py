@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 FORKSERVER_PATH = str(Path(__file__).with_name("forkserver.py"))
 CLEANUP_PATH = str(Path(__file__).with_name("forkserver_cleanup.py"))
+IO_PATH = str(Path(__file__).with_name("forkserver_io.py"))
 SANDBOX_SERVER_PATH = "/opt/loomrl/forkserver.py"
 SANDBOX_CLEANUP_PATH = "/opt/loomrl/forkserver_cleanup.py"
+SANDBOX_IO_PATH = "/opt/loomrl/forkserver_io.py"
 CHILD_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -136,7 +138,8 @@ def bwrap_launch(
     args += ["--proc", "/proc", *_dev_args(), "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
     args += ["--dir", "/opt/loomrl"]
     args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH]
-    args += ["--ro-bind", CLEANUP_PATH, SANDBOX_CLEANUP_PATH, "--hostname", "sandbox"]
+    args += ["--ro-bind", CLEANUP_PATH, SANDBOX_CLEANUP_PATH, "--ro-bind", IO_PATH, SANDBOX_IO_PATH]
+    args += ["--hostname", "sandbox"]
     args += ["--clearenv", "--chdir", "/tmp", "--cap-drop", "ALL"]
     for cap in SERVER_CAPS:
         args += ["--cap-add", cap]

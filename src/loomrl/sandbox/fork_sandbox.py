@@ -19,6 +19,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 from loomrl.sandbox import backends, forkserver, forkserver_cleanup
 from loomrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import CgroupLimits, cgroups_writable
@@ -277,17 +279,12 @@ def _lost_result(message: str, t0: float) -> ExecResult:
 
 
 def uid_processes(uids: set[int] | range) -> dict[int, list[int]]:
-    """Host pids per uid, for the given uids (one pass over /proc)."""
+    """Host pids per (effective) uid, for the given uids (one pass over the process table)."""
     found: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            uid = os.stat(f"/proc/{name}").st_uid
-        except OSError:
-            continue
-        if uid in uids:
-            found.setdefault(uid, []).append(int(name))
+    for proc in psutil.process_iter(["uids"]):
+        uid_info = proc.info["uids"]
+        if uid_info is not None and uid_info.effective in uids:
+            found.setdefault(uid_info.effective, []).append(proc.pid)
     return found
 
 
@@ -315,8 +312,8 @@ def kill_uid_processes(uid: int, rounds: int = 50) -> int:
 
 
 def _is_zombie(pid: int) -> bool:
+    """Dead (a zombie) or gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return True

@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import resource
-import select
 import signal
 import socket
 import struct
@@ -34,9 +33,11 @@ import traceback
 
 if __package__:
     from loomrl.sandbox import forkserver_cleanup as cleanup
-else:  # run as a script (inside the sandbox): the clean-up module sits next to this file
+    from loomrl.sandbox.forkserver_io import Pump, describe, readable
+else:  # run as a script (inside the sandbox): its helper modules sit next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import forkserver_cleanup as cleanup
+    from forkserver_io import Pump, describe, readable
 
     del sys.path[0]  # the exec's code must not import from here
 
@@ -353,10 +354,10 @@ class Server:
         workdir = self._prepare_workdir(req)
         pid, (stdin_w, out_r, err_r) = self._spawn(req, workdir)
         t_forked = time.perf_counter()
-        pump = _Pump(req, stdin_w, out_r, err_r)
+        pump = Pump(req, stdin_w, out_r, err_r)
         status, reason, killed_early = self._supervise(pid, pump)
         t_ran = time.perf_counter()
-        result = _describe(status, reason, bytes(pump.out), bytes(pump.err), pump.cap)
+        result = describe(status, reason, bytes(pump.out), bytes(pump.err), pump.cap)
         dirty: list[str] = []
         try:
             result["leftover_killed"] = killed_early + self._kill_leftovers(dirty)
@@ -373,7 +374,7 @@ class Server:
         }
         return result
 
-    def _supervise(self, pid: int, pump: _Pump) -> tuple[int | None, str | None, int]:
+    def _supervise(self, pid: int, pump: Pump) -> tuple[int | None, str | None, int]:
         """Run the exec to its end (or its deadline); returns wait status, reason, kills."""
         pidfd = os.pidfd_open(pid)
         status, killed_early = None, 0
@@ -382,7 +383,7 @@ class Server:
                 wait_fds = [pidfd] if status is None else []
                 if not pump.step(wait_fds):
                     break
-                if status is None and _readable(pidfd):
+                if status is None and readable(pidfd):
                     status = os.waitpid(pid, 0)[1]
                     # Background children may hold the pipes open: kill them now.
                     killed_early += self._kill_leftovers([])
@@ -486,106 +487,9 @@ class Server:
                 pass  # the next exec tries again and reports it
 
 
-class _Pump:
-    """Feeds an exec's stdin and collects its stdout/stderr up to a deadline and a cap."""
-
-    def __init__(self, req: dict, stdin_w: int, out_r: int, err_r: int) -> None:
-        self.deadline = time.monotonic() + float(req["timeout_s"])
-        self.cap = int(req["max_output_bytes"])
-        self.stdin = memoryview(base64.b64decode(req.get("stdin") or ""))
-        self.stdin_w = stdin_w
-        self.out, self.err = bytearray(), bytearray()
-        self.buffers = {out_r: self.out, err_r: self.err}
-        self.open_fds = {out_r, err_r}
-        self.reason: str | None = None
-        if self.stdin:
-            os.set_blocking(stdin_w, False)
-        else:
-            self._close_stdin()
-
-    def step(self, extra_fds: list[int]) -> bool:
-        """Wait for one round of I/O (or ``extra_fds``); False once the exec must stop."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            self.reason = self.reason or "timeout"
-            return False
-        writers = [self.stdin_w] if self.stdin_w >= 0 else []
-        readable, writable, _ = select.select([*self.open_fds, *extra_fds], writers, [], remaining)
-        if writable:
-            self._feed_stdin()
-        for fd in readable:
-            if fd in self.open_fds:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    self.open_fds.discard(fd)
-                    os.close(fd)
-                    continue
-                self.buffers[fd] += chunk
-                if len(self.out) + len(self.err) > self.cap:
-                    self.reason = "output_cap"
-                    return False
-        return True
-
-    def _feed_stdin(self) -> None:
-        try:
-            written = os.write(self.stdin_w, self.stdin[:65536])
-            self.stdin = self.stdin[written:]
-        except (BrokenPipeError, BlockingIOError):
-            self.stdin = self.stdin[:0]
-        if not self.stdin:
-            self._close_stdin()
-
-    def _close_stdin(self) -> None:
-        if self.stdin_w >= 0:
-            os.close(self.stdin_w)
-            self.stdin_w = -1
-
-    def close(self) -> None:
-        self._close_stdin()
-        for fd in self.open_fds:
-            os.close(fd)
-        self.open_fds = set()
-
-
-def _describe(status: int | None, reason: str | None, out: bytes, err: bytes, cap: int) -> dict:
-    if status is None:  # never reaped within its deadline (the sandbox is reported dirty)
-        exit_code, sig = None, signal.SIGKILL
-    else:
-        exit_code = os.waitstatus_to_exitcode(status)
-        sig = -exit_code if exit_code < 0 else None
-    if reason is None:
-        if sig == signal.SIGXCPU:
-            reason = "cpu_limit"
-        elif sig == signal.SIGXFSZ:
-            reason = "file_size_limit"
-        elif sig is not None:
-            reason = "signal"
-        else:
-            reason = "exit"
-    truncated = len(out) + len(err) > cap
-    out = out[:cap]
-    err = err[: max(0, cap - len(out))]
-    return {
-        "exit_code": exit_code if sig is None else None,
-        "signal": sig,
-        "reason": reason,
-        "truncated": truncated,
-        "stdout": base64.b64encode(out).decode(),
-        "stderr": base64.b64encode(err).decode(),
-    }
-
-
-def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
-
-
 def _close_fds_from(low: int) -> None:
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
-        if int(name) >= low:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
+    """Close every fd from ``low`` up (close_range(2) where the kernel has it)."""
+    os.closerange(low, max(low, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
 
 
 def main() -> None:

@@ -30,6 +30,8 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from loomrl.sandbox.backends import resolve_backend
 from loomrl.sandbox.base import ExecResult, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import cgroups_writable, remove_stale_cgroups
@@ -52,10 +54,8 @@ KILL_REASONS = (
 
 
 def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    """The ``q`` quantile (0..1) of ``values``, one of the values itself; 0.0 for none."""
+    return float(np.quantile(values, q, method="nearest")) if values else 0.0
 
 
 def _check_memory_limits(allowed_without: bool) -> None:

@@ -32,7 +32,8 @@ class _ExecutorState:
 
     def _all(self, method: str) -> float:
         async def call() -> float:
-            return sum(await asyncio.gather(*(h.call(method) for h in self.handles)))
+            # an engine without a real offload (the interface's no-op) answers None
+            return sum(s or 0.0 for s in await asyncio.gather(*(h.call(method) for h in self.handles)))
 
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
 
@@ -108,7 +109,7 @@ class JobLeases:
         if not (self.cfg.pin and cores):
             yield
             return
-        pids = [int(w.split()[-1]) for w in (getattr(h, "where", "") for h in self.handles) if w.startswith("pid ")]
+        pids = sorted({h.pid for h in self.handles if getattr(h, "pid", None) not in (None, os.getpid())})
         with pinned(cores, whole_process=True), _pinned_pids(cores, pids):
             yield
 

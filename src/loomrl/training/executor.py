@@ -1,5 +1,6 @@
-"""Executor objects for the runtime: a trainer with its publisher, a generator with its
-subscriber. Both are built where they live (a thread here, a Ray actor later)."""
+"""The trainer executor: a ``Trainer`` with its weight publisher, built where it lives (a
+thread, a process, a Ray actor later). Generators are built in ``loomrl.generation.executor``;
+the two meet only through the weights they publish and receive."""
 
 from __future__ import annotations
 
@@ -8,33 +9,21 @@ import time
 from pathlib import Path
 
 from loomrl.config import JobConfig
-from loomrl.generation.hf import HFGenerator, synced_params
-from loomrl.models import load_model_and_tokenizer
-from loomrl.models.loading import apply_lora
+from loomrl.models.loading import load_policy
+from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.codec import CodecOptions
-from loomrl.weights.publisher import Publisher, Subscriber
-from loomrl.weights.transports import Transport, make_transport
-
-# Where an executor is built: a transport object shared with the controller (threads of
-# one process), or ``(kind, kwargs)`` for the executor to build its own end (a process).
-TransportSpec = Transport | tuple[str, dict]
+from loomrl.weights.params import synced_params
+from loomrl.weights.publisher import Publisher
+from loomrl.weights.transports import Transport, TransportSpec, open_transport
 
 
-def _load(cfg: JobConfig):
-    model, tokenizer = load_model_and_tokenizer(cfg.model.path, seed=cfg.seed)
-    if cfg.model.lora is not None:
-        lora = cfg.model.lora
-        model = apply_lora(model, lora.r, lora.alpha, lora.target_modules)
-    return model, tokenizer
-
-
-class TrainerExecutor:
+class TrainerExecutor(TrainerEndpoints):
     def __init__(self, cfg: JobConfig, sender, owned_transport: Transport | None = None) -> None:
         self.owned_transport = owned_transport  # built here for this executor: closed with it
-        model, self.tokenizer = _load(cfg)
+        model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed)
         self.trainer = Trainer(
             model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature
         )
@@ -104,27 +93,8 @@ class TrainerExecutor:
         self.tokenizer.save_pretrained(path)
 
 
-def build_generator(cfg: JobConfig, receiver) -> HFGenerator:
-    model, tokenizer = _load(cfg)
-    ws = cfg.weight_sync
-    return HFGenerator(
-        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype
-    )
-
-
 def start_trainer(cfg: JobConfig, transport: TransportSpec) -> TrainerExecutor:
     """The trainer executor with the sending end of ``transport`` (module-level, so a
     ``functools.partial`` of it pickles into a spawned process)."""
-    if isinstance(transport, tuple):
-        kind, kwargs = transport
-        owned = make_transport(kind, **kwargs)
-        return TrainerExecutor(cfg, owned.sender(), owned_transport=owned)
-    return TrainerExecutor(cfg, transport.sender())
-
-
-def start_generator(cfg: JobConfig, transport: TransportSpec, rank: int) -> HFGenerator:
-    """A generator executor with receiving end ``rank`` of ``transport``."""
-    if isinstance(transport, tuple):
-        kind, kwargs = transport
-        transport = make_transport(kind, **kwargs)
-    return build_generator(cfg, transport.receiver(rank))
+    transport, owned = open_transport(transport)
+    return TrainerExecutor(cfg, transport.sender(), owned_transport=transport if owned else None)

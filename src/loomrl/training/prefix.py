@@ -15,7 +15,7 @@ their pad positions masked out of the completions' attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -35,6 +35,9 @@ class PrefixBatch:
     behaviour: torch.Tensor  # [rows, S] behaviour log-probs of those tokens
     advantages: torch.Tensor  # [rows]
     same_version: torch.Tensor  # [rows] bool: rollout version == trainer version
+
+    def to(self, device: torch.device) -> PrefixBatch:
+        return PrefixBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     @property
     def num_prompts(self) -> int:
@@ -72,12 +75,12 @@ def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version
 def prefix_logits(model: torch.nn.Module, batch: PrefixBatch) -> torch.Tensor:
     """Logits ``[rows, S, vocab]``: position ``j`` predicts completion token ``j``."""
     out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True)
-    last = out.logits[torch.arange(batch.num_prompts), batch.prefix_len - 1]  # predicts the first token
+    last = out.logits[torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1]  # predicts the first token
     first = last.index_select(0, batch.owner).unsqueeze(1)
     if batch.suffix_ids.shape[1] == 1:
         return first
     inputs = batch.suffix_ids[:, :-1]
-    positions = batch.prefix_len.index_select(0, batch.owner)[:, None] + torch.arange(inputs.shape[1])[None, :]
+    positions = batch.prefix_len.index_select(0, batch.owner)[:, None] + torch.arange(inputs.shape[1], device=inputs.device)[None, :]
     attention = torch.cat([batch.prefix_attn.index_select(0, batch.owner), batch.suffix_attn[:, :-1]], dim=1)
     rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
                  past_key_values=repeat_cache(out.past_key_values, batch.owner), use_cache=False).logits

@@ -12,6 +12,7 @@ import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
 from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.device import module_device
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, prefix_logits
 from loomrl.types import Group, Rollout
 
@@ -26,6 +27,10 @@ class TokenBatch:
     behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [batch]
     same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
+                                                    self.behaviour, self.advantages, self.same_version)))  # fmt: skip
 
 
 def build_token_batch(
@@ -89,7 +94,12 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
 
 
 def lr_factor(cfg: TrainerConfig):
-    """Multiplier of the base learning rate at a step: linear warmup, then the schedule."""
+    """Multiplier of the base learning rate at a step: linear warmup, then the schedule.
+
+    Run by ``torch.optim.lr_scheduler.LambdaLR``. Not ``transformers.get_scheduler``: its
+    warmup starts at 0, so the first RL step (a whole generation round) would not move the
+    weights, and its linear decay rounds differently; torch's chained LinearLR/SequentialLR
+    compute the factor recursively. Either would change trained numbers on the same seed."""
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -116,6 +126,7 @@ class Trainer:
         temperature: float,
     ) -> None:
         self.model = model.float().train()
+        self.device = module_device(self.model)
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
         self.cfg = trainer
@@ -184,8 +195,8 @@ class Trainer:
     def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
         """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
         if self.cfg.shared_prefix and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
-            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id)
-        return build_token_batch(rollouts, advantages, self.version, self.pad_id)
+            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
+        return build_token_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
 
     def _micro_step(
         self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator

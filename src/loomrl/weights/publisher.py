@@ -162,6 +162,7 @@ class Subscriber:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._rejected: dict[tuple, None] = {}  # updates that failed verification (bounded)
+        self._changed: dict[str, None] = {}  # tensors committed since take_changed (in order)
 
     def _knows(self, have_version: int | None) -> str | None:
         return self.digest if have_version is not None and have_version == self.version else None
@@ -216,7 +217,7 @@ class Subscriber:
     def commit(self, state: dict[str, torch.Tensor], prepared: PreparedUpdate) -> float:
         """Write a prepared update into ``state``; returns the seconds it took."""
         t0 = time.perf_counter()
-        prepared.commit(state)
+        self._changed.update(dict.fromkeys(prepared.commit(state)))
         seconds = time.perf_counter() - t0
         update = prepared.update
         self.version, self.digest = update.version, update.digest
@@ -229,6 +230,11 @@ class Subscriber:
             }
         )
         return seconds
+
+    def take_changed(self) -> list[str]:
+        """The names of the tensors committed since the last call (what an engine reloads)."""
+        changed, self._changed = list(self._changed), {}
+        return changed
 
     def poll(
         self, state: dict[str, torch.Tensor], have_version: int | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,6 +139,34 @@ class WeightUpdate:
         return update
 
 
+def _encode_entry(
+    name: str, t: torch.Tensor, old: torch.Tensor | None, offset: int, opts: CodecOptions
+) -> tuple[TensorEntry, Any]:
+    """One tensor's manifest entry and payload chunk: raw bits, or a delta against ``old``
+    when ``old`` has the same shape and dtype."""
+    bits = bits_view(t)
+    shape, dtype = tuple(t.shape), str(t.dtype)
+    if old is None or tuple(old.shape) != shape or old.dtype != t.dtype:
+        return TensorEntry(name, shape, dtype, checksum(bits), MODE_RAW, offset, bits.nbytes, bits.size), bits
+    enc = encode_delta(bits_view(old), bits, opts)
+    nbytes = len(enc.chunk)
+    entry = TensorEntry(
+        name, shape, dtype, enc.checksum, enc.mode, offset, nbytes, enc.changed,
+        checksum(enc.chunk) if nbytes else 0, enc.gap_bytes,
+    )  # fmt: skip
+    return entry, enc.chunk
+
+
+def _join_chunks(entries: list[TensorEntry], chunks: list, nbytes: int) -> bytearray:
+    """The payload: every chunk at its entry's offset."""
+    payload = bytearray(nbytes)
+    out = np.frombuffer(payload, dtype=np.uint8)
+    for entry, chunk in zip(entries, chunks, strict=True):
+        if entry.nbytes:
+            out[entry.offset : entry.offset + entry.nbytes] = np.frombuffer(chunk, dtype=np.uint8)
+    return payload
+
+
 def encode_update(
     base: dict[str, torch.Tensor] | None,
     new: dict[str, torch.Tensor],
@@ -159,38 +188,12 @@ def encode_update(
     chunks: list = []
     offset = 0
     for name in sorted(new):
-        t = new[name]
-        bits = bits_view(t)
-        shape, dtype = tuple(t.shape), str(t.dtype)
         old = base.get(name) if base is not None else None
-        if old is None or tuple(old.shape) != shape or old.dtype != t.dtype:
-            entry = TensorEntry(
-                name, shape, dtype, checksum(bits), MODE_RAW, offset, bits.nbytes, bits.size
-            )
-            chunks.append(bits)
-        else:
-            enc = encode_delta(bits_view(old), bits, opts)
-            nbytes = len(enc.chunk)
-            entry = TensorEntry(
-                name,
-                shape,
-                dtype,
-                enc.checksum,
-                enc.mode,
-                offset,
-                nbytes,
-                enc.changed,
-                checksum(enc.chunk) if nbytes else 0,
-                enc.gap_bytes,
-            )
-            chunks.append(enc.chunk)
+        entry, chunk = _encode_entry(name, new[name], old, offset, opts)
         entries.append(entry)
+        chunks.append(chunk)
         offset += entry.nbytes
-    payload = bytearray(offset)
-    out = np.frombuffer(payload, dtype=np.uint8)
-    for entry, chunk in zip(entries, chunks, strict=True):
-        if entry.nbytes:
-            out[entry.offset : entry.offset + entry.nbytes] = np.frombuffer(chunk, dtype=np.uint8)
+    payload = _join_chunks(entries, chunks, offset)
     if base is None:
         return WeightUpdate(version, None, CODEC_FULL, entries, digest_of(entries), payload)
     if base_digest is None:
@@ -251,6 +254,41 @@ def _commit_tensor(state: dict[str, torch.Tensor], d: DecodedTensor) -> None:
         target.copy_(_as_tensor(bits, entry))
 
 
+def _check_base(update: WeightUpdate, have_version: int | None, have_digest: str | None) -> None:
+    """Reject a delta for another base before any decoding."""
+    if update.is_full:
+        return
+    if have_version is not None and have_version != update.base_version:
+        raise WeightUpdateError(
+            f"delta {update.base_version}->{update.version} does not apply to version "
+            f"{have_version}"
+        )
+    if have_digest and update.base_digest and have_digest != update.base_digest:
+        raise WeightUpdateError(
+            f"delta {update.base_version}->{update.version}: state digest {have_digest} "
+            f"is not the base digest {update.base_digest}"
+        )
+
+
+def _decode_entry(
+    state: dict[str, torch.Tensor], update: WeightUpdate, entry: TensorEntry, payload: memoryview
+) -> DecodedTensor:
+    """Decode (and verify) one tensor of ``update``; a delta's base is read from ``state``."""
+    base_bits = None
+    if entry.mode != MODE_RAW:
+        target = state.get(entry.name)
+        if target is None or tuple(target.shape) != entry.shape or str(target.dtype) != entry.dtype:
+            raise WeightUpdateError(
+                f"delta {update.base_version}->{update.version}: state has no tensor "
+                f"{entry.name!r} of shape {list(entry.shape)} and dtype {entry.dtype} "
+                "(wrong base?)"
+            )
+        base_bits = bits_view(target)
+    bits_dtype = bits_view(torch.empty(0, dtype=parse_dtype(entry.dtype))).dtype
+    chunk = payload[entry.offset : entry.offset + entry.nbytes]
+    return decode_tensor(entry, chunk, base_bits, bits_dtype)
+
+
 def prepare_update(
     state: dict[str, torch.Tensor],
     update: WeightUpdate,
@@ -264,38 +302,10 @@ def prepare_update(
     be at) reject a delta for another base before any decoding; without them a wrong base is
     still caught by the checksums.
     """
-    if not update.is_full:
-        if have_version is not None and have_version != update.base_version:
-            raise WeightUpdateError(
-                f"delta {update.base_version}->{update.version} does not apply to version "
-                f"{have_version}"
-            )
-        if have_digest and update.base_digest and have_digest != update.base_digest:
-            raise WeightUpdateError(
-                f"delta {update.base_version}->{update.version}: state digest {have_digest} "
-                f"is not the base digest {update.base_digest}"
-            )
+    _check_base(update, have_version, have_digest)
     payload = memoryview(update.payload).cast("B")
     check_tiling(update.tensors, len(payload))
-    decoded = []
-    for entry in update.tensors:
-        base_bits = None
-        target = state.get(entry.name)
-        if entry.mode != MODE_RAW:
-            if (
-                target is None
-                or tuple(target.shape) != entry.shape
-                or str(target.dtype) != entry.dtype
-            ):
-                raise WeightUpdateError(
-                    f"delta {update.base_version}->{update.version}: state has no tensor "
-                    f"{entry.name!r} of shape {list(entry.shape)} and dtype {entry.dtype} "
-                    "(wrong base?)"
-                )
-            base_bits = bits_view(target)
-        bits_dtype = bits_view(torch.empty(0, dtype=parse_dtype(entry.dtype))).dtype
-        chunk = payload[entry.offset : entry.offset + entry.nbytes]
-        decoded.append(decode_tensor(entry, chunk, base_bits, bits_dtype))
+    decoded = [_decode_entry(state, update, entry, payload) for entry in update.tensors]
     digest = digest_of(update.tensors)  # each entry's checksum was verified on its result
     if digest != update.digest:
         raise WeightUpdateError(

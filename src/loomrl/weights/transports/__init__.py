@@ -7,8 +7,14 @@ from loomrl.weights.transports.base import (
     Transport,
     TransportError,
     UpdateRef,
-    make_transport,
     select_update,
+)
+from loomrl.weights.transports.registry import (
+    TransportSpec,
+    make_transport,
+    open_transport,
+    register_transport,
+    transport_kinds,
 )
 
 __all__ = [
@@ -16,8 +22,12 @@ __all__ = [
     "Sender",
     "TransferStats",
     "Transport",
+    "TransportSpec",
     "TransportError",
     "UpdateRef",
     "make_transport",
+    "open_transport",
+    "register_transport",
     "select_update",
+    "transport_kinds",
 ]

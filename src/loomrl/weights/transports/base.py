@@ -28,9 +28,6 @@ from loomrl.weights.update import WeightUpdate, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("inproc", "shm", "torch_dist", "files")
-
-
 class TransportError(RuntimeError):
     """A transport could not move an update (too large for its buffers, peer gone, ...)."""
 
@@ -214,24 +211,3 @@ class Transport(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release shared resources."""
-
-
-def make_transport(kind: str, **kwargs: Any) -> Transport:
-    """Build a transport by name: ``inproc``, ``shm``, ``torch_dist`` or ``files``."""
-    if kind == "inproc":
-        from loomrl.weights.transports.inproc import InprocTransport
-
-        return InprocTransport(**kwargs)
-    if kind == "shm":
-        from loomrl.weights.transports.shm import ShmTransport
-
-        return ShmTransport(**kwargs)
-    if kind == "torch_dist":
-        from loomrl.weights.transports.torch_dist import TorchDistTransport
-
-        return TorchDistTransport(**kwargs)
-    if kind == "files":
-        from loomrl.weights.transports.files import FilesTransport
-
-        return FilesTransport(**kwargs)
-    raise ValueError(f"unknown weight transport {kind!r}; expected one of {', '.join(KINDS)}")

@@ -7,45 +7,14 @@ snapshot and the deltas after it.
 from __future__ import annotations
 
 import logging
-import threading
 
-from loomrl.weights.transports.base import (
-    Receiver,
-    Sender,
-    TransferStats,
-    Transport,
-    UpdateRef,
-)
+from loomrl.weights.transports.base import Receiver, Sender, TransferStats, Transport, UpdateRef
+from loomrl.weights.transports.store import UpdateStore
 from loomrl.weights.update import WeightUpdate
 
+__all__ = ["InprocReceiver", "InprocSender", "InprocTransport", "UpdateStore"]
+
 logger = logging.getLogger(__name__)
-
-
-class UpdateStore:
-    """Thread-safe store of the latest full snapshot and the chain of deltas after it."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.updates: dict[tuple[int, int | None], WeightUpdate] = {}
-
-    def put(self, update: WeightUpdate) -> None:
-        with self.cond:
-            if update.is_full:
-                self.updates.clear()
-            self.updates[(update.version, update.base_version)] = update
-            self.cond.notify_all()
-
-    def refs(self) -> list[UpdateRef]:
-        with self.cond:
-            return [UpdateRef(v, b, (v, b)) for v, b in self.updates]
-
-    def get(self, ref: UpdateRef) -> WeightUpdate | None:
-        with self.cond:
-            return self.updates.get(ref.key)
-
-    def wait(self, seconds: float) -> None:
-        with self.cond:
-            self.cond.wait(seconds)
 
 
 class InprocSender(Sender):

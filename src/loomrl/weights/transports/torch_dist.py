@@ -32,7 +32,7 @@ from loomrl.weights.transports.base import (
     TransportError,
     UpdateRef,
 )
-from loomrl.weights.transports.inproc import UpdateStore
+from loomrl.weights.transports.store import UpdateStore
 from loomrl.weights.update import WeightUpdate, WeightUpdateError
 
 logger = logging.getLogger(__name__)

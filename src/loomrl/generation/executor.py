@@ -1,0 +1,27 @@
+"""The generator executor: the job's engine with its end of the weight transport, built
+where it lives (a thread, a process, a Ray actor later)."""
+
+from __future__ import annotations
+
+from loomrl.config import JobConfig
+from loomrl.generation.base import Generator
+from loomrl.generation.hf import HFGenerator
+from loomrl.models.loading import load_policy
+from loomrl.weights.publisher import Subscriber
+from loomrl.weights.transports import TransportSpec, open_transport
+
+
+def build_generator(cfg: JobConfig, receiver) -> Generator:
+    """The job's generation engine, fed by ``receiver`` (one end of the weight transport)."""
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    ws = cfg.weight_sync
+    return HFGenerator(
+        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype
+    )
+
+
+def start_generator(cfg: JobConfig, transport: TransportSpec, rank: int) -> Generator:
+    """A generator executor with receiving end ``rank`` of ``transport`` (module-level, so
+    a ``functools.partial`` of it pickles into a spawned process)."""
+    transport, _ = open_transport(transport)
+    return build_generator(cfg, transport.receiver(rank))

@@ -1,0 +1,102 @@
+"""Endpoints: the methods of an executor that a handle may call.
+
+An interface (``Generator``, ``TrainerEndpoints``) marks its methods with ``@endpoint``; a
+runtime starts an executor against its interface and gives back a handle whose methods are
+exactly those endpoints (``await trainer.train_step(groups)``), their arguments checked
+against the signature before anything leaves the caller. The executor it builds must have
+every endpoint, or the start fails with the names it lacks (a misspelt method fails at
+start-up, on every runtime, not deep in a job).
+
+``@endpoint(concurrent=True)`` says that calls of that method may overlap each other and
+other calls (an engine that batches continuously); by default an executor runs one call at
+a time, in order. An implementation may override the flag by marking its own method.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+_MARK = "__loomrl_endpoint__"
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    name: str
+    concurrent: bool = False
+    signature: inspect.Signature | None = None
+
+
+class MissingEndpointError(TypeError):
+    """An executor lacks a method its interface declares (or a handle was asked for one
+    that the interface does not declare)."""
+
+
+def endpoint(fn: F | None = None, *, concurrent: bool = False):
+    """Mark ``fn`` as an endpoint; ``concurrent=True``: its calls may overlap."""
+
+    def mark(f: F) -> F:
+        setattr(f, _MARK, EndpointSpec(f.__name__, concurrent, inspect.signature(f)))
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def _spec_of(attr: Any) -> EndpointSpec | None:
+    return getattr(attr, _MARK, None)
+
+
+def endpoints_of(interface: type) -> dict[str, EndpointSpec]:
+    """The endpoints ``interface`` declares, by name."""
+    specs = {}
+    for name in dir(interface):
+        spec = _spec_of(getattr(interface, name, None))
+        if spec is not None:
+            specs[name] = spec
+    if not specs:
+        raise TypeError(f"{interface.__name__} declares no @endpoint methods")
+    return specs
+
+
+def _near(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_implements(obj: Any, interface: type) -> dict[str, bool]:
+    """Every endpoint of ``interface`` is a method of ``obj``; returns ``{name: concurrent}``
+    as ``obj`` declares it (its own ``@endpoint`` mark, else the interface's)."""
+    specs = endpoints_of(interface)
+    public = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+    missing = [name for name in specs if not callable(getattr(obj, name, None))]
+    if missing:
+        hints = ", ".join(f"{name!r}{_near(name, public)}" for name in missing)
+        raise MissingEndpointError(
+            f"{type(obj).__name__} does not implement {interface.__name__}: no method {hints}"
+        )
+    concurrency = {}
+    for name, spec in specs.items():
+        own = _spec_of(getattr(type(obj), name, None))
+        concurrency[name] = (own or spec).concurrent
+    return concurrency
+
+
+def bind_arguments(interface: type, name: str, args: tuple, kwargs: dict) -> None:
+    """Raise ``TypeError`` at the caller when ``args`` do not fit endpoint ``name``."""
+    spec = endpoints_of(interface)[name]
+    if spec.signature is not None:
+        try:
+            spec.signature.bind(None, *args, **kwargs)  # None stands for self
+        except TypeError as err:
+            raise TypeError(f"{interface.__name__}.{name}{spec.signature}: {err}") from None
+
+
+def unknown_endpoint(interface: type, name: str) -> MissingEndpointError:
+    names = sorted(endpoints_of(interface))
+    return MissingEndpointError(
+        f"{interface.__name__} has no endpoint {name!r}{_near(name, names)}; its endpoints: {', '.join(names)}"
+    )

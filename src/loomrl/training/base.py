@@ -1,0 +1,55 @@
+"""The trainer's interface: the ``@endpoint`` methods the controller calls on its handle.
+
+Plain data in and out (groups of rollouts, metrics, state dicts, paths), so the same
+controller drives a trainer in a thread, a process or a Ray actor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from loomrl.runtime.endpoints import endpoint
+from loomrl.types import Group
+
+
+class TrainerEndpoints(ABC):
+    @endpoint
+    @abstractmethod
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on ``groups``; the version grows by one; step metrics."""
+
+    @endpoint
+    @abstractmethod
+    def publish(self) -> dict[str, float]:
+        """Send the current weights to the generators as the current version; ``weight_sync/*``."""
+
+    @endpoint
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """Model, optimizer, scheduler and version, for a checkpoint."""
+
+    @endpoint
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's ``state_dict``."""
+
+    @endpoint
+    @abstractmethod
+    def save_checkpoint(self, root: str, step: int, extra: dict, keep: int) -> str:
+        """Checkpoint the trainer plus ``extra`` atomically under ``root``; its path."""
+
+    @endpoint
+    @abstractmethod
+    def save_pretrained(self, path: str) -> None:
+        """The final model in ``save_pretrained`` format."""
+
+    @endpoint
+    def offload(self) -> None:
+        """Release accelerator memory (weights, optimizer state) until ``restore`` (a no-op
+        until the time-slicing scheduler uses it)."""
+        return None  # a hook: nothing to release yet
+
+    @endpoint
+    def restore(self) -> None:
+        """Reacquire what ``offload`` released (a no-op until the scheduler uses it)."""
+        return None

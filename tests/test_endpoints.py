@@ -1,0 +1,143 @@
+"""Typed executor handles: the controller calls ``await trainer.train_step(groups)``; a
+misspelt method fails at start-up (an executor that lacks an endpoint) or at once at the
+caller (a handle asked for a name its interface does not declare), on both runtimes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loomrl.generation.base import Generator
+from loomrl.runtime.base import UnknownEndpointError
+from loomrl.runtime.endpoints import MissingEndpointError, endpoint, endpoints_of
+from loomrl.runtime.local import LocalRuntime
+from loomrl.runtime.process import ProcessRuntime
+from loomrl.training.base import TrainerEndpoints
+from loomrl.training.executor import TrainerExecutor
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Counter:
+    """A small interface for the runtime tests."""
+
+    @endpoint
+    def add(self, n: int) -> int: ...
+
+    @endpoint(concurrent=True)
+    def nap(self, seconds: float) -> float: ...
+
+
+class GoodCounter:
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, n: int) -> int:
+        self.total += n
+        return self.total
+
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+class MisspeltCounter:
+    """``add`` spelt ``ad``: the start must fail, not the first call to it."""
+
+    def ad(self, n: int) -> int:  # pragma: no cover - never called
+        return n
+
+    def nap(self, seconds: float) -> float:  # pragma: no cover
+        return seconds
+
+
+def _runtime(kind: str):
+    return ProcessRuntime() if kind == "process" else LocalRuntime()
+
+
+async def _start(runtime, factory, interface):
+    handle = runtime.start("counter", factory, interface)
+    await runtime.wait_ready()
+    return handle
+
+
+@pytest.mark.parametrize("kind", ["local", "process"])
+def test_an_executor_missing_an_endpoint_fails_at_start_up(kind):
+    runtime = _runtime(kind)
+    try:
+        with pytest.raises(MissingEndpointError, match=r"MisspeltCounter does not implement Counter: no method 'add' \(did you mean 'ad'\?\)"):
+            asyncio.run(_start(runtime, MisspeltCounter, Counter))
+    finally:
+        runtime.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["local", "process"])
+def test_a_handle_has_the_endpoints_as_methods_and_refuses_other_names_at_once(kind):
+    runtime = _runtime(kind)
+    try:
+        async def scenario():
+            handle = await _start(runtime, GoodCounter, Counter)
+            assert await handle.add(2) == 2 and await handle.add(3) == 5
+            assert await handle.call("add", 1) == 6  # by name: checked the same way
+            with pytest.raises(UnknownEndpointError, match="Counter has no endpoint 'addd' \\(did you mean 'add'\\?\\)"):
+                handle.addd  # noqa: B018 - fails on lookup, before any call is made
+            with pytest.raises(UnknownEndpointError):
+                await handle.call("addd", 1)
+            with pytest.raises(TypeError, match="Counter.add"):
+                await handle.add(1, 2)  # wrong arguments fail here, not in the executor
+            assert await handle.add(0) == 6  # none of the refused calls reached the executor
+
+        asyncio.run(scenario())
+    finally:
+        runtime.shutdown()
+
+
+def test_concurrent_endpoints_overlap_on_the_local_runtime():
+    runtime = LocalRuntime()
+    try:
+        async def scenario():
+            handle = await _start(runtime, GoodCounter, Counter)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(handle.nap(0.3) for _ in range(4)))
+            return time.perf_counter() - t0, handle.concurrent
+
+        elapsed, concurrent = asyncio.run(scenario())
+        assert concurrent == {"add": False, "nap": True}
+        assert elapsed < 0.9  # four 0.3 s naps at once, not one after another (1.2 s)
+    finally:
+        runtime.shutdown()
+
+
+def test_the_job_interfaces_declare_what_the_controller_calls():
+    assert {"train_step", "publish", "save_checkpoint", "load_state_dict", "save_pretrained", "offload",
+            "restore"} <= set(endpoints_of(TrainerEndpoints))  # fmt: skip
+    assert {"generate", "apply_weights", "update_weights", "offload", "restore"} <= set(endpoints_of(Generator))
+    assert issubclass(TrainerExecutor, TrainerEndpoints)
+
+
+def test_controller_and_session_call_only_declared_endpoints():
+    """Every ``<handle>.<method>(`` the controller and session await is an endpoint, so a
+    typo in them fails this test (and at once at run time), not deep in a job."""
+    import ast
+
+    from conftest import ROOT
+
+    declared = set(endpoints_of(TrainerEndpoints)) | set(endpoints_of(Generator))
+    handles = {"trainer", "generator", "generators"}
+    called = set()
+    for name in ("controller.py", "session.py"):
+        tree = ast.parse((ROOT / "src/loomrl" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
+                func = node.value.func
+                if isinstance(func, ast.Attribute):
+                    owner = func.value
+                    if isinstance(owner, ast.Subscript):
+                        owner = owner.value
+                    owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                    if owner_name in handles:
+                        called.add(func.attr)
+    assert called and called <= declared, called - declared
+    assert {"train_step", "publish", "apply_weights", "generate"} <= called

@@ -1,0 +1,56 @@
+"""Batched reward calls: one worker pass per batch, each item still with its own timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from loomrl.envs.reward import RewardFailure, call_reward_batch
+
+
+def _reward(prompt, completion, **row):
+    if completion == "raise":
+        raise ValueError("bad completion")
+    if completion == "hang":
+        time.sleep(row["hang_s"])
+        return 1.0
+    if completion == "nan":
+        return float("nan")
+    return float(len(completion))
+
+
+def test_each_item_gets_its_outcome_and_a_hung_item_times_out_alone():
+    items = [("p", c, {"hang_s": 3.0}) for c in ("ab", "raise", "hang", "abc", "nan", "a")]
+    t0 = time.monotonic()
+    results = asyncio.run(call_reward_batch(_reward, items, timeout_s=0.3))
+    elapsed = time.monotonic() - t0
+    values = [v for v, _ in results]
+    assert values[0] == 2.0 and values[3] == 3.0 and values[5] == 1.0
+    assert isinstance(values[1], RewardFailure) and values[1].reason == "raised" and "bad completion" in str(values[1])
+    assert isinstance(values[2], RewardFailure) and values[2].reason == "timeout"
+    assert isinstance(values[4], RewardFailure) and values[4].reason == "invalid"
+    assert elapsed < 2.0  # the items after the hung one did not wait for it
+    assert all(seconds >= 0 for _, seconds in results)
+
+
+def test_a_batch_of_sync_calls_runs_on_one_worker_thread():
+    threads = set()
+
+    def reward(prompt, completion, **row):
+        threads.add(threading.get_ident())
+        return 1.0
+
+    results = asyncio.run(call_reward_batch(reward, [("p", str(i), {}) for i in range(64)], timeout_s=5.0))
+    assert [v for v, _ in results] == [1.0] * 64
+    assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+def test_async_rewards_are_scored_too():
+    async def reward(prompt, completion, **row):
+        await asyncio.sleep(0.01 if completion != "slow" else 2.0)
+        return 0.5
+
+    results = asyncio.run(call_reward_batch(reward, [("p", c, {}) for c in ("a", "slow", "b")], timeout_s=0.3))
+    assert results[0][0] == 0.5 and results[2][0] == 0.5
+    assert isinstance(results[1][0], RewardFailure) and results[1][0].reason == "timeout"
