@@ -9,12 +9,11 @@ used, so the fair policy can keep its accounts.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from loomrl.scheduler.model import Job, Request
 
-if TYPE_CHECKING:
-    from loomrl.scheduler.core import Scheduler
+Scheduler = Any  # loomrl.scheduler.core.Scheduler (not imported: core imports this module)
 
 
 class Policy(Protocol):
