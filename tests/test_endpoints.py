@@ -119,7 +119,9 @@ def test_the_job_interfaces_declare_what_the_controller_calls():
 
 def test_controller_and_session_call_only_declared_endpoints():
     """Every ``<handle>.<method>(`` the controller and session await is an endpoint, so a
-    typo in them fails this test (and at once at run time), not deep in a job."""
+    typo in them fails this test (and at once at run time), not deep in a job. Calls made
+    inside a scheduler lease are passed as ``lambda: handle.method(...)`` or as the bound
+    method itself (``on_device("weight_sync", trainer.publish)``): those count too."""
     import ast
 
     from conftest import ROOT
@@ -130,8 +132,14 @@ def test_controller_and_session_call_only_declared_endpoints():
     for name in ("controller.py", "session.py"):
         tree = ast.parse((ROOT / "src/loomrl" / name).read_text())
         for node in ast.walk(tree):
+            funcs = []
             if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
-                func = node.value.func
+                funcs.append(node.value.func)
+            elif isinstance(node, ast.Lambda) and isinstance(node.body, ast.Call):
+                funcs.append(node.body.func)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "on_device":
+                funcs += [a for a in node.args if isinstance(a, ast.Attribute)]
+            for func in funcs:
                 if isinstance(func, ast.Attribute):
                     owner = func.value
                     if isinstance(owner, ast.Subscript):

@@ -14,6 +14,8 @@ EPILOG = """examples:
   loomrl run examples/arithmetic/job.toml algorithm.max_staleness=0 trainer.lr=3e-4
   loomrl resume runs/arithmetic-20261129-120000
   loomrl config            # every config key with its default and description
+  loomrl scheduler serve --device cpu0=0 --policy fair   # share a device between jobs
+  loomrl simulate --scenario llm-d
 """
 
 
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         broken.set_defaults(fn=lambda args, err=err: _sandbox_unavailable(err))
     else:
         add_sandbox_commands(sub)
+    from loomrl.scheduler.cli import add_scheduler_commands
+
+    add_scheduler_commands(sub)
     return parser
 
 

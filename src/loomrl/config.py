@@ -200,6 +200,28 @@ class EvalConfig(_Section):
     every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
 
 
+class SchedulerConfig(_Section):
+    url: str | None = Field(
+        None,
+        description="A time-slicing scheduler to share devices with other jobs (`loomrl scheduler serve`, "
+        "e.g. 'http://127.0.0.1:7878'): each device phase (generate, train, weight sync, checkpoint) then "
+        "runs in a lease. None: this job has its devices to itself.",
+    )
+    device: str = Field("cpu0", description="The scheduler's name of the device this job's phases run on.")
+    priority: int = Field(0, description="Priority under the scheduler's 'priority' policy (higher first).")
+    weight: float = Field(1.0, gt=0, description="Share under the 'fair' policy (device-seconds in proportion).")
+    heartbeat_timeout_s: float = Field(
+        30.0, gt=0, description="Past this without a heartbeat the scheduler takes this job's leases away."
+    )
+    acquire_timeout_s: float | None = Field(
+        None, gt=0, description="Fail the job when a phase waits longer than this for its device (None: wait)."
+    )
+    offload: bool = Field(
+        True, description="Move the trainer's and generators' state off the device when another job takes it."
+    )
+    pin: bool = Field(True, description="On a CPU device, run the job's threads on its cores during a phase.")
+
+
 class JobConfig(_Section):
     name: str = Field("job", description="Job name; the run folder is named after it.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
@@ -224,6 +246,7 @@ class JobConfig(_Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     @model_validator(mode="after")
     def _transport_fits_runtime(self) -> JobConfig:

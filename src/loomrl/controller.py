@@ -63,6 +63,7 @@ class Controller:
         extra_metrics: Callable[[], dict[str, float]] | None = None,
         history: dict[str, Any] | None = None,
         max_prompt_tokens: int | None = None,
+        leases: Any = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.eval_scorer = scorer.for_eval()  # eval failures are counted under eval/*, apart
@@ -71,6 +72,7 @@ class Controller:
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
+        self.leases = leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
         self._init_pipeline(version, counters)
         self._sampling = SamplingParams(
             temperature=cfg.generation.temperature,
@@ -133,6 +135,13 @@ class Controller:
             "rollout/lost_on_resume": c.lost_on_resume,
         }
 
+    async def on_device(self, phase: str, call: Callable[[], Any]) -> Any:
+        """Run ``call()`` as a device phase: in a scheduler lease when the job shares its
+        devices (``scheduler.url``), else just awaited."""
+        if self.leases is None:
+            return await call()
+        return await self.leases.run(phase, call)
+
     # -- generation ----------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
@@ -167,8 +176,12 @@ class Controller:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Apply the newest weights the requests may use (a step of its own, which a
-        scheduler's lease can wrap), then generate on them."""
+        """Apply the newest weights the requests may use, then generate on them: one
+        device phase (one lease when the job shares its devices, so no other job's phase
+        and no swap comes between applying the weights and using them)."""
+        return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
+
+    async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
         applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
         self._apply_s += applied.apply_s
         if applied.weight_metrics:
@@ -349,7 +362,7 @@ class Controller:
         if batch is None:  # stop requested while waiting for a batch
             return None
         wait_s = time.perf_counter() - t0
-        metrics = await self.trainer.train_step(batch.groups)
+        metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups))
         rollouts = [r for g in batch.groups for r in g.rollouts]
         self.counters.trained += len(rollouts)
         for g in batch.groups:
@@ -357,7 +370,7 @@ class Controller:
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
         if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
-            metrics.update(await self.trainer.publish())
+            metrics.update(await self.on_device("weight_sync", self.trainer.publish))
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
@@ -407,7 +420,7 @@ class Controller:
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
         adds its time to the time before the checkpoint and keeps the first eval)."""
-        await self.trainer.publish()  # version v to every generator before any request
+        await self.on_device("weight_sync", self.trainer.publish)  # version v to every generator first
         if self.resumed:
             first_eval = {"eval/mean_reward": self.history["eval_start"]}
         else:

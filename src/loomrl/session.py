@@ -92,6 +92,22 @@ def _start_executors(
     return trainer, generators, cleanup
 
 
+def _job_leases(cfg: JobConfig, handles: list[Any]):
+    """With ``scheduler.url`` set, the job's device phases run in leases; otherwise None
+    (and nothing of ``loomrl.scheduler`` is imported)."""
+    if cfg.scheduler.url is None:
+        return None
+    from loomrl.scheduler.jobside import JobLeases
+
+    return JobLeases(cfg.scheduler, cfg.name, handles)
+
+
+def _with_lease_metrics(extra: Callable[[], dict[str, float]], leases) -> Callable[[], dict[str, float]]:
+    if leases is None:
+        return extra
+    return lambda: {**extra(), **leases.metrics()}
+
+
 def _environment_factory(cfg: JobConfig):
     if cfg.task.environment is None:
         return None
@@ -308,18 +324,19 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
 
     async def checkpoint(step: int) -> None:
         extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
-        await trainer.save_checkpoint(str(checkpoint_root), step, extra, cfg.checkpoint.keep)
+        await controller.on_device(
+            "checkpoint", lambda: trainer.save_checkpoint(str(checkpoint_root), step, extra, cfg.checkpoint.keep))
 
     await runtime.wait_ready()  # model loading is not training time
     if trainer_state is not None:
-        await trainer.load_state_dict(trainer_state)
+        await controller.on_device("checkpoint", lambda: trainer.load_state_dict(trainer_state))
     with _graceful_interrupt(controller):
         summary = await controller.run(checkpoint=checkpoint)
     # per executor; on the local runtime every executor shares the controller's process
     summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),
                               **{h.name: peak_rss_mb(h.pid) for h in runtime.handles}}
     if not summary["interrupted"]:
-        await trainer.save_pretrained(str(run_dir / "final"))
+        await controller.on_device("checkpoint", lambda: trainer.save_pretrained(str(run_dir / "final")))
     return summary
 
 
@@ -338,23 +355,27 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
     runtime = _make_runtime(cfg.runtime)
     metrics = MetricsLogger(run_dir, purge_step=checkpoint_step(resume_from) + 1 if resume_from else None)
-    cleanup_transport = None
+    cleanup_transport = leases = None
     try:
         trainer, generators, cleanup_transport = _start_executors(cfg, runtime, run_dir)
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
         trainer_state = _restore(resume_state, resume_from, kwargs, stream) if resume_from is not None else None
+        leases = _job_leases(cfg, [trainer, *generators])
         controller = holder["controller"] = Controller(
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
             on_record=on_record, env_factory=env_factory,
-            extra_metrics=default_pool_metrics, max_prompt_tokens=budget, **kwargs,
+            extra_metrics=_with_lease_metrics(default_pool_metrics, leases), max_prompt_tokens=budget,
+            leases=leases, **kwargs,
         )
         summary = asyncio.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
         summary["run_dir"] = str(run_dir)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return JobResult(run_dir, summary, controller.eval_history)
     finally:
+        if leases is not None:
+            leases.close()
         metrics.close()
         runtime.shutdown()
         if cleanup_transport is not None:

@@ -100,6 +100,20 @@ class HFGenerator(Generator):
     def apply_weights(self, min_version: int = 0) -> WeightsApplied:
         return self.receiver.apply_newest(min_version)
 
+    # -- time-slicing (loomrl.scheduler): the state leaves the device while another job has it
+
+    def offload(self) -> float:
+        """Move the model and the weight mirror off the device; returns the seconds."""
+        if getattr(self, "_swap", None) is None:
+            from loomrl.scheduler.offload import Swappable
+
+            self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
+        return self._swap.offload()
+
+    def restore(self) -> float:
+        """Bring back what ``offload`` moved, bit for bit; returns the seconds it took."""
+        return self._swap.restore() if getattr(self, "_swap", None) is not None else 0.0
+
     def close(self) -> None:
         """Stop the receiver's background work (prefetch thread), if any."""
         self.receiver.close()

@@ -61,6 +61,24 @@ class TrainerExecutor(TrainerEndpoints):
             self.owned_transport.close()
             self.owned_transport = None
 
+    # -- time-slicing (loomrl.scheduler): the state leaves the device while another job has it
+
+    def offload(self) -> float:
+        """Move the model, gradients, AdamW state, the KL reference and the publisher's
+        last snapshot off the device; returns the seconds it took."""
+        if getattr(self, "_swap", None) is None:
+            from loomrl.scheduler.offload import Swappable
+
+            t = self.trainer
+            last = getattr(self.publisher, "_last", None)
+            self._swap = Swappable([t.model] + ([t.reference] if t.reference is not None else []), t.optimizer,
+                                   tensor_dicts=[last] if isinstance(last, dict) else [])  # fmt: skip
+        return self._swap.offload()
+
+    def restore(self) -> float:
+        """Bring back what ``offload`` moved, bit for bit; returns the seconds it took."""
+        return self._swap.restore() if getattr(self, "_swap", None) is not None else 0.0
+
     def save_pretrained(self, path: str) -> None:
         """The final model in ``save_pretrained`` format; a LoRA job also keeps its adapter
         in ``adapter/`` and saves the merged model, which transformers and vLLM load."""

@@ -1,0 +1,115 @@
+"""The scheduler's records: jobs, devices, requests (queue entries) and leases.
+
+Plain dataclasses that serialise to JSON, so the store can keep them and the HTTP API and
+the dashboard can show them. Times are seconds on the caller's clock (wall clock in the
+daemon, so a restart keeps deadlines; simulated time in the simulator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class SchedulerError(RuntimeError):
+    """Something the scheduler refused: the message says what and why."""
+
+
+class AcquireTimeout(SchedulerError):
+    """An acquire that was not granted before its deadline."""
+
+
+class LeaseLost(SchedulerError):
+    """The job missed its heartbeat deadline (or the lease was revoked): it holds nothing."""
+
+
+class LockOrderError(SchedulerError):
+    """A job asked for a device that sorts before one it already holds."""
+
+
+class UnknownJob(SchedulerError):
+    """A job id the scheduler does not know (never registered, or declared dead)."""
+
+
+@dataclass
+class Record:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Job(Record):
+    id: str
+    name: str
+    priority: int = 0
+    weight: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    registered_at: float = 0.0
+    last_heartbeat: float = 0.0
+    state: str = "alive"  # alive | dead (missed its heartbeat) | done (unregistered)
+    seq: int = 0  # registration order: the round-robin order of the fair policy
+    device_s: float = 0.0  # seconds holding leases (per device, summed)
+    swap_s: float = 0.0  # offload/restore seconds charged to this job (it caused them)
+    wait_s: float = 0.0  # seconds its granted or expired requests waited in the queue
+    num_grants: int = 0
+    num_swaps: int = 0
+    deficit_s: float = 0.0  # fair policy: deficit round robin credit, in device-seconds
+    expected_idle_s: float | None = None  # the gap it expects before its next acquire
+    released_at: float | None = None
+    offload_ema_s: float | None = None  # moving averages of its reported offload/restore times
+    restore_ema_s: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def swap_cost_s(self) -> float:
+        """What moving this job's state off a device and back costs, as measured so far."""
+        return (self.offload_ema_s or 0.0) + (self.restore_ema_s or 0.0)
+
+
+@dataclass
+class Device(Record):
+    name: str
+    cores: list[int] | None = None  # a CPU device: the cores a phase runs on
+    holder: str | None = None  # lease id
+    resident: str | None = None  # job id whose state is on the device (lazy eviction)
+    evict_for: str | None = None  # job id that waits for the resident job to offload
+    reserved_for: str | None = None  # job id the device is kept for, until reserved_until
+    reserved_until: float = 0.0
+    busy_s: float = 0.0
+    created_at: float = 0.0
+
+
+@dataclass
+class Request(Record):
+    id: str
+    job_id: str
+    devices: list[str]
+    phase: str
+    expected_s: float | None
+    requested_at: float
+    deadline_at: float | None
+    state: str = "waiting"  # waiting | granted | timed_out | cancelled
+    lease_id: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Lease(Record):
+    id: str
+    job_id: str
+    devices: list[str]
+    phase: str
+    granted_at: float
+    expected_s: float | None = None
+    state: str = "held"  # held | evicting | released | lost
+    yield_requested: bool = False
+    ended_at: float | None = None
+    evict_for: str | None = None  # the waiter whose grant made this holder offload
+    restore_s: float = 0.0
+    request_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
