@@ -236,3 +236,27 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
     quiet = tiny_job(trainer={"num_steps": 3})  # the default (300 s) stays quiet
     (tmp_path / "quiet").mkdir()
     assert run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].stall_warnings == 0
+
+
+def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
+    import loomrl.controller as controller_module
+    from loomrl.controller import Controller
+
+    monkeypatch.setattr(controller_module, "PROMPT_CACHE_ROWS", 3)
+
+    class Tok:
+        bos_token_id = 1
+
+        def __call__(self, texts):
+            class Out:
+                input_ids = [[1, len(t)] for t in texts]
+            return Out()
+
+    c = Controller.__new__(Controller)
+    c.tokenizer, c.max_prompt_tokens, c._prompt_key = Tok(), None, "prompt"
+    c.train_rows = [{"prompt": "x" * (i + 1)} for i in range(10)]
+    c._prompt_ids = {}
+    for picks in ([0, 1], [1, 2], [3, 4], [4, 5, 6]):
+        c._encode_train_prompts(picks)
+        assert all(c._prompt_ids[i] == [1, i + 1] for i in picks)
+        assert len(c._prompt_ids) <= 3

@@ -54,3 +54,39 @@ def test_async_rewards_are_scored_too():
     results = asyncio.run(call_reward_batch(reward, [("p", c, {}) for c in ("a", "slow", "b")], timeout_s=0.3))
     assert results[0][0] == 0.5 and results[2][0] == 0.5
     assert isinstance(results[1][0], RewardFailure) and results[1][0].reason == "timeout"
+
+
+def test_sync_rewards_that_wait_still_run_side_by_side():
+    def reward(prompt, completion, **row):
+        time.sleep(0.1)  # releases the GIL, as I/O does
+        return 1.0
+
+    t0 = time.monotonic()
+    results = asyncio.run(call_reward_batch(reward, [("p", str(i), {}) for i in range(16)], timeout_s=5.0))
+    assert [v for v, _ in results] == [1.0] * 16
+    assert time.monotonic() - t0 < 1.0  # 16 x 0.1 s one after another would take 1.6 s
+
+
+def test_a_batch_after_cancelled_hung_ones_still_gets_a_worker():
+    release = threading.Event()
+
+    def reward(prompt, completion, **row):
+        if completion == "hang":
+            release.wait(30)
+        return 1.0
+
+    async def main():
+        hung = [asyncio.create_task(call_reward_batch(reward, [("p", "hang", {})], timeout_s=30.0)) for _ in range(8)]
+        await asyncio.sleep(0.3)
+        for task in hung:
+            task.cancel()
+        await asyncio.gather(*hung, return_exceptions=True)
+        t0 = time.monotonic()
+        results = await call_reward_batch(reward, [("p", "ok", {})], timeout_s=0.3)
+        return results, time.monotonic() - t0
+
+    try:
+        results, elapsed = asyncio.run(main())
+    finally:
+        release.set()
+    assert results[0][0] == 1.0 and elapsed < 2.0

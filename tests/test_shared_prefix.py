@@ -124,3 +124,27 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
         for a, b in zip(shared.completions, plain.completions):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_model_keeps_the_unshared_forward():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from loomrl.generation.hf import HFGenerator
+    from loomrl.models.cache import probe_can_repeat
+    from loomrl.types import GenerationRequest, SamplingParams
+
+    _, tok = _model()
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4,
+                           pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).float()
+    assert not probe_can_repeat(model)
+    assert probe_can_repeat(_model()[0])
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    rollouts = _rollouts(0, prompt_lengths=(7, 6))
+    assert not isinstance(trainer._micro_batch(rollouts, [0.0] * len(rollouts)), PrefixBatch)
+    trainer.train_step([Group(0, 0, rollouts[:4]), Group(1, 0, rollouts[4:])])
+    gen = HFGenerator(model.eval(), tok, publish_dtype="float32")
+    out = gen.generate([GenerationRequest([1] + [5] * 6, 3, SamplingParams(max_new_tokens=3), seed=1)])
+    assert len(out[0].completions) == 3 and not gen.share_prefill

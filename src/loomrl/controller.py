@@ -27,6 +27,8 @@ from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, Sa
 
 logger = logging.getLogger(__name__)
 
+PROMPT_CACHE_ROWS = 100_000  # training rows whose prompt ids the controller keeps between epochs
+
 
 @dataclass
 class Counters:
@@ -157,6 +159,9 @@ class Controller:
         new = [i for i in dict.fromkeys(indices) if i not in self._prompt_ids]
         if not new:
             return
+        if len(self._prompt_ids) + len(new) > PROMPT_CACHE_ROWS:  # a huge dataset: keep only recent rows
+            self._prompt_ids.clear()
+            new = list(dict.fromkeys(indices))
         encoded = self.tokenizer([self.train_rows[i][self._prompt_key] for i in new]).input_ids
         for i, ids in zip(new, encoded):
             self._prompt_ids[i] = truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
@@ -270,9 +275,11 @@ class Controller:
         rollouts = [r for group in groups for r in group.rollouts]
         try:
             await self.scorer.score(rollouts)
-        finally:
+        except BaseException:
             self.scoring_rollouts -= len(rollouts)
-        for group in groups:
+            raise
+        for group in groups:  # each leaves "scoring" just as it enters the buffer
+            self.scoring_rollouts -= len(group.rollouts)
             await self._put_scored(group)
 
     async def _put_scored(self, group: Group) -> None:

@@ -89,6 +89,10 @@ class DaemonThreads:
                 self._spawn()
         self._tasks.put(task)
 
+    @property
+    def size(self) -> int:
+        return self._size
+
     def replace_hung_worker(self) -> None:
         with self._lock:
             self._size += 1
@@ -149,16 +153,11 @@ async def call_reward_batch(
     calls = [(prompt, completion, {k: v for k, v in row.items() if k not in ("prompt", "completion")})
              for prompt, completion, row in items]
     outcomes: dict[int, tuple[str, Any, float]] = {}
-    start = 0
-    while start < len(calls):
-        run = _BatchRun(fn, calls, start, outcomes, asyncio.get_running_loop())
-        _REWARD_THREADS.submit(run)
-        hung = await run.wait(timeout_s)
-        if hung is None:
-            break
-        outcomes[hung] = ("timeout", None, timeout_s)
-        _REWARD_THREADS.replace_hung_worker()
-        start = hung + 1
+    # Contiguous chunks, one per worker: rewards that release the GIL (I/O, subprocesses,
+    # numpy) still run side by side, and the loop wakes once per chunk, not per item.
+    chunks = min(len(calls), _REWARD_THREADS.size)
+    bounds = [(len(calls) * k // chunks, len(calls) * (k + 1) // chunks) for k in range(chunks)]
+    await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
     results: list[tuple[float | RewardFailure, float]] = []
     for i in range(len(calls)):
         status, value, seconds = outcomes[i]
@@ -172,6 +171,26 @@ async def call_reward_batch(
             except RewardFailure as failure:
                 results.append((failure, seconds))
     return results
+
+
+async def _run_chunk(fn, calls: list, lo: int, hi: int, outcomes: dict, timeout_s: float) -> None:
+    """Items ``lo..hi-1`` in order on a worker; a hung one times out alone and the rest go
+    on on another worker."""
+    start = lo
+    while start < hi:
+        run = _BatchRun(fn, calls[:hi], start, outcomes, asyncio.get_running_loop())
+        _REWARD_THREADS.submit(run)
+        try:
+            hung = await run.wait(timeout_s)
+        except asyncio.CancelledError:  # the job is stopping: leave the worker to its item
+            if run.abandon():
+                _REWARD_THREADS.replace_hung_worker()
+            raise
+        if hung is None:
+            return
+        outcomes[hung] = ("timeout", None, timeout_s)
+        _REWARD_THREADS.replace_hung_worker()
+        start = hung + 1
 
 
 async def _timed_call(fn, prompt: str, completion: str, row: dict[str, Any], timeout_s: float):
@@ -214,15 +233,28 @@ class _BatchRun:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
+    def abandon(self) -> bool:
+        """Stop after the item in progress; True if one is in progress (its worker is lost)."""
+        with self.lock:
+            self.abandoned = True
+            return self.item_started is not None and self.index not in self.outcomes
+
     async def wait(self, timeout_s: float) -> int | None:
         """None once every item has an outcome; else the index of an item that ran past
-        ``timeout_s`` (this run is then abandoned)."""
+        ``timeout_s`` (this run is then abandoned). A run still queued after ``timeout_s``
+        (every worker busy, maybe hung) gets a worker of its own."""
+        added_worker = False
         while True:
             started = self.item_started
             remaining = timeout_s if started is None else started + timeout_s - time.monotonic()
-            done, _ = await asyncio.wait({self.done}, timeout=max(remaining, 0.0))
+            done, _ = await asyncio.wait({self.done}, timeout=max(remaining, 0.001))
             if done:
                 return None
+            if self.item_started is None:  # still queued a whole timeout later
+                if not added_worker:
+                    _REWARD_THREADS.replace_hung_worker()  # one more worker takes the queue on
+                    added_worker = True
+                continue
             with self.lock:
                 index, started = self.index, self.item_started
                 if started is not None and index not in self.outcomes and time.monotonic() - started >= timeout_s:

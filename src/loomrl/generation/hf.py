@@ -15,7 +15,7 @@ import torch
 
 from loomrl.device import module_device
 from loomrl.generation.base import Generator
-from loomrl.models.cache import repeat_cache
+from loomrl.models.cache import can_repeat, repeat_cache
 from loomrl.types import (
     Completion,
     GenerationRequest,
@@ -193,8 +193,6 @@ class HFGenerator(Generator):
         """The forward over the prompts, left-padded, each distinct prompt once (a request's
         samples share it, through a repeated KV cache): last-position logits, KV cache,
         attention mask and positions, one row per entry of ``prompts``."""
-        from transformers.cache_utils import Cache
-
         index: dict[tuple[int, ...], int] = {}
         owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=self.device)
         shared = self.share_prefill and len(index) < len(prompts)
@@ -209,7 +207,7 @@ class HFGenerator(Generator):
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         logits, cache = out.logits[:, -1, :].float(), out.past_key_values
         if shared:
-            if not isinstance(cache, Cache):  # a model with its own cache type: no sharing
+            if not can_repeat(cache):  # sliding-window, linear-attention or a custom cache: no sharing
                 self.share_prefill = False
                 return self._prefill(prompts)
             logits, cache = logits.index_select(0, owner), repeat_cache(cache, owner)

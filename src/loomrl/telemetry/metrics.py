@@ -43,15 +43,22 @@ class MetricsLogger:
         TensorBoard follows on its thread."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
-        if self._tb is not None:
-            self._tb_queue.put((record, step))
+        if self._tb is not None:  # a snapshot: the caller may change its dict afterwards
+            scalars = [(k, v) for k, v in record.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+            self._tb_queue.put((scalars, step))
 
     def _write_tb(self) -> None:
+        failed = False
         while (item := self._tb_queue.get()) is not None:
-            record, step = item
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            scalars, step = item
+            try:
+                for key, value in scalars:
                     self._tb.add_scalar(key, value, step)
+            except Exception as err:  # noqa: BLE001 - keep draining; metrics.jsonl has every record
+                if not failed:
+                    logger.warning("TensorBoard write failed at step %d (%s); metrics.jsonl is complete", step, err)
+                failed = True
 
     def close(self) -> None:
         self._file.close()

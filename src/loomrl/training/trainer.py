@@ -13,6 +13,7 @@ import torch
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
 from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.device import module_device
+from loomrl.models.cache import probe_can_repeat
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, prefix_logits
 from loomrl.types import Group, Rollout
 
@@ -133,6 +134,7 @@ class Trainer:
         self.temperature = temperature
         self.version = 0
         self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
+        self._prefix_ok: bool | None = None  # can rows share their prompt's forward (trainer.shared_prefix)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
@@ -194,7 +196,12 @@ class Trainer:
 
     def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
         """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
-        if self.cfg.shared_prefix and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
+        if self._prefix_ok is None:  # decided once, from the model's own cache
+            self._prefix_ok = self.cfg.shared_prefix and probe_can_repeat(self.model)
+            if self.cfg.shared_prefix and not self._prefix_ok:
+                logger.info("trainer.shared_prefix: this model's KV cache cannot be shared (sliding-window, "
+                            "linear-attention or custom layers); every row runs its own prompt")
+        if self._prefix_ok and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
             return build_prefix_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
         return build_token_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
 
