@@ -34,16 +34,24 @@ def test_each_item_gets_its_outcome_and_a_hung_item_times_out_alone():
     assert all(seconds >= 0 for _, seconds in results)
 
 
-def test_a_batch_of_sync_calls_runs_on_one_worker_thread():
-    threads = set()
+def test_a_batch_of_sync_calls_runs_in_one_contiguous_chunk_per_worker():
+    from loomrl.envs.reward import _REWARD_THREADS
+
+    seen: list[tuple[int, int]] = []  # (item, thread)
 
     def reward(prompt, completion, **row):
-        threads.add(threading.get_ident())
+        seen.append((int(completion), threading.get_ident()))
         return 1.0
 
     results = asyncio.run(call_reward_batch(reward, [("p", str(i), {}) for i in range(64)], timeout_s=5.0))
     assert [v for v, _ in results] == [1.0] * 64
-    assert len(threads) == 1 and threading.get_ident() not in threads
+    threads = {t for _, t in seen}
+    assert 1 <= len(threads) <= _REWARD_THREADS.size and threading.get_ident() not in threads
+    for thread in threads:  # a worker runs its chunks' items in order (it may take two chunks)
+        items = [i for i, t in seen if t == thread]
+        assert items == sorted(items)
+    # four chunks of 16: the loop waits for 4 runs, not 64 calls
+    assert sorted(i for i, _ in seen) == list(range(64))
 
 
 def test_async_rewards_are_scored_too():
