@@ -234,6 +234,13 @@ def pinned(cores: list[int] | None, *, whole_process: bool = False) -> Iterator[
         yield
         return
     tids = [int(t) for t in os.listdir("/proc/self/task")] if whole_process else [0]
+    with pinned_threads(cores, tids):
+        yield
+
+
+@contextmanager
+def pinned_threads(cores: list[int], tids: list[int]) -> Iterator[None]:
+    """Threads ``tids`` (0: the caller) on ``cores`` meanwhile; each gets its own mask back."""
     before = {}
     for tid in tids:
         try:

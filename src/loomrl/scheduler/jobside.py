@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from loomrl.config import SchedulerConfig
-from loomrl.scheduler.client import Lease, SchedulerClient, pinned
+from loomrl.scheduler.client import Lease, SchedulerClient, pinned, pinned_threads
 
 logger = logging.getLogger(__name__)
 
@@ -125,19 +125,6 @@ class JobLeases:
 @contextmanager
 def _pinned_pids(cores: list[int], pids: list[int]):
     """Executor processes (the process runtime) on the lease's cores meanwhile."""
-    before: dict[int, set[int]] = {}
-    for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            try:
-                before[int(tid)] = os.sched_getaffinity(int(tid))
-                os.sched_setaffinity(int(tid), set(cores))
-            except (ProcessLookupError, PermissionError):
-                pass
-    try:
+    tids = [int(t) for pid in pids if os.path.isdir(f"/proc/{pid}/task") for t in os.listdir(f"/proc/{pid}/task")]
+    with pinned_threads(cores, tids):
         yield
-    finally:
-        for tid, mask in before.items():
-            try:
-                os.sched_setaffinity(tid, mask)
-            except (ProcessLookupError, PermissionError):
-                pass
