@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from loomrl.runtime.endpoints import bind_arguments, endpoints_of, unknown_endpoint
+
+logger = logging.getLogger(__name__)
 
 
 class CallTracker:
@@ -44,6 +47,16 @@ class UnknownEndpointError(AttributeError):
     """A handle was asked for a method its interface does not declare."""
 
 
+class ExecutorDiedError(RuntimeError):
+    """The executor ended (its process killed, out of memory, its node lost, or killed
+    after a missed deadline) while the controller still needed it; every runtime raises
+    this one error, so the controller's supervision does not depend on the runtime."""
+
+
+class ExecutorHungError(ExecutorDiedError):
+    """An executor call ran past its deadline; the executor was killed."""
+
+
 def _endpoint_method(handle: ExecutorHandle, interface: type, name: str) -> Callable[..., Awaitable[Any]]:
     """``await handle.<name>(...)``: arguments checked here, the call run there."""
     spec = endpoints_of(interface)[name]
@@ -69,6 +82,7 @@ class ExecutorHandle(ABC):
     name: str
     calls: CallTracker  # what is running there now (the controller's stall watchdog reads it)
     interface: type | None = None
+    factory: Callable[[], Any] | None = None  # what built the executor (a restart builds it again)
 
     def _bind_interface(self, interface: type | None) -> None:
         """Give this handle the interface's endpoints as methods."""
@@ -113,6 +127,20 @@ class ExecutorHandle(ABC):
     def busy_s(self) -> float:
         """Seconds this executor has spent running calls."""
 
+    @property
+    def alive(self) -> bool:
+        """False once the executor is known to be gone (died, killed or closed)."""
+        return True
+
+    def kill(self) -> None:
+        """End the executor now, without asking it (a hung one would not answer): its
+        pending and later calls fail with ``ExecutorDiedError``. Runtimes that cannot (a
+        thread cannot be killed) raise ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot kill its executor")
+
+    def close(self) -> None:  # noqa: B027 - a handle with nothing to release
+        """Let the executor release what it holds, then end it."""
+
 
 class Runtime(ABC):
     # Executors live in the controller's process (and may share live objects with it, such
@@ -128,6 +156,28 @@ class Runtime(ABC):
     async def wait_ready(self) -> None:  # noqa: B027 - executors built in start() are ready
         """Wait until every started executor is built (a runtime may build them in the
         background, so that executors which must meet, like a torch_dist group, can)."""
+
+    handles: list[ExecutorHandle]
+
+    def restart(self, handle: ExecutorHandle) -> ExecutorHandle:
+        """Replace ``handle``'s executor by a fresh one built by the same factory, against
+        the same interface, under the same name: the old one is killed first (if it still
+        runs) so that it cannot answer late. The fresh executor holds none of the old one's
+        state; the caller brings it up to date (weights, for a generator)."""
+        if handle.factory is None:
+            raise RuntimeError(f"executor {handle.name!r} was started without a factory; it cannot be restarted")
+        if handle.alive:
+            try:
+                handle.kill()
+            except NotImplementedError:
+                logger.warning("%s cannot kill executor %r; it is abandoned, not ended", type(self).__name__, handle.name)
+        try:
+            handle.close()
+        except Exception as err:  # noqa: BLE001 - the old executor is gone either way
+            logger.warning("executor %r did not close after its kill: %s", handle.name, err)
+        if handle in self.handles:
+            self.handles.remove(handle)
+        return self.start(handle.name, handle.factory, handle.interface)
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -25,7 +25,7 @@ CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concur
 
 class LocalHandle(ExecutorHandle):
     def __init__(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> None:
-        self.name = name
+        self.name, self.factory = name, factory
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
         self._concurrent_pool: ThreadPoolExecutor | None = None
         self._busy_s = 0.0

@@ -32,17 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
+from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
 from loomrl.runtime.endpoints import check_implements
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # building an executor loads a model: generous, but not forever
 _CTX = multiprocessing.get_context("spawn")  # never fork a controller that runs threads
-
-
-class ExecutorDiedError(RuntimeError):
-    """The process of an executor ended while the controller still needed it."""
 
 
 class RemoteError(RuntimeError):
@@ -148,7 +144,7 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
 
 class ProcessHandle(ExecutorHandle):
     def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, interface: type | None = None) -> None:
-        self.name = name
+        self.name, self.factory = name, factory
         self._bind_interface(interface)
         self._conn, child = _CTX.Pipe()
         log_reader, log_writer = _CTX.Pipe(duplex=False)
@@ -233,6 +229,19 @@ class ProcessHandle(ExecutorHandle):
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.process.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL the executor's process: its pending call fails with ``ExecutorDiedError``."""
+        if self.process.is_alive():
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.join(timeout=5)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
