@@ -77,7 +77,7 @@ class FakeTrainer(TrainerEndpoints):
         self.version += 1
         return {"train/loss": 0.0}
 
-    def publish(self):
+    def publish(self, full=False):
         with self.published.lock:
             self.published.version = self.version
         return {}

@@ -17,6 +17,7 @@ import pytest
 from loomrl.config import ConfigError, build_config
 from loomrl.job import Job, resume_job
 from loomrl.runtime.process import ExecutorDiedError, ProcessRuntime, RemoteError
+from loomrl.runtime.supervision import RestartLimitError
 from loomrl.telemetry.metrics import read_metrics
 
 from conftest import tiny_job_raw
@@ -196,7 +197,7 @@ def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path,
     assert spawned.summary["trained"] == local.summary["trained"]
     # every executor's peak memory, its own process's on `process`, the shared one on `local`
     for result in (local, spawned):
-        assert set(result.summary["peak_rss_mb"]) == {"controller", "trainer", "generator0"}
+        assert set(result.summary["peak_rss_mb"]) == {"controller", "trainer", "generator0", "scorer0"}
         assert all(50 < mb < 8192 for mb in result.summary["peak_rss_mb"].values())
         assert 0 < result.summary["controller_overhead"] < 1
     rss = local.summary["peak_rss_mb"]
@@ -207,15 +208,16 @@ def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path,
 
 
 def test_a_generator_killed_mid_job_is_reported_and_the_job_resumes(tiny_job, tmp_path):
+    # No restarts allowed: the job fails (with a checkpoint of what it trained) and resumes.
     cfg = tiny_job(runtime="process", trainer={"num_steps": 6}, checkpoint={"every_steps": 2},
-                   output_dir=str(tmp_path / "run"))  # fmt: skip
+                   faults={"max_executor_restarts": 0}, output_dir=str(tmp_path / "run"))  # fmt: skip
 
     def kill_generator(record):
         if record.get("step") == 3:
             (gen,) = [p for p in multiprocessing.active_children() if p.name == "loomrl-generator0"]
             os.kill(gen.pid, signal.SIGKILL)
 
-    with pytest.raises(ExecutorDiedError, match="'generator0'.*killed by SIGKILL"):
+    with pytest.raises(RestartLimitError, match="'generator0'.*killed by SIGKILL.*max_executor_restarts=0"):
         Job(cfg).run(on_record=kill_generator)
     assert not multiprocessing.active_children()
     result = resume_job(tmp_path / "run")

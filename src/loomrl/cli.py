@@ -52,9 +52,23 @@ def _progress_callback(total_steps: int):
             parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
         if "throughput/samples_per_s" in record:
             parts.append(f"{record['throughput/samples_per_s']:.0f} samples/s")
+        parts.extend(_fault_parts(record))
         progress.update(task, completed=record.get("step", 0), headline="  ".join(parts))
 
     return on_record, progress
+
+
+def _fault_parts(record: dict[str, Any]) -> list[str]:
+    """Executor failures and restarts for the progress line, shown once there are any."""
+    failed = sum(v for k, v in record.items() if k.startswith("executor/") and k.endswith("_failures"))
+    if not failed and not record.get("executor/trainer_restarts"):
+        return []
+    parts = [f"[yellow]executors failed {failed:.0f}, restarted {record.get('executor/restarts', 0):.0f}"]
+    if record.get("executor/hung_kills"):
+        parts.append(f"hung {record['executor/hung_kills']:.0f}")
+    if record.get("executor/trainer_restarts"):
+        parts.append(f"job restarts {record['executor/trainer_restarts']:.0f}")
+    return parts
 
 
 def _print_summary(result) -> None:
@@ -78,6 +92,16 @@ def _print_summary(result) -> None:
         f"generated {s['generated']} = trained {s['trained']} + dropped stale {s['dropped_stale']}"
         f" + failed {s['failed']} + in flight {s['in_flight']}",
     )
+    faults = s.get("faults") or {}
+    failures = {k.split("/")[1][: -len("_failures")]: v for k, v in faults.items() if k.endswith("_failures") and v}
+    if failures or faults.get("executor/trainer_restarts"):
+        table.add_row(
+            "executor faults",
+            ", ".join(f"{role} {n:.0f} lost" for role, n in failures.items())
+            + f"; {faults.get('executor/restarts', 0):.0f} restarted, {faults.get('executor/hung_kills', 0):.0f} hung, "
+            f"{faults.get('executor/requeued_prompts', 0):.0f} prompts re-queued, "
+            f"{faults.get('executor/trainer_restarts', 0):.0f} job restarts from a checkpoint",
+        )
     if not s.get("interrupted"):
         table.add_row("final model", str(result.run_dir / "final"))
     Console().print(table)

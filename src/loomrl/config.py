@@ -76,6 +76,10 @@ class TaskConfig(_Section):
         "`failure_window` rollouts failed scoring.",
     )
     failure_window: int = Field(256, gt=0, description="Rollouts in the failure-rate window.")
+    num_scorers: int = Field(
+        1, gt=0, description="Scorer executors that run the reward function (and its sandboxes), "
+        "placed by the runtime; the controller load-balances reward batches over them.",
+    )
 
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
@@ -191,6 +195,28 @@ class SandboxConfig(_Section):
         return self
 
 
+class FaultsConfig(_Section):
+    """Self-healing: what happens when an executor dies or stops answering."""
+
+    max_restarts: int = Field(
+        2, ge=0, description="Times the job restarts itself from its last checkpoint after the trainer dies "
+        "or hangs (0: the job fails, and `loomrl resume` continues it).",
+    )
+    max_executor_restarts: int = Field(
+        10, ge=0, description="Generator and scorer restarts allowed in one run, all together; past it the job fails.",
+    )
+    deadline_factor: float = Field(
+        10.0, gt=1, description="A call's deadline: this many times the longest call of that method seen so far "
+        "(per executor role); an executor whose call runs past it is killed and replaced.",
+    )
+    min_deadline_s: float = Field(60.0, gt=0, description="No deadline is shorter than this.")
+    first_call_deadline_s: float = Field(
+        900.0, gt=0, description="The deadline before a method has `deadline_calls` observed calls (a first "
+        "call also waits for its executor to load its model).",
+    )
+    deadline_calls: int = Field(3, gt=0, description="Observed calls of a method before its deadline adapts.")
+
+
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, gt=0, description="Checkpoint every this many steps.")
     keep: int = Field(2, gt=0, description="Checkpoints kept (oldest deleted first).")
@@ -244,6 +270,7 @@ class JobConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

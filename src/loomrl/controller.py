@@ -22,6 +22,7 @@ from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
+from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
 
@@ -66,6 +67,7 @@ class Controller:
         history: dict[str, Any] | None = None,
         max_prompt_tokens: int | None = None,
         leases: Any = None,
+        faults: FaultStats | None = None,
     ) -> None:
         self.cfg, self.trainer, self.generators, self.scorer = cfg, trainer, generators, scorer
         self.eval_scorer = scorer.for_eval()  # eval failures are counted under eval/*, apart
@@ -75,6 +77,12 @@ class Controller:
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
         self.leases = leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
+        # Executor failures, restarts and re-queues (loomrl.runtime.supervision); a restarted
+        # generator gets a full weight update of the current version before any request.
+        self.faults = faults or FaultStats()
+        for generator in generators:
+            if getattr(generator, "restartable", False):
+                generator.on_restart = self._refresh_restarted_generator
         self._init_pipeline(version, counters)
         self._sampling = SamplingParams(
             temperature=cfg.generation.temperature,
@@ -135,6 +143,7 @@ class Controller:
             "rollout/failed": c.failed,
             "rollout/in_flight": self.in_flight,
             "rollout/lost_on_resume": c.lost_on_resume,
+            "rollout/prompts_trained_twice": self.stream.trained_twice,
         }
 
     async def on_device(self, phase: str, call: Callable[[], Any]) -> Any:
@@ -195,6 +204,21 @@ class Controller:
         self._apply_s += sum(r.weight_apply_s for r in results)  # generate's own catch-up, if any
         return results
 
+    async def _refresh_restarted_generator(self, generator: ExecutorHandle) -> None:
+        """A fresh generator has no weights but the model's own: publish a full snapshot of
+        the current version (never a delta on a base it lacks) before it serves a request."""
+        await self.on_device("weight_sync", lambda: self.trainer.publish(full=True))
+
+    async def _requeue_lost(self, picks: list[tuple[int, int]], err: ExecutorLostError) -> None:
+        """The generate call of ``picks`` was lost with its generator (now replaced): hand
+        each prompt out again, once, and free its place at the gate."""
+        if not err.restarted:
+            raise err
+        for epoch, index in picks:
+            self.stream.requeue(epoch, index)
+            await self.gate.finish(accepted=False)
+        self.faults.requeued_prompts += len(picks)
+
     async def _generation_loop(self, generator: ExecutorHandle) -> None:
         per_request = self.cfg.generation.prompts_per_request
         group_size = self.cfg.algorithm.group_size
@@ -216,7 +240,11 @@ class Controller:
                 )
                 for epoch, i in picks
             ]
-            results = await self._generate(generator, requests)
+            try:
+                results = await self._generate(generator, requests)
+            except ExecutorLostError as err:
+                await self._requeue_lost(picks, err)
+                continue
             groups: list[Group] = []
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
@@ -256,6 +284,9 @@ class Controller:
                 encode=self._encode, decode=self._decode, sampling=self._sampling,
                 max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
             )
+        except ExecutorLostError as err:  # the whole group runs again from its first turn
+            await self._requeue_lost([(epoch, index)], err)
+            return
         finally:
             for env in envs:
                 env.close()
@@ -308,7 +339,17 @@ class Controller:
     # -- evaluation ----------------------------------------------------------------------
 
     async def evaluate(self) -> dict[str, Any]:
-        """Greedy completions (or episodes) of the held-out prompts, scored: mean reward."""
+        """Greedy completions (or episodes) of the held-out prompts, scored: mean reward.
+        Run once more if its generator is lost (and replaced) on the way."""
+        try:
+            return await self._evaluate_once()
+        except ExecutorLostError as err:
+            if not err.restarted:
+                raise
+            logger.warning("evaluation lost its generator (%s); evaluating again", err)
+            return await self._evaluate_once()
+
+    async def _evaluate_once(self) -> dict[str, Any]:
         if not self.eval_rows:
             return {}
         t0 = time.perf_counter()
@@ -404,6 +445,7 @@ class Controller:
                 "executor/stall_warnings": self.stall_warnings,
                 "executor/no_step_warnings": self.no_step_warnings,
                 **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
+                **self.faults.metrics(),
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
             }
@@ -439,7 +481,7 @@ class Controller:
         background.append(asyncio.create_task(self._stall_watchdog()))
         started, loop_cpu = time.perf_counter(), time.thread_time()
         self._last_step_at = time.monotonic()
-        base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s)
+        base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s, self._scorer_busy_s())
         try:
             await self._train_steps(started, checkpoint)
         finally:
@@ -464,14 +506,20 @@ class Controller:
             "samples_per_s": self.counters.trained / max(elapsed, 1e-9),
             "generator_busy_s": sum(g.busy_s for g in self.generators) - base_busy[0],
             "trainer_busy_s": self.trainer.busy_s - base_busy[1],
+            "scorer_busy_s": self._scorer_busy_s() - base_busy[2],
             "eval_start": first_eval.get("eval/mean_reward"),
             "eval_end": final_eval.get("eval/mean_reward"),
             "interrupted": self.stop_requested and self.version < self.cfg.trainer.num_steps,
+            "faults": self.faults.metrics(),
             **{k.split("/")[1]: v for k, v in self.accounting().items()},
         }
         if final_eval:
             self._emit({"step": self.version, **final_eval, **self.accounting()})
         return summary
+
+    def _scorer_busy_s(self) -> float:
+        """Seconds the scorer executors spent in calls (overlapping calls each count)."""
+        return sum(s.busy_s for s in self.scorer.executors) if self.scorer.executors else self.scorer.busy_s
 
     def _elapsed(self, started: float) -> float:
         """Training seconds of the whole run: before the checkpoint resumed from, and since."""
@@ -507,8 +555,8 @@ class Controller:
             self.last_checkpoint = self.version
 
     async def _checkpoint_before_failure(self, checkpoint, started: float, err: BaseException) -> None:
-        if checkpoint is None or self.version <= self.last_checkpoint:
-            return
+        if checkpoint is None or self.version <= self.last_checkpoint or isinstance(err, TrainerLostError):
+            return  # (a lost trainer took its state with it)
         try:
             await self._checkpoint_if_new(checkpoint, started)
         except Exception as ckpt_err:  # noqa: BLE001 - the trainer is gone too: report the first error
@@ -531,7 +579,7 @@ class Controller:
         while True:
             await asyncio.sleep(min(5.0, limit / 4))
             self._warn_if_no_step(limit, warned)
-            for handle in (self.trainer, *self.generators):
+            for handle in (self.trainer, *self.generators, *self.scorer.executors):
                 for call_id, method, seconds in handle.calls.running():
                     if seconds <= limit or (handle.name, call_id) in warned:
                         continue

@@ -76,6 +76,7 @@ class PromptStream:
         self.shuffle = shuffle
         self.epoch = 0
         self.trained: list[int] = []
+        self.trained_twice = 0  # prompts trained a second time in one epoch: a bug if ever > 0
         self._start_epoch()
 
     def _order(self, epoch: int) -> list[int]:
@@ -85,7 +86,7 @@ class PromptStream:
         return order
 
     def _start_epoch(self) -> None:
-        done = set(self.trained)
+        done = self._trained_set = set(self.trained)
         self._pending = deque(i for i in self._order(self.epoch) if i not in done)
         self._outstanding: set[int] = set()
 
@@ -109,6 +110,9 @@ class PromptStream:
     def mark_trained(self, epoch: int, index: int) -> None:
         if epoch == self.epoch:
             self._outstanding.discard(index)
+            if index in self._trained_set:
+                self.trained_twice += 1
+            self._trained_set.add(index)
             self.trained.append(index)
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
-from loomrl.envs.scorer import Scorer
+from loomrl.envs.scorer import RewardEndpoints, Scorer, start_reward_executor
 from loomrl.generation.base import Generator
 from loomrl.generation.executor import start_generator
 from loomrl.models import load_tokenizer
@@ -28,6 +28,7 @@ from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.local import LocalRuntime
+from loomrl.runtime.supervision import Deadlines, ExecutorLostError, FaultStats, Supervised
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import (
@@ -90,6 +91,29 @@ def _start_executors(
         for i in range(cfg.generation.num_generators)
     ]
     return trainer, generators, cleanup
+
+
+def _start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
+    """Scorer executors for a reward task (environment tasks score inside their episodes).
+    Executors in this process share its default sandbox pool, configured by the job;
+    executors elsewhere configure their own."""
+    if cfg.task.reward is None:
+        return []
+    sandbox = None if runtime.in_process else cfg.sandbox
+    return [runtime.start(f"scorer{i}", partial(start_reward_executor, cfg.task, sandbox), RewardEndpoints)
+            for i in range(cfg.task.num_scorers)]  # fmt: skip
+
+
+def _supervise(cfg: JobConfig, runtime: Runtime, trainer, generators: list, scorers: list, faults: FaultStats):
+    """Every executor behind a ``Supervised`` slot (loomrl.runtime.supervision): deadlines,
+    and restarts for generators and scorers. The trainer, and generators in a torch_dist
+    group (a fresh process cannot join it), are not restarted in place: losing one restarts
+    the job from its last checkpoint."""
+    deadlines = Deadlines.from_config(cfg.faults)
+    in_group = cfg.weight_sync.transport == "torch_dist"
+    slot = partial(Supervised, runtime, deadlines=deadlines, stats=faults)
+    return (slot(trainer, restart=False), [slot(g, restart=not in_group) for g in generators],
+            [slot(s) for s in scorers])  # fmt: skip
 
 
 def _job_leases(cfg: JobConfig, handles: list[Any]):
@@ -206,8 +230,35 @@ def run_job(
     """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
     run folder, which is checked and locked first."""
     run_dir = default_run_dir(cfg)
+    faults = FaultStats(cfg.faults.max_executor_restarts)  # counts carry over the job's own restarts
     with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
-        return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record)
+        while True:
+            try:
+                return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record,
+                                   faults=faults)  # fmt: skip
+            except ExecutorLostError as err:
+                if err.restarted or not _may_restart(cfg, run_dir, faults, err):
+                    raise
+            faults.trainer_restarts += 1
+            resume, from_step = True, None
+
+
+def _may_restart(cfg: JobConfig, run_dir: Path, faults: FaultStats, err: ExecutorLostError) -> bool:
+    """After the trainer (or a torch_dist generator) was lost: may the job restart itself
+    from its newest checkpoint? Logs the cause and the decision."""
+    limit = cfg.faults.max_restarts
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if faults.trainer_restarts >= limit:
+        logger.error("%s; the job has restarted %d times (faults.max_restarts=%d) and stops", err,
+                     faults.trainer_restarts, limit)  # fmt: skip
+        return False
+    if checkpoint is None:
+        logger.error("%s; no checkpoint to restart from yet (checkpoint.every_steps=%d): the job stops",
+                     err, cfg.checkpoint.every_steps)  # fmt: skip
+        return False
+    logger.warning("%s; restarting the job from %s (restart %d of faults.max_restarts=%d)", err, checkpoint.name,
+                   faults.trainer_restarts + 1, limit)  # fmt: skip
+    return True
 
 
 Rows = tuple[list[dict[str, Any]], list[str]]  # rows, and where each one is (file:line)
@@ -292,6 +343,7 @@ def _run_locked(
     resume: bool,
     from_step: int | None,
     on_record: Callable[[dict[str, Any]], None] | None,
+    faults: FaultStats | None = None,
 ) -> JobResult:
     checkpoint_root = run_dir / "checkpoints"
     resume_from, resume_state = _resume_state(checkpoint_root, from_step) if resume else (None, None)
@@ -310,7 +362,7 @@ def _run_locked(
     holder: dict[str, Controller] = {}
     try:
         return _train(cfg, run_dir, (train_rows, eval_rows), scorer, env_factory, tokenizer,
-                      (resume_from, resume_state), on_record, holder, budget)  # fmt: skip
+                      (resume_from, resume_state), on_record, holder, budget, faults or FaultStats())  # fmt: skip
     except Exception as err:
         _write_failure_summary(run_dir, holder.get("controller"), err)
         raise
@@ -340,7 +392,7 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
     return summary
 
 
-def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder, budget) -> JobResult:
+def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record, holder, budget, faults) -> JobResult:
     """Start the executors and run the controller; ``holder`` gets the controller."""
     import torch
 
@@ -358,6 +410,10 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
     cleanup_transport = leases = None
     try:
         trainer, generators, cleanup_transport = _start_executors(cfg, runtime, run_dir)
+        trainer, generators, scorers = _supervise(cfg, runtime, trainer, generators, _start_scorers(cfg, runtime),
+                                                  faults)  # fmt: skip
+        scorer.attach(scorers, faults)
+        pool_metrics = default_pool_metrics if runtime.in_process else scorer.pool_metrics
         stream = PromptStream(len(train_rows), cfg.seed, cfg.data.shuffle)
         kwargs: dict[str, Any] = {}
         trainer_state = _restore(resume_state, resume_from, kwargs, stream) if resume_from is not None else None
@@ -366,8 +422,8 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
             cfg, trainer=trainer, generators=generators, scorer=scorer, tokenizer=tokenizer,
             train_rows=train_rows, eval_rows=eval_rows, stream=stream, metrics=metrics,
             on_record=on_record, env_factory=env_factory,
-            extra_metrics=_with_lease_metrics(default_pool_metrics, leases), max_prompt_tokens=budget,
-            leases=leases, **kwargs,
+            extra_metrics=_with_lease_metrics(pool_metrics, leases), max_prompt_tokens=budget,
+            leases=leases, faults=faults, **kwargs,
         )
         summary = asyncio.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
         summary["run_dir"] = str(run_dir)

@@ -1,17 +1,101 @@
-"""The scorer: turns generated rollouts into rewards, counting every failure."""
+"""The scorer: turns generated rollouts into rewards, counting every failure.
+
+The reward function runs in scorer executors (``task.num_scorers``, placed by the runtime
+like generators: threads, processes or Ray actors), each with its own sandbox pool, so
+environment work scales out with the executors. ``Scorer`` is the controller's side: it
+sends each batch to the least busy scorer and counts the outcomes; a batch whose scorer
+dies or hangs goes once more to a (restarted) scorer, and is counted failed
+(``scorer_lost``) if that is lost too.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter, deque
+from typing import Any
 
-from loomrl.config import TaskConfig
+from loomrl.config import SandboxConfig, TaskConfig
 from loomrl.envs.reward import RewardFailure, call_reward_batch, load_object
+from loomrl.runtime.endpoints import endpoint
 from loomrl.types import Rollout
 
 logger = logging.getLogger(__name__)
+
+ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
+ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
+
+
+class RewardEndpoints(ABC):
+    """A scorer executor's interface."""
+
+    @endpoint(concurrent=True)
+    @abstractmethod
+    def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
+        """Each item's outcome, and this executor's ``sandbox/*`` metrics."""
+
+
+class RewardExecutor(RewardEndpoints):
+    """Runs the task's reward function; async ones on one event loop of its own (so a
+    reward that keeps a client bound to its loop keeps working), sync ones on the reward
+    worker threads, with ``call_reward_batch``'s timeouts either way."""
+
+    def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
+        from loomrl.sandbox.default import configure_default_pool
+
+        self.fn = load_object(task.reward)
+        if not callable(self.fn):
+            raise TypeError(f"task.reward {task.reward!r} is not callable")
+        self.timeout_s = task.reward_timeout_s
+        if sandbox is not None:
+            configure_default_pool(sandbox)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-reward-loop", daemon=True)
+        self._thread.start()
+        self._pending: set = set()  # batches being scored (close() cancels them)
+
+    def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
+        from loomrl.sandbox.default import default_pool_metrics
+
+        batch = asyncio.run_coroutine_threadsafe(call_reward_batch(self.fn, items, self.timeout_s), self._loop)
+        self._pending.add(batch)
+        try:
+            done = batch.result()
+        finally:
+            self._pending.discard(batch)
+        outcomes = [("ok", value, seconds) if not isinstance(value, RewardFailure) else (value.reason, str(value), seconds)
+                    for value, seconds in done]  # fmt: skip
+        return outcomes, default_pool_metrics()
+
+    def close(self) -> None:
+        """Cancel the batches still scoring (a job that stops does not wait for a hung
+        reward: its worker thread is left to it), then stop the loop."""
+        for batch in list(self._pending):
+            batch.cancel()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+def start_reward_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardExecutor:
+    """A scorer executor (module-level, so a ``functools.partial`` of it pickles)."""
+    return RewardExecutor(task, sandbox)
+
+
+def merge_pool_metrics(per_executor: list[dict[str, float]]) -> dict[str, float]:
+    """The ``sandbox/*`` metrics of several scorers' pools as one: counts and sizes add
+    up; latencies, rates and fractions take the largest."""
+    merged: dict[str, float] = {}
+    for metrics in per_executor:
+        for key, value in metrics.items():
+            if any(tag in key for tag in ("_ms", "_s", "rate", "frac", "_p")):
+                merged[key] = max(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
 
 
 class JobFailedError(RuntimeError):
@@ -26,6 +110,11 @@ class Scorer:
         self.fn = load_object(task.reward) if task.reward else None
         if self.fn is not None and not callable(self.fn):
             raise TypeError(f"task.reward {task.reward!r} is not callable")
+        # Scorer executors (``Supervised`` slots), attached by the session; without them
+        # the reward runs here, on this process's reward threads (a library user's Scorer).
+        self.executors: list[Any] = []
+        self.fault_stats: Any = None  # the run's FaultStats, with the executors
+        self._pool_metrics: dict[str, dict[str, float]] = {}
         self.failures_by_reason: Counter[str] = Counter()
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
@@ -38,20 +127,51 @@ class Scorer:
         twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
         return twin
 
+    def attach(self, executors: list[Any], fault_stats: Any) -> None:
+        """Score on these scorer executors from now on."""
+        self.executors, self.fault_stats = executors, fault_stats
+
     async def score(self, rollouts: list[Rollout]) -> None:
         """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""
         if self.fn is None:
             return
         t0 = time.perf_counter()
         items = [(r.prompt, r.completion, r.row) for r in rollouts]
-        for rollout, (value, seconds) in zip(rollouts, await call_reward_batch(self.fn, items,
-                                                                               self.task.reward_timeout_s)):
-            if isinstance(value, RewardFailure):
-                self.record_failure(rollout, value.reason, str(value))
-            else:
+        if self.executors:
+            outcomes = await self._score_remote(items)
+        else:
+            outcomes = [("ok", value, seconds) if not isinstance(value, RewardFailure) else (value.reason, str(value), seconds)
+                        for value, seconds in await call_reward_batch(self.fn, items, self.task.reward_timeout_s)]  # fmt: skip
+        for rollout, (status, value, seconds) in zip(rollouts, outcomes):
+            if status == "ok":
                 rollout.reward = value
+            else:
+                self.record_failure(rollout, status, value)
             rollout.timings["score_s"] = seconds
         self.busy_s += time.perf_counter() - t0
+
+    async def _score_remote(self, items: list[ScoreItem]) -> list[ScoreOutcome]:
+        """On the least busy scorer; once more if that scorer is lost (it is restarted),
+        then the items count as failed (``scorer_lost``)."""
+        from loomrl.runtime.supervision import ExecutorLostError
+
+        for attempt in range(2):
+            slot = min(self.executors, key=lambda s: s.in_flight)
+            try:
+                outcomes, pool_metrics = await slot.score(items)
+            except ExecutorLostError as err:
+                if attempt == 0:
+                    self.fault_stats.rescored_rollouts += len(items)
+                    continue
+                self.fault_stats.lost_rollouts += len(items)
+                return [("scorer_lost", f"scorer lost twice: {err}", 0.0)] * len(items)
+            self._pool_metrics[slot.name] = pool_metrics
+            return outcomes
+        raise AssertionError("unreachable")
+
+    def pool_metrics(self) -> dict[str, float]:
+        """The scorer executors' sandbox pools, as one (see ``merge_pool_metrics``)."""
+        return merge_pool_metrics(list(self._pool_metrics.values()))
 
     def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
         rollout.status, rollout.error, rollout.reward = "failed", message, None

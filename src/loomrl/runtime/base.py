@@ -127,6 +127,9 @@ class ExecutorHandle(ABC):
     def busy_s(self) -> float:
         """Seconds this executor has spent running calls."""
 
+    async def ready(self) -> None:  # noqa: B027 - built in start(): ready at once
+        """Wait until the executor is built (its model loaded); raises if building failed."""
+
     @property
     def alive(self) -> bool:
         """False once the executor is known to be gone (died, killed or closed)."""
@@ -166,13 +169,16 @@ class Runtime(ABC):
         state; the caller brings it up to date (weights, for a generator)."""
         if handle.factory is None:
             raise RuntimeError(f"executor {handle.name!r} was started without a factory; it cannot be restarted")
+        ended = True
         if handle.alive:
             try:
                 handle.kill()
-            except NotImplementedError:
+            except NotImplementedError:  # (a thread): closing would wait on its hung call
+                ended = False
                 logger.warning("%s cannot kill executor %r; it is abandoned, not ended", type(self).__name__, handle.name)
         try:
-            handle.close()
+            if ended:
+                handle.close()
         except Exception as err:  # noqa: BLE001 - the old executor is gone either way
             logger.warning("executor %r did not close after its kill: %s", handle.name, err)
         if handle in self.handles:

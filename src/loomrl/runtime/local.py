@@ -74,10 +74,10 @@ class LocalHandle(ExecutorHandle):
     def close(self) -> None:
         """Let the executor release what it holds (its ``close()``), then end its thread."""
         closer = getattr(self.obj, "close", None)
+        if callable(closer):  # first: it may end calls still running (a scorer cancels its batches)
+            self._pool.submit(closer).result()
         if self._concurrent_pool is not None:
             self._concurrent_pool.shutdown(wait=True, cancel_futures=True)
-        if callable(closer):
-            self._pool.submit(closer).result()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

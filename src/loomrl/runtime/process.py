@@ -212,6 +212,9 @@ class ProcessHandle(ExecutorHandle):
         """``{endpoint: concurrent}`` as the executor declared it (after it started)."""
         return self._ready.result() if self._ready.done() and self._ready.exception() is None else {}
 
+    async def ready(self) -> None:
+        await asyncio.wrap_future(self._ready)
+
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self._ready)

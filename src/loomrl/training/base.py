@@ -20,8 +20,10 @@ class TrainerEndpoints(ABC):
 
     @endpoint
     @abstractmethod
-    def publish(self) -> dict[str, float]:
-        """Send the current weights to the generators as the current version; ``weight_sync/*``."""
+    def publish(self, full: bool = False) -> dict[str, float]:
+        """Send the current weights to the generators as the current version; ``weight_sync/*``.
+        ``full=True``: a full snapshot even where a delta would do (a generator that was
+        just restarted has no base for a delta)."""
 
     @endpoint
     @abstractmethod

@@ -40,9 +40,9 @@ class TrainerExecutor(TrainerEndpoints):
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         return self.trainer.train_step(groups)
 
-    def publish(self) -> dict[str, float]:
+    def publish(self, full: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = self.publisher.publish(synced_params(self.trainer.model), self.trainer.version)
+        metrics = self.publisher.publish(synced_params(self.trainer.model), self.trainer.version, full=full)
         metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
 

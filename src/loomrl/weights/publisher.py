@@ -109,13 +109,15 @@ class Publisher:
         self._transfer_s += time.perf_counter() - self._t
         return update
 
-    def publish(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Cast, encode and send ``state`` as ``version``; returns ``weight_sync/*`` metrics."""
+    def publish(self, state: dict[str, torch.Tensor], version: int, full: bool = False) -> dict[str, float]:
+        """Cast, encode and send ``state`` as ``version`` (``full``: as a full snapshot,
+        whatever the codec); returns ``weight_sync/*`` metrics."""
         t0 = time.perf_counter()
         new = self._cast(state)
         cast_s = time.perf_counter() - t0
         delta = (
-            self.codec == "delta"
+            not full
+            and self.codec == "delta"
             and self._last is not None
             and self._since_full + 1 < self.full_every
         )

@@ -1,0 +1,271 @@
+"""Self-healing: deadlines, restarts and re-queues (loomrl.runtime.supervision), and whole
+jobs that lose a generator, a scorer or the trainer mid-run and still complete."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from loomrl.job import Job
+from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.supervision import (
+    Deadlines,
+    ExecutorLostError,
+    FaultStats,
+    RestartLimitError,
+    Supervised,
+    TrainerLostError,
+)
+from loomrl.telemetry.metrics import read_metrics
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- the supervision logic, with fake executors -----------------------------------------
+
+
+class FakeHandle(ExecutorHandle):
+    """An executor whose calls sleep ``delay`` s; ``die()`` makes its calls fail as a
+    killed process's do."""
+
+    def __init__(self, name: str, factory=None, delay: float = 0.0) -> None:
+        self.name, self.factory, self.delay = name, factory, delay
+        self.calls, self.dead, self.killed = CallTracker(), False, False
+
+    async def _invoke(self, method, args, kwargs):
+        await asyncio.sleep(self.delay)
+        if self.dead:
+            raise ExecutorDiedError(f"executor {self.name!r} killed by SIGKILL")
+        return (method, args)
+
+    @property
+    def busy_s(self) -> float:
+        return 1.0
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead
+
+    def kill(self) -> None:
+        self.killed = self.dead = True
+
+
+class FakeRuntime(Runtime):
+    def __init__(self) -> None:
+        self.handles, self.started = [], 0
+
+    def start(self, name, factory, interface=None):
+        self.started += 1
+        handle = FakeHandle(name, factory)
+        self.handles.append(handle)
+        return handle
+
+    def shutdown(self) -> None:
+        self.handles.clear()
+
+
+def _slot(runtime, handle, stats=None, **kwargs):
+    deadlines = Deadlines(factor=10.0, min_s=0.2, first_s=0.5, calls=2)
+    return Supervised(runtime, handle, deadlines, stats or FaultStats(), **kwargs)
+
+
+def test_deadlines_start_generous_then_follow_the_longest_call():
+    d = Deadlines(factor=10.0, min_s=1.0, first_s=100.0, calls=3)
+    assert d.limit("generator", "generate") == 100.0
+    for seconds in (0.05, 0.3, 0.1):
+        d.observe("generator", "generate", seconds)
+    assert d.limit("generator", "generate") == pytest.approx(3.0)  # 10 x the longest
+    assert d.limit("generator", "apply_weights") == 100.0  # per method
+    d.observe("trainer", "train_step", 0.01)
+    assert d.limit("trainer", "train_step") == 100.0  # per role, and too few calls yet
+    for _ in range(3):
+        d.observe("scorer", "score", 0.001)
+    assert d.limit("scorer", "score") == 1.0  # never under min_s
+
+
+def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
+    runtime = FakeRuntime()
+    old = runtime.start("generator0", factory=lambda: None)
+    stats, refreshed = FaultStats(), []
+
+    async def on_restart(slot):
+        refreshed.append(slot.handle)
+
+    slot = _slot(runtime, old, stats, on_restart=on_restart)
+
+    async def main():
+        assert await slot.generate([1]) == ("generate", ([1],))
+        old.dead = True
+        lost = await asyncio.gather(slot.generate([2]), slot.generate([3]), return_exceptions=True)
+        assert all(isinstance(e, ExecutorLostError) and e.restarted for e in lost)
+        return await slot.generate([4])
+
+    assert asyncio.run(main()) == ("generate", ([4],))
+    assert runtime.started == 2 and slot.handle is not old and refreshed == [slot.handle]
+    assert stats.failures["generator"] == 1 and stats.restarts["generator"] == 1  # two calls lost, one restart
+    assert slot.busy_s == 2.0  # both incarnations' busy time
+    assert slot.handle.name == "generator0"
+
+
+def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
+    runtime = FakeRuntime()
+    hung = FakeHandle("scorer0", factory=lambda: None, delay=30.0)
+    runtime.handles.append(hung)
+    stats = FaultStats()
+    slot = _slot(runtime, hung, stats)
+
+    async def main():
+        with pytest.raises(ExecutorLostError, match="ran past its deadline of 0.5 s"):
+            await slot.score([])
+        return await slot.score([])
+
+    assert asyncio.run(main()) == ("score", ([],))
+    assert hung.killed and stats.hung_kills == 1 and stats.restarts["scorer"] == 1
+
+
+def test_restarts_stop_at_the_limit():
+    runtime = FakeRuntime()
+    stats = FaultStats(max_executor_restarts=1)
+    slot = _slot(runtime, runtime.start("generator0", factory=lambda: None), stats)
+
+    async def main():
+        slot.handle.dead = True
+        with pytest.raises(ExecutorLostError):
+            await slot.generate([])
+        slot.handle.dead = True
+        with pytest.raises(RestartLimitError, match="max_executor_restarts=1"):
+            await slot.generate([])
+
+    asyncio.run(main())
+    assert stats.restarts["generator"] == 1 and stats.failures["generator"] == 2
+
+
+def test_a_lost_trainer_is_not_restarted_in_place():
+    runtime = FakeRuntime()
+    stats = FaultStats()
+    trainer = runtime.start("trainer", factory=lambda: None)
+    slot = _slot(runtime, trainer, stats, restart=False)
+
+    async def main():
+        trainer.dead = True
+        with pytest.raises(TrainerLostError) as first:
+            await slot.train_step([])
+        with pytest.raises(TrainerLostError):  # later calls fail at once, counted once
+            await slot.save_checkpoint("x", 1, {}, 1)
+        return first.value
+
+    err = asyncio.run(main())
+    assert not err.restarted and runtime.started == 1 and trainer.killed
+    assert stats.failures["trainer"] == 1 and stats.total_restarts == 0
+
+
+# -- whole jobs on the process runtime ------------------------------------------------
+
+
+def _executor_pid(name: str) -> int:
+    (proc,) = [p for p in multiprocessing.active_children() if p.name == f"loomrl-{name}"]
+    return proc.pid
+
+
+def _fault_job(tiny_job, tmp_path, **faults):
+    # Sync rewards on one scorer, 8 steps, a checkpoint every 2; short deadlines so that a
+    # stopped executor is found in seconds.
+    # Delta weight sync with no periodic full: a restarted generator has only the full
+    # snapshot published for it.
+    return tiny_job(runtime="process", trainer={"num_steps": 8}, checkpoint={"every_steps": 2},
+                    faults={"min_deadline_s": 3.0, "deadline_factor": 10.0, **faults},
+                    weight_sync={"codec": "delta", "full_every": 1000},
+                    output_dir=str(tmp_path / "run"))  # fmt: skip
+
+
+def _kill_at(step: int, name: str, sig: int = signal.SIGKILL):
+    done = []
+
+    def on_record(record):
+        if record.get("step") == step and "train/loss" in record and not done:
+            done.append(_executor_pid(name))
+            os.kill(done[0], sig)
+
+    return on_record, done
+
+
+def _assert_complete_and_accounted(result, cfg):
+    s = result.summary
+    assert s["steps"] == cfg.trainer.num_steps and not s.get("job_failed")
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    assert s["trained"] == cfg.trainer.num_steps * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
+    assert s["prompts_trained_twice"] == 0
+    assert not multiprocessing.active_children()
+    return s["faults"]
+
+
+@pytest.mark.parametrize("name", ["generator0", "scorer0"])
+def test_a_killed_generator_or_scorer_is_replaced_and_the_job_completes(tiny_job, tmp_path, name):
+    cfg = _fault_job(tiny_job, tmp_path)
+    on_record, killed = _kill_at(3, name)
+    result = Job(cfg).run(on_record=on_record)
+    assert killed
+    faults = _assert_complete_and_accounted(result, cfg)
+    role = name.rstrip("0")
+    assert faults[f"executor/{role}_failures"] == 1 and faults[f"executor/{role}_restarts"] == 1
+    assert faults["executor/trainer_failures"] == 0 and faults["executor/trainer_restarts"] == 0
+    train_records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    fulls = train_records[-1]["weight_sync/num_fulls"]
+    if role == "generator":  # its next call was lost: its prompts went out again, once
+        assert faults["executor/requeued_prompts"] > 0
+        assert fulls == 2  # the first publish, and one for the fresh generator
+    else:
+        assert fulls == 1
+    if role == "scorer":
+        assert faults["executor/rescored_rollouts"] > 0 and faults["executor/lost_rollouts"] == 0
+    records = read_metrics(result.run_dir)
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
+    assert [r for r in records if "train/loss" in r][-1]["executor/restarts"] == 1
+
+
+def test_a_generator_that_stops_answering_is_replaced_after_its_deadline(tiny_job, tmp_path):
+    cfg = _fault_job(tiny_job, tmp_path)
+    on_record, stopped = _kill_at(3, "generator0", signal.SIGSTOP)  # alive, but never answers
+    result = Job(cfg).run(on_record=on_record)
+    assert stopped
+    faults = _assert_complete_and_accounted(result, cfg)
+    assert faults["executor/hung_kills"] == 1 and faults["executor/generator_restarts"] == 1
+    with pytest.raises(ProcessLookupError):  # the stopped process was killed, not left behind
+        os.kill(stopped[0], 0)
+
+
+def test_a_killed_trainer_restarts_the_job_from_its_checkpoint(tiny_job, tmp_path, caplog):
+    cfg = _fault_job(tiny_job, tmp_path)
+    on_record, killed = _kill_at(5, "trainer")  # checkpoints at 2 and 4
+    with caplog.at_level("WARNING"):
+        result = Job(cfg).run(on_record=on_record)
+    assert killed
+    faults = _assert_complete_and_accounted(result, cfg)
+    assert faults["executor/trainer_restarts"] == 1 and faults["executor/trainer_failures"] == 1
+    assert "restarting the job from step_000004" in caplog.text and "killed by SIGKILL" in caplog.text
+    records = read_metrics(result.run_dir)
+    assert [r for r in records if r.get("event") == "resume"][0]["resume/from_step"] == 4
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))  # 5 ran again, once
+
+
+def test_the_job_stops_when_it_may_not_restart(tiny_job, tmp_path):
+    cfg = _fault_job(tiny_job, tmp_path, max_restarts=0)
+    on_record, _ = _kill_at(3, "trainer")
+    with pytest.raises(TrainerLostError, match="'trainer'.*killed by SIGKILL"):
+        Job(cfg).run(on_record=on_record)
+    assert not multiprocessing.active_children()
+
+
+def test_the_stream_counts_a_prompt_trained_twice_in_one_epoch():
+    from loomrl.data import PromptStream
+
+    stream = PromptStream(4, seed=0)
+    epoch, index = stream.next()
+    stream.mark_trained(epoch, index)
+    assert stream.trained_twice == 0
+    stream.mark_trained(epoch, index)  # what a re-queue bug would do
+    assert stream.trained_twice == 1
