@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,11 +19,13 @@ from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.evaluation import Evaluation
 from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
+from loomrl.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def sample_seed(job_seed: int, epoch: int, index: int) -> int:
     return (job_seed * 1_000_003 + epoch) * 10_000_019 + index
 
 
-class Controller:
+class Controller(Evaluation, StallWatchdog):
     def __init__(
         self,
         cfg: JobConfig,
@@ -336,71 +337,6 @@ class Controller:
                 "(transport, sync_every) and the generator's log"
             )
 
-    # -- evaluation ----------------------------------------------------------------------
-
-    async def evaluate(self) -> dict[str, Any]:
-        """Greedy completions (or episodes) of the held-out prompts, scored: mean reward.
-        Run once more if its generator is lost (and replaced) on the way."""
-        try:
-            return await self._evaluate_once()
-        except ExecutorLostError as err:
-            if not err.restarted:
-                raise
-            logger.warning("evaluation lost its generator (%s); evaluating again", err)
-            return await self._evaluate_once()
-
-    async def _evaluate_once(self) -> dict[str, Any]:
-        if not self.eval_rows:
-            return {}
-        t0 = time.perf_counter()
-        greedy = SamplingParams(max_new_tokens=self.cfg.generation.max_new_tokens, greedy=True)
-        if self.env_factory is not None:
-            rollouts = await self._evaluate_episodes(greedy)
-        else:
-            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
-                        for r in self.eval_rows]  # fmt: skip
-            results = await self._generate(self.generators[0], requests)
-            rollouts = [
-                Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
-                        [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
-                for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
-            ]
-            failures_before = Counter(self.eval_scorer.failures_by_reason)
-            await self.eval_scorer.score(rollouts)
-        rewards = [r.reward for r in rollouts if r.status == "ok"]
-        record = {
-            "eval/mean_reward": sum(rewards) / len(rollouts),
-            "eval/num_failed": len(rollouts) - len(rewards),
-            "eval/version": min(r.version for r in rollouts),
-            "timing/eval_s": time.perf_counter() - t0,
-        }
-        if self.env_factory is None:
-            failed = self.eval_scorer.failures_by_reason - failures_before
-            record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
-        if record["eval/num_failed"]:
-            last = next((r.error for r in rollouts if r.status == "failed"), None)
-            logger.warning("eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
-                           "first error: %s", record["eval/version"], record["eval/num_failed"], len(rollouts), last)  # fmt: skip
-        self.eval_history.append(record)
-        return record
-
-    async def _evaluate_episodes(self, greedy: SamplingParams) -> list[Rollout]:
-        from loomrl.envs.episode import run_group_episodes
-
-        async def one(i: int, row: dict[str, Any]) -> Rollout:
-            env = self.env_factory()
-            try:
-                (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self._generate(self.generators[0], self._require(reqs, eval_=True)),
-                    encode=self._encode, decode=self._decode, sampling=greedy,
-                    max_turns=self.cfg.task.max_turns, seed=0,
-                )
-            finally:
-                env.close()
-            return rollout
-
-        return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(self.eval_rows))))
-
     # -- training ------------------------------------------------------------------------
 
     async def _train_one_step(self, started: float) -> dict[str, Any]:
@@ -570,40 +506,6 @@ class Controller:
             logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
         self.stop_requested = True
         self._stop_event.set()
-
-    async def _stall_watchdog(self) -> None:
-        """Warn, once per call, when an executor call runs past ``stall_warning_s``, so a
-        hung generator, trainer or weight sync shows up in the log instead of as silence."""
-        limit = self.cfg.stall_warning_s
-        warned: set[tuple[str, int]] = set()
-        while True:
-            await asyncio.sleep(min(5.0, limit / 4))
-            self._warn_if_no_step(limit, warned)
-            for handle in (self.trainer, *self.generators, *self.scorer.executors):
-                for call_id, method, seconds in handle.calls.running():
-                    if seconds <= limit or (handle.name, call_id) in warned:
-                        continue
-                    warned.add((handle.name, call_id))
-                    self.stall_warnings += 1
-                    logger.warning(
-                        "%s (%s): %r has run for %.1f s, past stall_warning_s=%g; the job may "
-                        "be hung there (py-spy dump shows where)",
-                        handle.name, handle.where, method, seconds, limit,
-                    )  # fmt: skip
-
-    def _warn_if_no_step(self, limit: float, warned: set) -> None:
-        """Warn once per stall when no training step has completed for ``limit`` seconds."""
-        idle_s = time.monotonic() - self._last_step_at
-        key = ("no-step", self.version)
-        if idle_s <= limit or key in warned:
-            return
-        warned.add(key)
-        self.no_step_warnings += 1
-        logger.warning(
-            "no training step completed for %.1f s (step %d of %d; %d groups dropped as stale, %d "
-            "rollouts in flight since the last step); longer than stall_warning_s=%g, the job may be stuck",
-            idle_s, self.version + 1, self.cfg.trainer.num_steps, self._drops_since_step, self.in_flight, limit,
-        )  # fmt: skip
 
     def _watch(self, task: asyncio.Task) -> asyncio.Task:
         """Remember the first exception of a background task and wake the training loop."""
