@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -263,3 +265,30 @@ def test_a_tiny_job_runs_to_completion_on_ray(ray_cluster, tiny_job, tmp_path, t
     assert ray_cluster.is_initialized() and _wait_no_actors(ray_cluster, "loomrl-")  # the job's are gone
 
 
+
+
+OWN_CLUSTER = """
+import asyncio, ray
+from loomrl.config import RayConfig
+from loomrl.runtime.ray import RayRuntime
+assert not ray.is_initialized()
+rt = RayRuntime(RayConfig(object_store_mb=100), executor_names=["trainer", "generator0"])
+assert rt.owns_cluster and ray.is_initialized()
+assert ray.cluster_resources()["CPU"] >= 2  # at least what the planned executors ask for
+handle = rt.start("trainer", dict)
+print(asyncio.run(handle.call("__len__")))
+rt.shutdown()
+assert not ray.is_initialized()  # it started the cluster, so it shut it down
+print("ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_runtime_that_starts_its_own_cluster_shuts_it_down(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", OWN_CLUSTER], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=110)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0", "ok"]

@@ -246,8 +246,8 @@ class RayConfig(_Section):
 
     address: str | None = Field(
         None,
-        description="None: use the Ray this process already initialized, else start a local cluster "
-        "(shut down at the end); 'auto', 'host:port' or 'ray://host:port': connect to a running cluster.",
+        description="None: use the Ray this process already initialized, else $RAY_ADDRESS, else start a "
+        "local cluster (shut down at the end); 'auto', 'host:port' or 'ray://host:port': connect to a running cluster.",
     )
     namespace: str | None = Field(None, description="Ray namespace of the job's actors (None: Ray's default).")
     num_cpus: RayCpus = Field(default_factory=RayCpus)
@@ -262,7 +262,7 @@ class RayConfig(_Section):
         None, gt=0, description="Object store of a local cluster this job starts (None: Ray's default)."
     )
     runtime_env: dict[str, Any] | None = Field(
-        None, description="Ray runtime_env for the job's workers (e.g. {working_dir = '.'}), when this job connects."
+        None, description="Ray runtime_env for the job's workers (e.g. {working_dir = '.'}), where this job initializes Ray."
     )
 
 

@@ -265,8 +265,8 @@ def _connect(config: RayConfig, num_cpus: float) -> bool:
         logger.info("connected to the Ray cluster at %s", config.address or os.environ["RAY_ADDRESS"])
         return False
     object_store = config.object_store_mb << 20 if config.object_store_mb else None
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus), object_store_memory=object_store,
-             include_dashboard=False, **kwargs)  # fmt: skip
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus), object_store_memory=object_store,
+             include_dashboard=False, **kwargs)  # fmt: skip ("local": a new cluster, never a found one)
     logger.info("started a local Ray cluster for this job")
     return True
 
