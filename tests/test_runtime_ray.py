@@ -259,8 +259,9 @@ def test_a_tiny_job_runs_to_completion_on_ray(ray_cluster, tiny_job, tmp_path, t
     assert s["steps"] == 4 and not s["interrupted"]
     assert s["trained"] == 4 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
-    assert set(s["peak_rss_mb"]) == {"controller", "trainer", "generator0"}
-    assert len(set(s["peak_rss_mb"].values())) == 3  # three processes
+    rss = s["peak_rss_mb"]
+    assert {"controller", "trainer", "generator0"} <= set(rss) and all(50 < mb < 8192 for mb in rss.values())
+    assert len(set(rss.values())) == len(rss)  # one process each
     assert (result.run_dir / "final").is_dir()
     assert ray_cluster.is_initialized() and _wait_no_actors(ray_cluster, "loomrl-")  # the job's are gone
 

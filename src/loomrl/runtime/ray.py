@@ -201,6 +201,10 @@ class RayHandle(ExecutorHandle):
             if self._ready.done() and self._ready.exception() is not None and self._dead is None:
                 self.close()  # a failed start: its actor's resources go back to the cluster
 
+    async def ready(self) -> None:
+        """Wait until the executor is built (its model loaded); raises if building failed."""
+        await self.wait_started()
+
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self._ready.done() and self._ready.exception() is not None:
             raise self._ready.exception()  # why it never started, not that it was ended since
@@ -209,7 +213,12 @@ class RayHandle(ExecutorHandle):
         with self.calls.track(method):
             reply = self.actor.call.remote(method, args, kwargs).future()  # submitted now: order kept
             await self.wait_started()
-            await asyncio.wait([asyncio.wrap_future(reply)])  # a cancelled caller leaves the call to finish there
+            try:
+                await asyncio.wrap_future(reply)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - unpacked below, as the executor's error
+                pass
             return self._unpack(reply)
 
     @property
