@@ -2,8 +2,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install install-ray demo test test-slow test-ray lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -11,6 +12,13 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The `ray` extra (runtime = "ray"), on top of the dev install; `make test-ray` needs it.
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora,ray]'
+	touch $(RAY_STAMP)
+
+install-ray: $(RAY_STAMP)
 
 # Warm-start the tiny model (supervised, separate from RL), then run the async RL job.
 demo: $(STAMP)
@@ -22,6 +30,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+# The ray-marked tests: one local Ray cluster for the session (a minute or two on 2 cores).
+test-ray: $(RAY_STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m ray
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

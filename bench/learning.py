@@ -16,6 +16,11 @@ on torch 2.13's CPU build the warm-starts with 1 and 2 threads were bitwise iden
 
     python bench/learning.py                       # seeds 0,1,2 x threads 1,2 x native,avx2 + sync
     python bench/learning.py --seeds 3 --threads 1 --steps 200 --json out.json
+    python bench/learning.py --seeds 0 --threads 1 --isas native --sync-seeds '' --runtime ray
+
+``--runtime`` runs the RL of every cell on that runtime (``local``, ``process`` or ``ray``: a
+local Ray cluster the job starts and ends); the warm-start is the same for all of them, so
+cells of two runtimes on the same seeds compare the runtimes alone.
 
 The table's baseline is each cell's own start: gain = end - start, in points of held-out
 accuracy (200 rows). The goal line is the issue's bar: every cell gains at least
@@ -52,7 +57,7 @@ def warmstart(seed: int, threads: int, env: dict, out: Path, extra: list[str]) -
 
 def run_rl(model: Path, seed: int, max_staleness: int | None, env: dict, out: Path, args) -> dict:
     """One RL run of the demo job on ``model``; returns its summary."""
-    overrides = [f'model.path="{model}"', f"seed={seed}", *args.override]
+    overrides = [f'model.path="{model}"', f"seed={seed}", f'runtime="{args.runtime}"', *args.override]
     if max_staleness is not None:
         overrides.append(f"algorithm.max_staleness={max_staleness}")
     if args.steps:
@@ -75,10 +80,10 @@ def run_cell(seed: int, threads: int, isa: str, mode: str, args, work: Path) -> 
     if model not in _BUILT:  # built fresh by this run (the sync row reuses its async row's), never an old one
         warmstart(seed, threads, env, model, args.warmstart_arg)
         _BUILT.add(model)
-    run_dir = work / f"rl-{name}-{mode}"
+    run_dir = work / f"rl-{name}-{mode}" if args.runtime == "local" else work / f"rl-{name}-{mode}-{args.runtime}"
     summary = run_rl(model, seed, 0 if mode == "sync" else None, env, run_dir, args)
     return {
-        "seed": seed, "threads": threads, "isa": isa, "mode": mode,
+        "seed": seed, "threads": threads, "isa": isa, "mode": mode, "runtime": args.runtime,
         "start": summary["eval_start"], "end": summary["eval_end"],
         "gain_points": 100 * (summary["eval_end"] - summary["eval_start"]),
         "rl_minutes": summary["elapsed_s"] / 60, "steps": summary["steps"],
@@ -90,7 +95,9 @@ def print_table(cells: list[dict], args) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"arithmetic demo: held-out accuracy before and after RL ({os.cpu_count()} cores)")
+    runtime = cells[0]["runtime"] if cells else "local"
+    table = Table(title=f"arithmetic demo: held-out accuracy before and after RL ({os.cpu_count()} cores, "
+                        f"runtime={runtime})")
     for col in ("warm-start seed", "threads", "ISA", "mode", "start", "end", "gain (points)", "RL min", "samples/s"):
         table.add_column(col, justify="right")
     for c in cells:
@@ -112,6 +119,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="warm-start torch thread counts")
     parser.add_argument("--isas", default="native,avx2", help="instruction sets: native, avx2")
     parser.add_argument("--sync-seeds", default="0", help="seeds that also get a sync-mode row ('' for none)")
+    parser.add_argument("--runtime", choices=["local", "process", "ray"], default="local",
+                        help="where the RL run's executors live (the job's runtime)")
     parser.add_argument("--steps", type=int, default=0, help="override trainer.num_steps (0: the job's)")
     parser.add_argument("--override", action="append", default=[], help="extra dotted job override")
     parser.add_argument("--warmstart-arg", action="append", default=[], help="extra warm-start argument")
@@ -134,7 +143,7 @@ def main() -> None:
     for seed, t, isa, mode in plan:
         cells.append(run_cell(seed, t, isa, mode, args, args.work))
         c = cells[-1]
-        print(f"seed {seed} threads {t} {isa} {mode}: {100 * c['start']:.1f}% -> {100 * c['end']:.1f}% "
+        print(f"seed {seed} threads {t} {isa} {mode} {args.runtime}: {100 * c['start']:.1f}% -> {100 * c['end']:.1f}% "
               f"in {c['rl_minutes']:.2f} min", flush=True)
         if args.json:
             args.json.write_text(json.dumps(cells, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,3 +68,18 @@ def tiny_job(tmp_path: Path, tiny_data):
         return build_config(tiny_job_raw(tmp_path, train, evals, **sections))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (``ray``-marked tests only); every
+    RayRuntime in the tests finds it initialized, uses it, and leaves it running."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, object_store_memory=300 << 20, include_dashboard=False, namespace="loomrl-tests",
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                     [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}})
+    yield ray
+    if started:
+        ray.shutdown()

@@ -108,3 +108,20 @@ def test_transport_interface_knows_none_of_its_implementations():
     impls = {"inproc", "shm", "torch_dist", "files"}
     assert not {m.rsplit(".", 1)[-1] for m in graph["loomrl.weights.transports.base"]} & impls
     assert "loomrl.weights.transports.inproc" not in graph["loomrl.weights.transports.torch_dist"]
+
+
+def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
+    mods = _modules()
+    importers, eager = [], []
+    for name, (path, _) in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])  # fmt: skip
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                importers.append(name)
+        for node in tree.body:  # module-level statements: imported whenever the module is
+            if isinstance(node, ast.ImportFrom) and node.module == "loomrl.runtime.ray":
+                eager.append(name)
+    assert sorted(set(importers)) == ["loomrl.runtime.ray"]
+    assert eager == [] and "loomrl.runtime.ray" in import_graph()["loomrl.session"]

@@ -248,16 +248,61 @@ class SchedulerConfig(_Section):
     pin: bool = Field(True, description="On a CPU device, run the job's threads on its cores during a phase.")
 
 
+class RayCpus(_Section):
+    trainer: float = Field(1.0, ge=0, description="Ray CPUs the trainer actor asks for.")
+    generator: float = Field(1.0, ge=0, description="Ray CPUs each generator actor asks for.")
+    scorer: float = Field(1.0, ge=0, description="Ray CPUs each scorer actor asks for.")
+
+
+class RayGpus(_Section):
+    trainer: float = Field(0.0, ge=0, description="GPUs the trainer actor asks for.")
+    generator: float = Field(0.0, ge=0, description="GPUs each generator actor asks for.")
+    scorer: float = Field(0.0, ge=0, description="GPUs each scorer actor asks for.")
+
+
+class RayMemory(_Section):
+    trainer: int | None = Field(None, gt=0, description="Memory (MiB) reserved for the trainer actor.")
+    generator: int | None = Field(None, gt=0, description="Memory (MiB) reserved for each generator actor.")
+    scorer: int | None = Field(None, gt=0, description="Memory (MiB) reserved for each scorer actor.")
+
+
+class RayConfig(_Section):
+    """``runtime = "ray"``: every executor is a Ray actor; its role (trainer, generator,
+    scorer: the executor name's prefix) picks its resources."""
+
+    address: str | None = Field(
+        None,
+        description="None: use the Ray this process already initialized, else $RAY_ADDRESS, else start a "
+        "local cluster (shut down at the end); 'auto', 'host:port' or 'ray://host:port': connect to a running cluster.",
+    )
+    namespace: str | None = Field(None, description="Ray namespace of the job's actors (None: Ray's default).")
+    num_cpus: RayCpus = Field(default_factory=RayCpus)
+    num_gpus: RayGpus = Field(default_factory=RayGpus)
+    memory_mb: RayMemory = Field(default_factory=RayMemory)
+    placement: Literal["pack", "spread"] | None = Field(
+        None,
+        description="Reserve one placement-group bundle per executor, packed on few nodes or spread "
+        "over many (None: Ray places each actor where it fits).",
+    )
+    object_store_mb: int | None = Field(
+        None, gt=0, description="Object store of a local cluster this job starts (None: Ray's default)."
+    )
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env for the job's workers (e.g. {working_dir = '.'}), where this job initializes Ray."
+    )
+
+
 class JobConfig(_Section):
     name: str = Field("job", description="Job name; the run folder is named after it.")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
     output_dir: str | None = Field(
         None, description="Run folder; default runs/<name>-<timestamp>."
     )
-    runtime: Literal["local", "process"] = Field(
+    runtime: Literal["local", "process", "ray"] = Field(
         "local",
-        description="Where executors live: 'local' (threads of this process) or 'process' "
-        "(one spawned process each, no shared GIL; weights travel by shm, files or torch_dist).",
+        description="Where executors live: 'local' (threads of this process), 'process' "
+        "(one spawned process each, no shared GIL) or 'ray' (Ray actors, see [ray]); the last two "
+        "send weights by shm, files or torch_dist.",
     )
     stall_warning_s: float = Field(
         300.0, gt=0, description="Warn when one executor call (generate, train_step, publish ...) runs longer than this."
@@ -274,15 +319,16 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _transport_fits_runtime(self) -> JobConfig:
         ws = self.weight_sync
-        if self.runtime == "process" and ws.transport == "inproc":
+        if self.runtime in ("process", "ray") and ws.transport == "inproc":
             if "transport" in ws.model_fields_set:
                 raise ValueError(
                     "weight_sync.transport='inproc' only reaches executors in this process; "
-                    "runtime='process' needs 'shm' (the default there), 'files' or 'torch_dist'"
+                    f"runtime={self.runtime!r} needs 'shm' (the default there; one node only), 'files' or 'torch_dist'"
                 )
             ws.transport = "shm"
         if self.runtime == "local" and ws.transport == "torch_dist":

@@ -54,9 +54,9 @@ def _free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
+def _transport_kwargs(cfg: JobConfig, run_dir: Path, host: str = "127.0.0.1") -> dict[str, Any]:
     """Arguments shared by every end of the job's transport (the config already checked
-    that the transport fits the runtime)."""
+    that the transport fits the runtime); a torch_dist group meets at ``host``."""
     ws = cfg.weight_sync
     if ws.transport == "files":
         return {"path": ws.path or str(run_dir / "weight_updates"), "keep_fulls": ws.keep_fulls}
@@ -64,7 +64,7 @@ def _transport_kwargs(cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
         return {"name": uuid.uuid4().hex[:16]}
     if ws.transport == "torch_dist":
         return {
-            "init_method": f"tcp://127.0.0.1:{_free_loopback_port()}",
+            "init_method": f"tcp://{host}:{_free_loopback_port()}",  # free here; elsewhere, likely free
             "world_size": 1 + cfg.generation.num_generators,
             "bucket_bytes": ws.bucket_mb << 20,
         }
@@ -77,7 +77,7 @@ def _start_executors(
     """The trainer and the generators, each holding its end of the weight transport, and
     what cleans the transport up after them. Threads of one process share one transport
     object; separate processes each build their own end from ``(kind, kwargs)``."""
-    kind, kwargs = cfg.weight_sync.transport, _transport_kwargs(cfg, run_dir)
+    kind, kwargs = cfg.weight_sync.transport, _transport_kwargs(cfg, run_dir, runtime.rendezvous_host)
     if runtime.in_process:
         transport = make_transport(kind, **kwargs)
         trainer_end, generator_end, cleanup = transport, lambda rank: transport, transport.close
@@ -211,7 +211,18 @@ def _graceful_interrupt(controller: Controller) -> Iterator[None]:
             restore()
 
 
-def _make_runtime(kind: str) -> Runtime:
+def _executor_names(cfg: JobConfig) -> list[str]:
+    """The executors a job starts, by name (a runtime may reserve resources for them)."""
+    return ["trainer", *(f"generator{i}" for i in range(cfg.generation.num_generators))]
+
+
+def _make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
+    if kind == "ray":
+        from loomrl.runtime.ray import RayRuntime
+
+        assert cfg is not None, "the ray runtime needs the job's config"
+        return RayRuntime(cfg.ray, torch_threads=1, executor_names=_executor_names(cfg),
+                          transport=cfg.weight_sync.transport)  # fmt: skip
     if kind == "process":
         from loomrl.runtime.process import ProcessRuntime
 
@@ -405,7 +416,7 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
     (train_rows, eval_rows), (resume_from, resume_state) = rows, resume
     torch.manual_seed(cfg.seed)
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
-    runtime = _make_runtime(cfg.runtime)
+    runtime = _make_runtime(cfg.runtime, cfg)
     metrics = MetricsLogger(run_dir, purge_step=checkpoint_step(resume_from) + 1 if resume_from else None)
     cleanup_transport = leases = None
     try:

@@ -149,6 +149,9 @@ class Runtime(ABC):
     # Executors live in the controller's process (and may share live objects with it, such
     # as one in-process weight transport); False where only pickled data reaches them.
     in_process: bool = True
+    # Where executors that must meet (a torch_dist group) find the trainer, which hosts the
+    # rendezvous: loopback on one host; a runtime across nodes sets the trainer node's address.
+    rendezvous_host: str = "127.0.0.1"
 
     @abstractmethod
     def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> ExecutorHandle:
