@@ -213,7 +213,9 @@ def _graceful_interrupt(controller: Controller) -> Iterator[None]:
 
 def _executor_names(cfg: JobConfig) -> list[str]:
     """The executors a job starts, by name (a runtime may reserve resources for them)."""
-    return ["trainer", *(f"generator{i}" for i in range(cfg.generation.num_generators))]
+    scorers = cfg.task.num_scorers if cfg.task.reward is not None else 0  # as _start_scorers starts them
+    return ["trainer", *(f"generator{i}" for i in range(cfg.generation.num_generators)),
+            *(f"scorer{i}" for i in range(scorers))]  # fmt: skip
 
 
 def _make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:

@@ -218,7 +218,12 @@ class ProcessHandle(ExecutorHandle):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self._ready)
-        return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
+        try:
+            return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
+        except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
+            if "after shutdown" not in str(err):
+                raise
+            raise self._dead or ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed") from err
 
     @property
     def busy_s(self) -> float:
