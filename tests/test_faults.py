@@ -36,12 +36,17 @@ class FakeHandle(ExecutorHandle):
     def __init__(self, name: str, factory=None, delay: float = 0.0) -> None:
         self.name, self.factory, self.delay = name, factory, delay
         self.calls, self.dead, self.killed = CallTracker(), False, False
+        self._one_at_a_time = None
 
     async def _invoke(self, method, args, kwargs):
-        await asyncio.sleep(self.delay)
-        if self.dead:
-            raise ExecutorDiedError(f"executor {self.name!r} killed by SIGKILL")
-        return (method, args)
+        self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
+        async with self._one_at_a_time:  # as a process or an actor runs its calls
+            await asyncio.sleep(kwargs.get("seconds", self.delay))
+            if self.dead:
+                raise ExecutorDiedError(f"executor {self.name!r} killed by SIGKILL")
+            if method == "fail":
+                raise TimeoutError("the executor's own timeout")
+            return (method, args)
 
     @property
     def busy_s(self) -> float:
@@ -93,8 +98,8 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
     old = runtime.start("generator0", factory=lambda: None)
     stats, refreshed = FaultStats(), []
 
-    async def on_restart(slot):
-        refreshed.append(slot.handle)
+    async def on_restart(slot):  # runs before calls reach the fresh executor
+        refreshed.append(slot.incarnation)
 
     slot = _slot(runtime, old, stats, on_restart=on_restart)
 
@@ -106,7 +111,7 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
         return await slot.generate([4])
 
     assert asyncio.run(main()) == ("generate", ([4],))
-    assert runtime.started == 2 and slot.handle is not old and refreshed == [slot.handle]
+    assert runtime.started == 2 and slot.handle is not old and refreshed == [0] and slot.incarnation == 1
     assert stats.failures["generator"] == 1 and stats.restarts["generator"] == 1  # two calls lost, one restart
     assert slot.busy_s == 2.0  # both incarnations' busy time
     assert slot.handle.name == "generator0"
@@ -126,6 +131,41 @@ def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
 
     assert asyncio.run(main()) == ("score", ([],))
     assert hung.killed and stats.hung_kills == 1 and stats.restarts["scorer"] == 1
+
+
+def test_waiting_behind_other_calls_does_not_count_against_a_deadline():
+    runtime = FakeRuntime()
+    stats = FaultStats()
+    slot = _slot(runtime, runtime.start("generator0", factory=lambda: None), stats)
+    slot.deadlines = Deadlines(factor=10.0, min_s=0.4, first_s=0.4, calls=1)
+
+    async def main():
+        # six 0.3 s calls queued at once: the last waits 1.5 s, each runs 0.3 s (< 0.4 s)
+        return await asyncio.gather(*(slot.generate([i], seconds=0.3) for i in range(6)))
+
+    assert [r[1] for r in asyncio.run(main())] == [([i],) for i in range(6)]
+    assert stats.hung_kills == 0 and runtime.started == 1
+
+
+def test_an_executors_own_timeout_error_is_its_error_not_a_hang():
+    runtime = FakeRuntime()
+    stats = FaultStats()
+    slot = _slot(runtime, runtime.start("generator0", factory=lambda: None), stats)
+    with pytest.raises(TimeoutError, match="the executor's own timeout"):
+        asyncio.run(slot.fail())
+    assert stats.hung_kills == 0 and stats.failures["generator"] == 0 and runtime.started == 1
+
+
+def test_deadlines_are_kept_per_batch_size():
+    from loomrl.runtime.supervision import call_key
+
+    assert call_key("generate", ([0] * 8,)) == call_key("generate", ([0] * 15,))
+    assert call_key("generate", ([0] * 8,)) != call_key("generate", ([0] * 200,))
+    d = Deadlines(factor=10.0, min_s=1.0, first_s=100.0, calls=1)
+    d.observe("generator", call_key("generate", ([0] * 8,)), 0.5)
+    assert d.limit("generator", call_key("generate", ([0] * 8,))) == 5.0
+    assert d.limit("generator", call_key("generate", ([0] * 200,))) == 100.0  # eval's big batch: its own
+    assert d.limit("trainer", "save_checkpoint") is None  # checkpoint I/O: warned about, never killed
 
 
 def test_restarts_stop_at_the_limit():

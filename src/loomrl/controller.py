@@ -18,7 +18,7 @@ from typing import Any
 from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import JobFailedError, Scorer
+from loomrl.envs.scorer import JobFailedError, Scorer, lost_by_scorer
 from loomrl.evaluation import Evaluation
 from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle
@@ -208,7 +208,7 @@ class Controller(Evaluation, StallWatchdog):
     async def _refresh_restarted_generator(self, generator: ExecutorHandle) -> None:
         """A fresh generator has no weights but the model's own: publish a full snapshot of
         the current version (never a delta on a base it lacks) before it serves a request."""
-        await self.on_device("weight_sync", lambda: self.trainer.publish(full=True))
+        await self.trainer.publish(full=True)  # (inside the lost call's own device phase: no second lease)
 
     async def _requeue_lost(self, picks: list[tuple[int, int]], err: ExecutorLostError) -> None:
         """The generate call of ``picks`` was lost with its generator (now replaced): hand
@@ -317,6 +317,9 @@ class Controller(Evaluation, StallWatchdog):
     async def _put_scored(self, group: Group) -> None:
         failed = [r for r in group.rollouts if r.status == "failed"]
         self.counters.failed += len(failed)
+        if failed and all(lost_by_scorer(r) for r in group.rollouts):  # scorers lost it, not the reward
+            self.stream.requeue(group.epoch, group.prompt_index)
+            self.faults.requeued_prompts += 1
         group.rollouts = [r for r in group.rollouts if r.status == "ok"]
         if group.rollouts:
             await self.buffer.put(group)

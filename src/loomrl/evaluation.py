@@ -80,4 +80,8 @@ class Evaluation:
                 env.close()
             return rollout
 
-        return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(self.eval_rows))))
+        done = await asyncio.gather(*(one(i, row) for i, row in enumerate(self.eval_rows)), return_exceptions=True)
+        for outcome in done:  # every episode has ended: a retry does not run beside leftovers
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(done)

@@ -106,9 +106,13 @@ def _start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
 
 def _supervise(cfg: JobConfig, runtime: Runtime, trainer, generators: list, scorers: list, faults: FaultStats):
     """Every executor behind a ``Supervised`` slot (loomrl.runtime.supervision): deadlines,
-    and restarts for generators and scorers. The trainer, and generators in a torch_dist
+    and restarts for generators and scorers (on runtimes whose executors are processes or
+    actors; on ``local`` the slots only count). The trainer, and generators in a torch_dist
     group (a fresh process cannot join it), are not restarted in place: losing one restarts
     the job from its last checkpoint."""
+    if runtime.in_process:  # threads: a hung one cannot be killed, and none dies alone; the
+        slot = partial(Supervised, None, deadlines=None, stats=faults)  # stall watchdog warns
+        return slot(trainer, restart=False), [slot(g) for g in generators], [slot(s) for s in scorers]
     deadlines = Deadlines.from_config(cfg.faults)
     in_group = cfg.weight_sync.transport == "torch_dist"
     slot = partial(Supervised, runtime, deadlines=deadlines, stats=faults)

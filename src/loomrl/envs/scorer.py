@@ -27,7 +27,12 @@ from loomrl.types import Rollout
 logger = logging.getLogger(__name__)
 
 ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
+SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
+
+
+def lost_by_scorer(rollout: Rollout) -> bool:
+    return rollout.status == "failed" and (rollout.error or "").startswith(SCORER_LOST)
 
 
 class RewardEndpoints(ABC):
@@ -164,7 +169,7 @@ class Scorer:
                     self.fault_stats.rescored_rollouts += len(items)
                     continue
                 self.fault_stats.lost_rollouts += len(items)
-                return [("scorer_lost", f"scorer lost twice: {err}", 0.0)] * len(items)
+                return [("scorer_lost", f"{SCORER_LOST}: {err}", 0.0)] * len(items)
             self._pool_metrics[slot.name] = pool_metrics
             return outcomes
         raise AssertionError("unreachable")
@@ -179,8 +184,10 @@ class Scorer:
         self.last_error = message
 
     def record_outcomes(self, rollouts: list[Rollout]) -> None:
-        """Feed outcomes into the failure-rate window; raise if the rate passes the limit."""
-        self.recent.extend(r.status == "failed" for r in rollouts)
+        """Feed outcomes into the failure-rate window; raise if the rate passes the limit.
+        Rollouts no scorer could score are the executors' failure, not the reward's: they
+        stay out of the window (and their prompt goes out again)."""
+        self.recent.extend(r.status == "failed" for r in rollouts if not lost_by_scorer(r))
         min_seen = min(self.task.failure_window, 32)
         if len(self.recent) >= min_seen:
             rate = sum(self.recent) / len(self.recent)

@@ -264,7 +264,9 @@ class ProcessHandle(ExecutorHandle):
             logger.warning("killing executor %r (pid %d)", self.name, self.process.pid)
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.join()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._dead is None:
+            self._dead = ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
+        self._pool.shutdown(wait=False)  # calls still queued run and fail at once with _dead
         self._conn.close()
         self._log_forwarder.join(timeout=5)  # the executor's last records are shown
 

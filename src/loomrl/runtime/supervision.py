@@ -26,7 +26,7 @@ import asyncio
 import logging
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,26 +57,35 @@ def role_of(name: str) -> str:
     return re.sub(r"\d+$", "", name)
 
 
+# Checkpoint I/O grows with the model and the disk, and runs rarely: no kill deadline (the
+# stall watchdog still warns about it).
+NO_DEADLINE = frozenset({"save_checkpoint", "save_pretrained", "load_state_dict", "state_dict"})
+
+
 class Deadlines:
-    """Per ``(role, method)`` deadlines from the durations of the calls seen so far."""
+    """Per ``(role, method, batch-size bucket)`` deadlines from the running times of the
+    calls seen so far (``call_key``)."""
 
     def __init__(self, factor: float = 10.0, min_s: float = 60.0, first_s: float = 900.0, calls: int = 3) -> None:
         self.factor, self.min_s, self.first_s, self.calls = factor, min_s, first_s, calls
-        self._longest: dict[tuple[str, str], float] = {}
-        self._count: Counter[tuple[str, str]] = Counter()
+        self._longest: dict[tuple, float] = {}
+        self._count: Counter[tuple] = Counter()
 
     @classmethod
     def from_config(cls, faults) -> Deadlines:
         return cls(faults.deadline_factor, faults.min_deadline_s, faults.first_call_deadline_s, faults.deadline_calls)
 
-    def limit(self, role: str, method: str) -> float:
-        key = (role, method)
+    def limit(self, role: str, call: str | tuple[str, int]) -> float | None:
+        """Seconds a call may run; None for checkpoint I/O (``NO_DEADLINE``)."""
+        if (call if isinstance(call, str) else call[0]) in NO_DEADLINE:
+            return None
+        key = (role, call)
         if self._count[key] < self.calls:
             return max(self.first_s, self.min_s)
         return max(self.min_s, self.factor * self._longest[key])
 
-    def observe(self, role: str, method: str, seconds: float) -> None:
-        key = (role, method)
+    def observe(self, role: str, call: str | tuple[str, int], seconds: float) -> None:
+        key = (role, call)
         self._count[key] += 1
         self._longest[key] = max(self._longest.get(key, 0.0), seconds)
 
@@ -121,11 +130,13 @@ class Supervised:
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
+    check_s = 0.5  # how often a waiting call looks whether the running one is past its deadline
+
     def __init__(
         self,
         runtime: Runtime | None,
         handle: ExecutorHandle,
-        deadlines: Deadlines,
+        deadlines: Deadlines | None,
         stats: FaultStats,
         *,
         restart: bool = True,
@@ -141,6 +152,9 @@ class Supervised:
         self._heal_lock = asyncio.Lock()
         self.in_flight = 0  # calls running now (the scorer pool balances on it)
         self.lost: ExecutorLostError | None = None  # a role that does not restart: what lost it
+        self._queue: deque[_Queued] = deque()  # calls submitted and not returned, in order
+        self._serving = asyncio.Event()
+        self._serving.set()
 
     # -- what the controller reads off a handle
     @property
@@ -174,32 +188,75 @@ class Supervised:
         return call
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        await self._serving.wait()  # a restart in progress: calls wait for the fresh executor
         if self.lost is not None:  # counted once, when it was lost
             raise type(self.lost)(str(self.lost), self.role, restarted=False)
         handle, incarnation = self.handle, self.incarnation
-        deadline = self.deadlines.limit(self.role, method)
-        t0 = time.monotonic()
         self.in_flight += 1
         try:
-            result = await asyncio.wait_for(handle.call(method, *args, **kwargs), deadline)
-        except TimeoutError:
-            cause: BaseException = ExecutorHungError(
-                f"executor {handle.name!r} ({handle.where}): {method!r} ran past its deadline of {deadline:.1f} s "
-                f"(faults.deadline_factor x the longest {self.role}.{method} call so far); killed"
-            )
-            await self._heal(handle, incarnation, cause, hung=True)
-        except ExecutorDiedError as err:
-            await self._heal(handle, incarnation, err, hung=False)
+            if self.deadlines is None:  # (an in-process runtime: nothing to kill, nothing to restart)
+                return await handle.call(method, *args, **kwargs)
+            return await self._call_with_deadline(handle, incarnation, method, args, kwargs)
         finally:
             self.in_flight -= 1
-        self.deadlines.observe(self.role, method, time.monotonic() - t0)
+
+    async def _call_with_deadline(self, handle: ExecutorHandle, incarnation: int, method: str, args: tuple,
+                                  kwargs: dict) -> Any:  # fmt: skip
+        """The call, watched: it is hung when it has *run* (not waited behind the calls
+        before it: an executor runs its calls one at a time, in order) past its deadline."""
+        key = call_key(method, args)
+        call = _Queued(key, self.deadlines.limit(self.role, key))
+        if not self._queue:
+            call.started = time.monotonic()
+        self._queue.append(call)
+        inner = asyncio.ensure_future(handle.call(method, *args, **kwargs))
+        inner.add_done_callback(lambda _: self._finished(call))
+        while True:
+            done, _ = await asyncio.wait({inner}, timeout=self.check_s)  # a cancelled caller leaves it running
+            if done:
+                break
+            hung = self._hung_head()
+            if hung is not None and self.incarnation == incarnation:
+                await self._heal(handle, incarnation, ExecutorHungError(
+                    f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
+                    f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
+                ), hung=True)  # fmt: skip
+        try:
+            result = inner.result()
+        except ExecutorDiedError as err:
+            await self._heal(handle, incarnation, err, hung=False)
+        except asyncio.CancelledError as err:  # not this caller's cancel: the handle dropped the call
+            await self._heal(handle, incarnation, ExecutorDiedError(f"executor {handle.name!r}: call {method!r} "
+                                                                    "was dropped by its handle"), hung=False)  # fmt: skip
+            raise AssertionError("unreachable") from err
+        self.deadlines.observe(self.role, key, call.ran_s)
         return result
+
+    def _finished(self, call: _Queued) -> None:
+        """A call returned (or failed): the next one in the executor's queue starts now."""
+        now = time.monotonic()
+        call.ran_s = now - (call.started or now)
+        if call in self._queue:
+            self._queue.remove(call)
+        if self._queue and self._queue[0].started is None:
+            self._queue[0].started = now
+
+    def _hung_head(self) -> _Queued | None:
+        """The running call, if it has run past its deadline."""
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        if head.limit is None or head.started is None:
+            return None
+        return head if time.monotonic() - head.started > head.limit else None
 
     async def _heal(self, handle: ExecutorHandle, incarnation: int, cause: BaseException, hung: bool) -> None:
         """Count the loss, replace the executor (once for all the calls lost with it) and
         raise ``ExecutorLostError`` (``TrainerLostError`` for the trainer)."""
         error = TrainerLostError if self.role == "trainer" else ExecutorLostError
         async with self._heal_lock:
+            if self.lost is not None:
+                raise type(self.lost)(str(self.lost), self.role, restarted=False) from cause
             if self.incarnation != incarnation:  # another call lost with it already healed it
                 raise error(f"{cause} (already replaced)", self.role, restarted=True) from cause
             self.stats.failures[self.role] += 1
@@ -212,22 +269,55 @@ class Supervised:
                 self.lost = error(str(cause), self.role, restarted=False)
                 raise self.lost from cause
             if self.stats.total_restarts >= self.stats.max_executor_restarts:
+                self.lost = error(str(cause), self.role, restarted=False)
                 raise RestartLimitError(
                     f"{cause}; {self.stats.total_restarts} executor restarts already "
                     f"(faults.max_executor_restarts={self.stats.max_executor_restarts}): the job stops"
                 ) from cause
             logger.warning("%s; restarting it", cause)
-            t0 = time.monotonic()
-            self._busy_before += handle.busy_s
-            self.handle = await asyncio.to_thread(self.runtime.restart, handle)
-            self.incarnation += 1
-            await self.handle.ready()  # the model loads before the first call's deadline starts
-            self.stats.restarts[self.role] += 1
-            if self.on_restart is not None:
-                await self.on_restart(self)
-            logger.warning("executor %r restarted (%s) in %.1f s; its lost work is handed out again",
-                           self.name, self.where, time.monotonic() - t0)  # fmt: skip
+            self._serving.clear()
+            try:
+                await self._replace(handle)
+            except Exception as err:  # the fresh one did not come up: the job cannot heal here
+                logger.error("executor %r could not be restarted: %s", handle.name, err)
+                self.lost = error(f"{cause}; its restart failed: {err}", self.role, restarted=False)
+                raise self.lost from err
+            finally:
+                self._serving.set()
         raise error(str(cause), self.role, restarted=True) from cause
+
+    async def _replace(self, handle: ExecutorHandle) -> None:
+        """Build the fresh executor, wait until it is ready and brought up to date, and
+        only then route calls to it."""
+        t0 = time.monotonic()
+        self._busy_before += handle.busy_s
+        fresh = await asyncio.to_thread(self.runtime.restart, handle)
+        await fresh.ready()  # the model loads before any call's deadline starts
+        if self.on_restart is not None:
+            await self.on_restart(self)
+        self.handle, self._queue = fresh, deque()
+        self.incarnation += 1
+        self.stats.restarts[self.role] += 1
+        logger.warning("executor %r restarted (%s) in %.1f s; its lost work is handed out again",
+                       self.name, self.where, time.monotonic() - t0)  # fmt: skip
+
+
+class _Queued:
+    """One call in an executor's queue: its deadline key and limit, when it started running."""
+
+    __slots__ = ("key", "limit", "started", "ran_s")
+
+    def __init__(self, key: tuple[str, int], limit: float | None) -> None:
+        self.key, self.limit = key, limit
+        self.started: float | None = None
+        self.ran_s = 0.0
+
+
+def call_key(method: str, args: tuple) -> tuple[str, int]:
+    """Deadlines are kept per method and batch size (to the power of two): an eval
+    ``generate`` of 200 prompts is not held to what 8-prompt training calls take."""
+    batch = args[0] if args and isinstance(args[0], (list, tuple)) else ()
+    return method, len(batch).bit_length()
 
 
 def _kill_quietly(handle: ExecutorHandle) -> None:

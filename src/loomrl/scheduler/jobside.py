@@ -31,9 +31,18 @@ class _ExecutorState:
         self.handles, self.loop = handles, loop
 
     def _all(self, method: str) -> float:
+        async def one(handle: Any) -> float:
+            from loomrl.runtime.supervision import ExecutorLostError
+
+            try:
+                return await handle.call(method) or 0.0  # an engine without a real offload answers None
+            except ExecutorLostError as err:  # replaced: the fresh executor holds nothing to move
+                if not err.restarted:
+                    raise
+                return 0.0
+
         async def call() -> float:
-            # an engine without a real offload (the interface's no-op) answers None
-            return sum(s or 0.0 for s in await asyncio.gather(*(h.call(method) for h in self.handles)))
+            return sum(await asyncio.gather(*(one(h) for h in self.handles)))
 
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
 
