@@ -12,7 +12,9 @@ can only help where one sat waiting (a sandbox exec, a weight update); the table
 2 cores allow. The projection below it uses each stage's measured busy seconds per
 completion (generation, scoring, training, from the 1 x 1 run) for executors that each have
 a machine to themselves: completions/s = min(G / gen, S / score, 1 / train), the slowest
-stage bounding the pipeline (what an asynchronous run approaches, ``bench/async_vs_sync.py``).
+stage bounding the pipeline (what an asynchronous run approaches, ``bench/async_vs_sync.py``);
+with one trainer that is training here, so the table also shows what the rollout side alone
+(generators and scorers) could feed: min(G / gen, S / score).
 
     python bench/generator_scaling.py --steps 30 --repeats 2
     python bench/generator_scaling.py --runtime process
@@ -101,13 +103,17 @@ def main() -> None:
     gen, score, train = (med((1, 1), k) for k in ("gen_per_completion_s", "score_per_completion_s",
                                                    "train_per_completion_s"))
     proj = Table(title="projection: one machine per executor, stage times of the 1 x 1 run")
-    for col in ("generators", "scorers", "completions/s", "vs 1 x 1", "bound by"):
+    for col in ("generators", "scorers", "completions/s", "vs 1 x 1", "bound by", "rollouts/s (gen + score)",
+                "rollouts vs 1 x 1"):
         proj.add_column(col, justify="right")
     one = min(1 / gen, 1 / score, 1 / train)
+    rollouts_one = min(1 / gen, 1 / score)
     for g, s in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 4), (8, 8)]:
         stages = {"generation": g / gen, "scoring": s / score, "training": 1 / train}
         bound = min(stages, key=stages.get)
-        proj.add_row(str(g), str(s), f"{stages[bound]:.0f}", f"{stages[bound] / one:.2f}x", bound)
+        rollouts = min(stages["generation"], stages["scoring"])  # what the rollout side can feed
+        proj.add_row(str(g), str(s), f"{stages[bound]:.0f}", f"{stages[bound] / one:.2f}x", bound,
+                     f"{rollouts:.0f}", f"{rollouts / rollouts_one:.2f}x")
     console.print(proj)
 
 
