@@ -92,11 +92,11 @@ def start_reward_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> Re
 
 def merge_pool_metrics(per_executor: list[dict[str, float]]) -> dict[str, float]:
     """The ``sandbox/*`` metrics of several scorers' pools as one: counts and sizes add
-    up; latencies, rates and fractions take the largest."""
+    up; latencies (``*_ms``) and rates (``*_rate``) take the largest."""
     merged: dict[str, float] = {}
     for metrics in per_executor:
         for key, value in metrics.items():
-            if any(tag in key for tag in ("_ms", "_s", "rate", "frac", "_p")):
+            if key.endswith(("_ms", "_rate")):
                 merged[key] = max(merged.get(key, value), value)
             else:
                 merged[key] = merged.get(key, 0.0) + value

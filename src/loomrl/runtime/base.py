@@ -47,6 +47,32 @@ class UnknownEndpointError(AttributeError):
     """A handle was asked for a method its interface does not declare."""
 
 
+class RemoteError(RuntimeError):
+    """An executor raised an exception that could not be sent back as itself."""
+
+
+def role_of(name: str) -> str:
+    """``generator1`` -> ``generator``: executors of one role share resources, deadlines and counts."""
+    return name.rstrip("0123456789")
+
+
+class BusyClock:
+    """Seconds an executor spent in calls, added from whichever thread saw a call end."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    @property
+    def seconds(self) -> float:
+        with self._lock:
+            return self._seconds
+
+
 class ExecutorDiedError(RuntimeError):
     """The executor ended (its process killed, out of memory, its node lost, or killed
     after a missed deadline) while the controller still needed it; every runtime raises

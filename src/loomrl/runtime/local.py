@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loomrl.runtime.base import CallTracker, ExecutorHandle, Runtime
+from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
 
 CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
@@ -28,8 +27,7 @@ class LocalHandle(ExecutorHandle):
         self.name, self.factory = name, factory
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
         self._concurrent_pool: ThreadPoolExecutor | None = None
-        self._busy_s = 0.0
-        self._lock = threading.Lock()
+        self._busy = BusyClock()
         self.calls = CallTracker()
         self.obj = self._pool.submit(factory).result()
         self.concurrent: dict[str, bool] = {}
@@ -54,8 +52,7 @@ class LocalHandle(ExecutorHandle):
             with self.calls.track(method):
                 return fn(*args, **kwargs)
         finally:
-            with self._lock:
-                self._busy_s += time.perf_counter() - t0
+            self._busy.add(time.perf_counter() - t0)
 
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.obj, method)
@@ -68,8 +65,7 @@ class LocalHandle(ExecutorHandle):
 
     @property
     def busy_s(self) -> float:
-        with self._lock:
-            return self._busy_s
+        return self._busy.seconds
 
     def close(self) -> None:
         """Let the executor release what it holds (its ``close()``), then end its thread."""

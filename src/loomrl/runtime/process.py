@@ -32,17 +32,20 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.base import (
+    BusyClock,
+    CallTracker,
+    ExecutorDiedError,
+    ExecutorHandle,
+    RemoteError,
+    Runtime,
+)
 from loomrl.runtime.endpoints import check_implements
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # building an executor loads a model: generous, but not forever
 _CTX = multiprocessing.get_context("spawn")  # never fork a controller that runs threads
-
-
-class RemoteError(RuntimeError):
-    """An executor raised an exception that could not be sent back as itself."""
 
 
 def _dumps(value: Any) -> bytes:
@@ -159,8 +162,7 @@ class ProcessHandle(ExecutorHandle):
             target=_forward_logs, args=(log_reader,), name=f"loomrl-{name}-logs", daemon=True
         )
         self._log_forwarder.start()
-        self._busy_s = 0.0
-        self._lock = threading.Lock()
+        self._busy = BusyClock()
         self.calls = CallTracker()
         self._dead: ExecutorDiedError | None = None
         # One thread talks to the process, so calls are serialized in submission order.
@@ -189,8 +191,7 @@ class ProcessHandle(ExecutorHandle):
             status, value, tb, busy_s = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError, ConnectionError) as err:
             raise self._died() from err
-        with self._lock:
-            self._busy_s += busy_s
+        self._busy.add(busy_s)
         if status == "error":
             value.add_note(f"raised in executor {self.name!r} (pid {self.process.pid}):\n{tb}")
             raise value
@@ -227,8 +228,7 @@ class ProcessHandle(ExecutorHandle):
 
     @property
     def busy_s(self) -> float:
-        with self._lock:
-            return self._busy_s
+        return self._busy.seconds
 
     @property
     def where(self) -> str:

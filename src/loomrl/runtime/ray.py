@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import re
-import threading
 import time
 import traceback
 import uuid
@@ -35,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 import ray
 import ray.exceptions
 
-from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.base import (
+    BusyClock,
+    CallTracker,
+    ExecutorDiedError,
+    ExecutorHandle,
+    RemoteError,
+    Runtime,
+)
+from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.endpoints import check_implements
 
 if TYPE_CHECKING:
@@ -56,13 +63,9 @@ _DIED = tuple(
 )
 
 
-class RemoteError(RuntimeError):
-    """An executor raised an exception that could not be sent back as itself."""
-
-
 def role_of(name: str) -> str:
-    """``"generator3"`` -> ``"generator"``: the role whose resources an executor gets."""
-    role = name.rstrip("0123456789")
+    """``"generator3"`` -> ``"generator"``: the role whose resources an executor gets (a name of no known role is refused)."""
+    role = base_role(name)
     if role not in ROLES:
         raise ValueError(f"executor name {name!r} has no known role; expected one of {', '.join(ROLES)} (+ index)")
     return role
@@ -144,8 +147,7 @@ class RayHandle(ExecutorHandle):
         self.name, self.factory, self.actor_name = name, factory, actor_name
         self._bind_interface(interface)
         self.calls = CallTracker()
-        self._busy_s = 0.0
-        self._lock = threading.Lock()
+        self._busy = BusyClock()
         self._dead: ExecutorDiedError | None = None
         self._info: dict[str, Any] = {}
         self.concurrent: dict[str, bool] = {}
@@ -181,8 +183,7 @@ class RayHandle(ExecutorHandle):
             raise err.as_instanceof_cause() from None
         except _DIED as err:
             raise self._died(err) from err
-        with self._lock:
-            self._busy_s += busy_s
+        self._busy.add(busy_s)
         if status == "error":
             value.add_note(f"raised in executor {self.name!r} ({self.where}):\n{tb}")
             raise value
@@ -223,8 +224,7 @@ class RayHandle(ExecutorHandle):
 
     @property
     def busy_s(self) -> float:
-        with self._lock:
-            return self._busy_s
+        return self._busy.seconds
 
     @property
     def where(self) -> str:

@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, ExecutorHungError, Runtime
+from loomrl.runtime.base import (
+    ExecutorDiedError,
+    ExecutorHandle,
+    ExecutorHungError,
+    Runtime,
+    role_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +55,6 @@ class TrainerLostError(ExecutorLostError):
 
 class RestartLimitError(RuntimeError):
     """More executors died than ``faults.max_executor_restarts`` allows in one run."""
-
-
-def role_of(name: str) -> str:
-    """``generator1`` -> ``generator``: executors of one role share deadlines and counts."""
-    return re.sub(r"\d+$", "", name)
 
 
 # Checkpoint I/O grows with the model and the disk, and runs rarely: no kill deadline (the
@@ -185,6 +185,7 @@ class Supervised:
             return await self.call(method, *args, **kwargs)
 
         call.__name__ = method
+        self.__dict__[method] = call  # built once per endpoint: later lookups skip __getattr__
         return call
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
