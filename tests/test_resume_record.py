@@ -41,6 +41,21 @@ def _tb_events(tb_dir: Path) -> list:
     return events
 
 
+def test_tensorboard_gets_every_scalar_of_a_record_at_its_step(tmp_path):
+    """One event per step holds all its scalars (cheaper than one event each); non-finite
+    values, strings and booleans stay out, odd characters in a tag become '_'."""
+    from loomrl.telemetry.metrics import MetricsLogger
+
+    metrics = MetricsLogger(tmp_path)
+    metrics.log({"train/loss": 0.5, "rollout/generated": 128, "eval/x y": 2.0, "bad": float("nan"),
+                 "flag": True, "note": "text"}, step=1)  # fmt: skip
+    metrics.log({"train/loss": 0.25}, step=2)
+    metrics.close()
+    scalars = {(v.tag, e.step): v.simple_value for e in _tb_events(tmp_path / "tb") for v in e.summary.value}
+    assert scalars == {("train/loss", 1): 0.5, ("rollout/generated", 1): 128.0, ("eval/x_y", 1): 2.0,
+                       ("train/loss", 2): 0.25}  # fmt: skip
+
+
 def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job):
     first = Job(tiny_job(trainer={"num_steps": 3}, checkpoint={"every_steps": 2, "keep": 5})).run()
     run = first.run_dir

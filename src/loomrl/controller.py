@@ -20,7 +20,7 @@ from loomrl.config import JobConfig
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer, lost_by_scorer
 from loomrl.evaluation import Evaluation
-from loomrl.prompt_fit import truncate_ids
+from loomrl.prompt_fit import encode_texts, truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
@@ -93,6 +93,10 @@ class Controller(Evaluation, StallWatchdog):
         self._prompt_key = cfg.data.prompt_key
         self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
+        if env_factory is None and len(train_rows) <= PROMPT_CACHE_ROWS:
+            # The whole dataset in one batch now (as a trainer tokenizes its dataset before it
+            # starts), not a few prompts per request on the loop while the executors run.
+            self._encode_train_prompts(range(len(train_rows)))
         self._init_run_state(version, history)
 
     def _init_pipeline(self, version: int, counters: Counters | None) -> None:
@@ -110,6 +114,7 @@ class Controller(Evaluation, StallWatchdog):
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
+        self._held: dict[int, int] = {}  # id(generator handle) -> the version it last reported holding
 
     def _init_run_state(self, version: int, history: dict[str, Any] | None) -> None:
         """Stopping, failure and watchdog state, and what a resumed run carries over."""
@@ -172,7 +177,7 @@ class Controller(Evaluation, StallWatchdog):
         if len(self._prompt_ids) + len(new) > PROMPT_CACHE_ROWS:  # a huge dataset: keep only recent rows
             self._prompt_ids.clear()
             new = list(dict.fromkeys(indices))
-        encoded = self.tokenizer([self.train_rows[i][self._prompt_key] for i in new]).input_ids
+        encoded = encode_texts(self.tokenizer, [self.train_rows[i][self._prompt_key] for i in new])
         for i, ids in zip(new, encoded):
             self._prompt_ids[i] = truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
 
@@ -190,6 +195,12 @@ class Controller(Evaluation, StallWatchdog):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _texts(self, completions: list) -> list[str]:
+        """The completions' text: the engine's own detokenization, else decoded here."""
+        if all(c.text is not None for c in completions):
+            return [c.text for c in completions]
+        return self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+
     async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
@@ -197,17 +208,25 @@ class Controller(Evaluation, StallWatchdog):
         return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
 
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
-        self._apply_s += applied.apply_s
-        if applied.weight_metrics:
-            self._generator_weight_metrics = applied.weight_metrics
+        # A generator that holds the newest published version has nothing to apply: no call.
+        if self._held.get(id(generator), -1) < self.published_version:
+            applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
+            self._held[id(generator)] = applied.version
+            self._apply_s += applied.apply_s
+            if applied.weight_metrics:
+                self._generator_weight_metrics = applied.weight_metrics
         results = await generator.generate(requests)
-        self._apply_s += sum(r.weight_apply_s for r in results)  # generate's own catch-up, if any
+        for r in results:
+            self._apply_s += r.weight_apply_s  # generate's own catch-up, if any
+            if r.weight_metrics:
+                self._generator_weight_metrics = r.weight_metrics
+            self._held[id(generator)] = max(self._held.get(id(generator), -1), r.version)
         return results
 
     async def _refresh_restarted_generator(self, generator: ExecutorHandle) -> None:
         """A fresh generator has no weights but the model's own: publish a full snapshot of
         the current version (never a delta on a base it lacks) before it serves a request."""
+        self._held.pop(id(generator), None)  # it holds only the model's own weights now
         await self.trainer.publish(full=True)  # (inside the lost call's own device phase: no second lease)
 
     async def _requeue_lost(self, picks: list[tuple[int, int]], err: ExecutorLostError) -> None:
@@ -249,8 +268,7 @@ class Controller(Evaluation, StallWatchdog):
             groups: list[Group] = []
             for (epoch, index), request, result in zip(picks, requests, results):
                 row = self.train_rows[index]
-                texts = self.tokenizer.batch_decode([c.token_ids for c in result.completions],
-                                                    skip_special_tokens=True)
+                texts = self._texts(result.completions)
                 rollouts = [
                     Rollout(
                         prompt_index=index,
@@ -418,7 +436,7 @@ class Controller(Evaluation, StallWatchdog):
                 self._emit({"step": self.version, **first_eval})
         background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
         background.append(asyncio.create_task(self._stall_watchdog()))
-        started, loop_cpu = time.perf_counter(), time.thread_time()
+        started, loop_cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
         self._last_step_at = time.monotonic()
         base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s, self._scorer_busy_s())
         try:
@@ -437,9 +455,14 @@ class Controller(Evaluation, StallWatchdog):
         # The loop's own CPU time: neither waiting (no CPU) nor executor calls (other threads
         # or processes), so all the controller's overhead, as a share of this session's wall.
         loop_cpu = time.thread_time() - loop_cpu
+        # Every thread of this process (transport threads pickling calls, TensorBoard, and
+        # on ``local`` the executors themselves): what the controller's process takes from
+        # the machine's cores.
+        process_cpu = time.process_time() - process_cpu
         summary = {
             "controller_cpu_s": loop_cpu,
             "controller_overhead": loop_cpu / max(time.perf_counter() - started, 1e-9),
+            "controller_process_cpu_s": process_cpu,
             "steps": self.version,
             "elapsed_s": elapsed,
             "samples_per_s": self.counters.trained / max(elapsed, 1e-9),

@@ -34,6 +34,7 @@ class Completion:
     token_ids: list[int]  # generated tokens, EOS included when sampled
     logprobs: list[float]  # behaviour log-prob of each sampled token at the sampling temperature
     finish_reason: Literal["stop", "length"]
+    text: str | None = None  # the detokenized completion, when the engine made it (as vLLM does)
 
 
 @dataclass

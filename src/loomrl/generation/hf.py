@@ -147,6 +147,10 @@ class HFGenerator(Generator):
                     seeds.append(requests[i].seed * 1_000_003 + k)
                     owners.append(i)
             completions = self._sample(prompts, seeds, sampling)
+            # Detokenized here, as vLLM does, in one call per batch: not on the controller's loop.
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            for completion, text in zip(completions, texts):
+                completion.text = text
             for i in indices:
                 results[i] = GenerationResult([], self.version)
             for owner, completion in zip(owners, completions):

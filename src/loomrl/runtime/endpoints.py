@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,8 +51,19 @@ def _spec_of(attr: Any) -> EndpointSpec | None:
     return getattr(attr, _MARK, None)
 
 
-def endpoints_of(interface: type) -> dict[str, EndpointSpec]:
-    """The endpoints ``interface`` declares, by name."""
+def endpoints_of(interface: type) -> Mapping[str, EndpointSpec]:
+    """The endpoints ``interface`` declares, by name (looked up once per class: every
+    executor call checks its method against them)."""
+    specs = _ENDPOINTS.get(interface)
+    if specs is None:
+        specs = _ENDPOINTS[interface] = MappingProxyType(_find_endpoints(interface))
+    return specs
+
+
+_ENDPOINTS: dict[type, Mapping[str, EndpointSpec]] = {}
+
+
+def _find_endpoints(interface: type) -> dict[str, EndpointSpec]:
     specs = {}
     for name in dir(interface):
         spec = _spec_of(getattr(interface, name, None))
@@ -87,12 +99,20 @@ def check_implements(obj: Any, interface: type) -> dict[str, bool]:
 
 def bind_arguments(interface: type, name: str, args: tuple, kwargs: dict) -> None:
     """Raise ``TypeError`` at the caller when ``args`` do not fit endpoint ``name``."""
+    shape = (interface, name, len(args), tuple(kwargs))  # whether arguments bind depends on this alone
+    if shape in _BOUND:
+        return
     spec = endpoints_of(interface)[name]
     if spec.signature is not None:
         try:
             spec.signature.bind(None, *args, **kwargs)  # None stands for self
         except TypeError as err:
             raise TypeError(f"{interface.__name__}.{name}{spec.signature}: {err}") from None
+    if len(_BOUND) < 4096:
+        _BOUND.add(shape)
+
+
+_BOUND: set[tuple] = set()  # call shapes that bound once (an endpoint is called the same way every step)
 
 
 def unknown_endpoint(interface: type, name: str) -> MissingEndpointError:

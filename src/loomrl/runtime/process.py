@@ -218,7 +218,10 @@ class ProcessHandle(ExecutorHandle):
 
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         loop = asyncio.get_running_loop()
-        await asyncio.wrap_future(self._ready)
+        if self._ready.done():  # (wrapping a done future still costs a wake-up of the loop)
+            self._ready.result()
+        else:
+            await asyncio.wrap_future(self._ready)
         try:
             return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
