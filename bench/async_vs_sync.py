@@ -9,7 +9,9 @@ times measured in the synchronous run:
     ideal = (gen + train + sync) / max(gen, train)
 
 where gen is the generator's busy time, train the trainer's (without publishing) and sync
-the time spent publishing weights. The baseline of every row is sync on ``local``.
+the time spent publishing weights. The baseline of every row is sync on ``local``. Also
+printed: the controller loop's own CPU time as a share of wall ("loop overhead": neither
+waiting nor an executor call) and the CPU time of the controller's whole process.
 Repeats each configuration, interleaved, and reports medians.
 
     python bench/async_vs_sync.py --steps 40 --repeats 3 --runtimes local,process
@@ -54,6 +56,8 @@ def run_once(runtime: str, max_staleness: int, args: argparse.Namespace, out: Pa
         "sync_s": publish_s,
         "elapsed_s": s["elapsed_s"],
         "staleness_mean": statistics.mean(r["rollout/staleness_mean"] for r in records),
+        "controller_overhead": s["controller_overhead"],
+        "controller_process_cpu_s": s["controller_process_cpu_s"],
     }
 
 
@@ -87,14 +91,16 @@ def main() -> None:
 
     baseline = med((runtimes[0], "sync"), "samples_per_s")
     table = Table(title=f"async vs sync: {args.steps} steps x {args.groups_per_step} groups, median of {args.repeats}")
-    cols = ("runtime", "mode", "samples/s", f"vs {runtimes[0]} sync", "gen busy s", "train busy s", "sync s", "staleness", "wall s")
+    cols = ("runtime", "mode", "samples/s", f"vs {runtimes[0]} sync", "gen busy s", "train busy s", "sync s", "staleness",
+            "wall s", "loop overhead", "controller process CPU s")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for c in configs:
         table.add_row(
             *c, f"{med(c, 'samples_per_s'):.1f}", f"{med(c, 'samples_per_s') / baseline:.2f}x",
             f"{med(c, 'gen_s'):.2f}", f"{med(c, 'train_s'):.2f}", f"{med(c, 'sync_s'):.2f}",
-            f"{med(c, 'staleness_mean'):.2f}", f"{med(c, 'elapsed_s'):.2f}",
+            f"{med(c, 'staleness_mean'):.2f}", f"{med(c, 'elapsed_s'):.2f}", f"{med(c, 'controller_overhead'):.2%}",
+            f"{med(c, 'controller_process_cpu_s'):.2f}",
         )  # fmt: skip
     console = Console(width=max(Console().width, 120))
     console.print(table)
@@ -104,7 +110,8 @@ def main() -> None:
         ideal = (gen + train + sync) / max(gen, train)
         console.print(
             f"{rt}: async / sync samples/s {async_sps / sync_sps:.2f}x; ideal "
-            f"(gen + train + sync) / max(gen, train) from its sync run {ideal:.2f}x"
+            f"(gen + train + sync) / max(gen, train) from its sync run {ideal:.2f}x; share of ideal "
+            f"{async_sps / sync_sps / ideal:.2f}"
         )
 
 
