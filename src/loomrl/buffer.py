@@ -67,15 +67,15 @@ class RolloutBuffer:
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
         self.groups: list[Group] = []
+        self._min_versions: list[int] = []  # each group's min_version, taken once when it arrives
+        self.num_rollouts = 0
         self._changed = asyncio.Condition()
-
-    @property
-    def num_rollouts(self) -> int:
-        return sum(len(g.rollouts) for g in self.groups)
 
     async def put(self, group: Group) -> None:
         async with self._changed:
             self.groups.append(group)
+            self._min_versions.append(group.min_version)
+            self.num_rollouts += len(group.rollouts)
             self._changed.notify_all()
 
     async def take(self, count: int, version: int, on_drop) -> Batch:
@@ -86,15 +86,19 @@ class RolloutBuffer:
         """
         async with self._changed:
             while True:
-                stale = [g for g in self.groups if version - g.min_version > self.max_staleness]
-                if stale:
-                    stale_ids = {id(g) for g in stale}
-                    self.groups = [g for g in self.groups if id(g) not in stale_ids]
+                oldest = version - self.max_staleness
+                if self._min_versions and min(self._min_versions) < oldest:
+                    stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
+                    kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
+                    self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
+                    self.num_rollouts -= sum(len(g.rollouts) for g in stale)
                     for g in stale:
                         await on_drop(g)
                 if len(self.groups) >= count:
                     break
                 await self._changed.wait()
             chosen, self.groups = self.groups[:count], self.groups[count:]
-        chosen.sort(key=lambda g: (g.epoch, g.prompt_index))
-        return Batch(chosen, staleness=[version - g.min_version for g in chosen])
+            versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
+            self.num_rollouts -= sum(len(g.rollouts) for g in chosen)
+        order = sorted(range(len(chosen)), key=lambda i: (chosen[i].epoch, chosen[i].prompt_index))
+        return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -190,13 +191,19 @@ class Scorer:
         Rollouts no scorer could score are the executors' failure, not the reward's: they
         stay out of the window (and their prompt goes out again)."""
         recent = self.recent
-        for r in rollouts:
-            if r.status != "failed" or not lost_by_scorer(r):
-                if len(recent) == recent.maxlen:
-                    self._recent_failed -= recent[0]
-                failed = r.status == "failed"
-                recent.append(failed)
-                self._recent_failed += failed
+        outcomes = [r.status == "failed" for r in rollouts]
+        if any(outcomes):
+            outcomes = [failed for failed, r in zip(outcomes, rollouts) if not (failed and lost_by_scorer(r))]
+        if len(outcomes) >= recent.maxlen:
+            recent.clear()
+            recent.extend(outcomes[-recent.maxlen :])
+            self._recent_failed = sum(recent)
+        else:
+            evicted = len(recent) + len(outcomes) - recent.maxlen  # the oldest leave the window
+            if evicted > 0:
+                self._recent_failed -= sum(itertools.islice(recent, evicted))
+            recent.extend(outcomes)
+            self._recent_failed += sum(outcomes)
         if len(recent) >= min(self.task.failure_window, 32):
             rate = self._recent_failed / len(recent)  # (kept as a count: no sum over the window per call)
             if rate > self.task.max_failure_rate:
