@@ -67,7 +67,7 @@ def main() -> None:
 
     train_step()
     first = offload(trainer.model, trainer.optimizer)
-    first_s = first.seconds
+    first_s, num_mappings = first.seconds, len(first.mappings)
     first_restore_s = restore(first)
     rows: dict[str, list[float]] = {k: [] for k in ("offload_ms", "restore_ms", "restore_faults", "rss_freed_mb",
                                                      "copied_mb", "step_faults_after_swap", "step_faults_no_swap")}  # fmt: skip
@@ -82,7 +82,7 @@ def main() -> None:
         rows["offload_ms"].append(1e3 * state.seconds)
         rows["copied_mb"].append(state.bytes_copied / 1e6)
         rows["step_faults_after_swap"].append(train_step())
-    print(f"state: {first.bytes_moved / 1e6:.2f} MB in {len(first.mappings)} mappings; first swap (copies it "
+    print(f"state: {first.bytes_moved / 1e6:.2f} MB in {num_mappings} mappings; first swap (copies it "
           f"into shared memory): offload {1e3 * first_s:.1f} ms, restore {1e3 * first_restore_s:.1f} ms")  # fmt: skip
     print(f"median of {args.swaps} swaps after it:")
     for key, values in rows.items():
