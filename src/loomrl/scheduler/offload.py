@@ -1,16 +1,21 @@
 """Move a module's state (parameters, gradients, buffers) and an optimizer's state off the
 device and back, bit for bit.
 
-- CPU tensors go to one file (in ``/dev/shm`` when it exists, so it is shared memory) and
-  their storage is freed, so the process's resident memory really falls: restored tensors
-  of 64 KiB or more live in anonymous mappings of their own, unmapped when freed; tensors
-  the allocator holds (a first offload, gradients made since) are handed back by asking
-  glibc to trim (``malloc_trim``).
+- CPU tensors live in shared memory from their first offload on: each is copied once into
+  a ``MAP_SHARED`` mapping of a file (in ``/dev/shm`` when it exists, so tmpfs; unlinked at
+  once, so nothing is left behind if the process dies) and re-homed there, one storage per
+  tensor. An offload then copies nothing: it drops the mapping's pages from the process
+  (``madvise(MADV_DONTNEED)``), so its resident memory really falls while the data stays in
+  the file; a restore maps them back (``MADV_POPULATE_READ``). Only a tensor that is not
+  in such a mapping yet (the first offload, gradients or a weight snapshot made since) is
+  copied, and the heap it leaves is handed back to the OS (``malloc_trim``). A tensor
+  changed in place since the last restore needs nothing either: its memory is the file.
 - CUDA tensors go to pinned host memory, and the CUDA caching allocator releases the
   device memory (``torch.cuda.empty_cache``).
 
 The objects stay the same (``param.data`` is swapped, not the ``Parameter``), so an
-optimizer, hooks and references into the module keep working after ``restore``.
+optimizer, hooks and references into the module keep working after ``restore``. A mapping
+and its tmpfs memory go away with the last tensor that lives in it.
 """
 
 from __future__ import annotations
@@ -20,36 +25,40 @@ import mmap
 import os
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ALIGN = 64  # bytes: every tensor's offset in the offload file
-MAPPED_MIN_BYTES = 64 << 10  # restored tensors this large get an anonymous mapping each
-TRIM_MIN_BYTES = 1 << 20  # heap-allocated bytes offloaded before malloc_trim is worth it
-_MAPPED: set[int] = set()  # data pointers of tensors restored into their own mapping
+ALIGN = 64  # bytes: every tensor's offset in a shared mapping
+TRIM_MIN_BYTES = 1 << 20  # heap bytes copied out by one offload before malloc_trim is worth it
+# Linux >= 5.14. READ, not WRITE: a read fault maps a tmpfs page writable already and maps
+# its neighbours too (fault-around), about 3x faster here than one write fault per page
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# storage data pointer -> the shared mapping that holds it; an entry leaves with its mapping
+_HOMES: dict[int, weakref.ref] = {}
+_populate = {"supported": True}  # cleared where the kernel has no MADV_POPULATE_READ
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # what an offloaded tensor holds
+
 
 @dataclass
 class _Entry:
     kind: str  # param | grad | buffer | optim
     owner: Any  # the Parameter / buffer tensor, or (optimizer state dict, key)
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    offset: int = 0  # in the file (CPU tensors)
-    nbytes: int = 0
+    tensor: torch.Tensor | None = None  # CPU: the tensor itself, in its shared mapping
+    device: torch.device | None = None
     host: torch.Tensor | None = None  # pinned copy (CUDA tensors)
 
 
 @dataclass
 class OffloadedState:
-    """What ``offload`` took away; ``restore`` puts it back and deletes the file."""
+    """What ``offload`` took away; ``restore`` puts it back."""
 
     entries: list[_Entry]
-    path: Path | None
-    bytes_moved: int
+    mappings: list[mmap.mmap]  # the shared mappings whose pages were dropped
+    bytes_moved: int  # bytes taken off the device (out of resident memory on CPU)
+    bytes_copied: int  # of those, bytes copied (not already in a shared mapping)
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,14 +92,6 @@ def _tensors(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_d
                     yield "optim", (state, key), value
 
 
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=t.dtype, device=t.device)
-
-
-def _as_bytes(t: torch.Tensor):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
 def default_offload_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
@@ -103,62 +104,99 @@ def release_freed_memory() -> None:
         pass
 
 
+def shared_mapping(t: torch.Tensor) -> mmap.mmap | None:
+    """The shared mapping ``t``'s storage lives in, if it is one of offload's."""
+    ref = _HOMES.get(t.untyped_storage().data_ptr())
+    return None if ref is None else ref()
+
+
+def _rehome(tensors: list[torch.Tensor], directory: str) -> tuple[mmap.mmap, list[torch.Tensor]]:
+    """Copies of ``tensors`` (CPU) in one new shared mapping, one storage each (so nothing
+    looks shared to safetensors)."""
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-t.nbytes // ALIGN) * ALIGN
+    fd, name = tempfile.mkstemp(prefix="loomrl-offload-", suffix=".bin", dir=directory)
+    try:
+        os.unlink(name)  # the mapping keeps the file's data; the name is not needed
+        os.ftruncate(fd, size)
+        area = mmap.mmap(fd, size)  # MAP_SHARED, read-write
+    finally:
+        os.close(fd)
+    homes = []
+    for t, offset in zip(tensors, offsets):
+        # the storage keeps ``area`` alive; ``area`` unmaps when the last of them is freed
+        home = torch.frombuffer(area, dtype=torch.uint8, count=t.nbytes, offset=offset)
+        home = home.view(t.dtype).view(t.shape).copy_(t)
+        homes.append(home)
+    ptrs = [h.untyped_storage().data_ptr() for h in homes]
+    ref = weakref.ref(area, lambda _ref: [_HOMES.pop(p, None) for p in ptrs])
+    _HOMES.update(dict.fromkeys(ptrs, ref))
+    return area, homes
+
+
 def offload(module: Modules, optimizer: torch.optim.Optimizer | None = None, *, tensor_dicts: list[dict] | None = None,
             directory: str | None = None) -> OffloadedState:  # fmt: skip
     """Take every tensor of ``module`` (one or a list), ``optimizer`` and ``tensor_dicts``
     off its device; returns what ``restore`` needs. Nothing may use them until then."""
     t0 = time.perf_counter()
-    entries: list[_Entry] = []
-    path: Path | None = None
-    f = None
-    moved = 0
-    try:
-        for kind, owner, t in _tensors(module, optimizer, tensor_dicts or []):
-            entry = _Entry(kind, owner, tuple(t.shape), t.dtype, t.device)
-            entry.nbytes = t.numel() * t.element_size()
-            if t.device.type == "cpu":
-                if f is None:
-                    fd, name = tempfile.mkstemp(prefix="loomrl-offload-", suffix=".bin", dir=directory or default_offload_dir())
-                    path, f = Path(name), os.fdopen(fd, "wb")
-                entry.offset = f.tell()
-                f.write(_as_bytes(t).data)
-                f.write(b"\0" * (-entry.nbytes % ALIGN))  # keep every tensor aligned in the file
-            else:
-                entry.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                entry.host.copy_(t, non_blocking=True)
-            moved += entry.nbytes
-            entries.append(entry)
-    finally:
-        if f is not None:
-            f.close()
+    entries, mappings, moved, copied = _take(module, optimizer, tensor_dicts or [], directory or default_offload_dir())
     if any(e.host is not None for e in entries):
         torch.cuda.synchronize()
-    heap_bytes = 0
     for e in entries:
-        if e.device.type == "cpu":
-            ptr = _owner_tensor(e).data_ptr()
-            heap_bytes += 0 if ptr in _MAPPED else e.nbytes
-            _MAPPED.discard(ptr)
         _detach(e)
+    for area in mappings:
+        area.madvise(mmap.MADV_DONTNEED)  # out of this process; the data stays in the file
     if any(e.device.type == "cuda" for e in entries):
         torch.cuda.empty_cache()
-    if heap_bytes >= TRIM_MIN_BYTES:  # tensors the allocator holds (a first offload, new gradients)
+    if copied >= TRIM_MIN_BYTES:  # the heap those tensors left (a first offload, new gradients)
         release_freed_memory()
-    return OffloadedState(entries, path, moved, time.perf_counter() - t0)
+    return OffloadedState(entries, mappings, moved, copied, time.perf_counter() - t0)
 
 
-def _owner_tensor(e: _Entry) -> torch.Tensor:
-    if e.kind in ("param", "buffer"):
-        return e.owner.data
-    if e.kind == "grad":
-        return e.owner.grad
-    state, key = e.owner
-    return state[key]
+def _take(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_dicts: list[dict],
+          directory: str) -> tuple[list[_Entry], list[mmap.mmap], int, int]:  # fmt: skip
+    """The entries, each with its tensor in a shared mapping (CPU) or a pinned copy (CUDA),
+    the mappings they are in, the bytes moved and the bytes copied. The originals of copied
+    tensors are referenced only by their owners when it returns."""
+    entries: list[_Entry] = []
+    mappings: dict[int, mmap.mmap] = {}
+    new: dict[str, list[tuple[_Entry, torch.Tensor]]] = {}  # kind -> CPU tensors to copy
+    moved = copied = 0
+    for kind, owner, t in _tensors(modules, optimizer, tensor_dicts):
+        entry = _Entry(kind, owner, device=t.device)
+        moved += t.nbytes
+        if not t.is_cpu:
+            entry.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            entry.host.copy_(t, non_blocking=True)
+        elif (area := shared_mapping(t)) is not None or t.nbytes == 0:
+            entry.tensor = t  # already in shared memory (or empty): nothing to copy
+            if area is not None:
+                mappings[id(area)] = area
+        else:
+            new.setdefault(kind, []).append((entry, t))
+        entries.append(entry)
+    # one mapping per kind: gradients (and snapshots) come and go, weights and moments stay
+    for pending in new.values():
+        area, homes = _rehome([t for _, t in pending], directory)
+        mappings[id(area)] = area
+        for (entry, t), home in zip(pending, homes):
+            entry.tensor = home
+            copied += t.nbytes
+    return entries, list(mappings.values()), moved, copied
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    key = (t.dtype, t.device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    return _PLACEHOLDERS[key]
 
 
 def _detach(e: _Entry) -> None:
     if e.kind == "param" or e.kind == "buffer":
-        e.owner.data = _placeholder(e.owner.data)
+        e.owner.data = _placeholder(e.owner)
     elif e.kind == "grad":
         e.owner.grad = None
     else:
@@ -176,59 +214,26 @@ def _attach(e: _Entry, t: torch.Tensor) -> None:
         state[key] = t
 
 
+def _populate_pages(area: mmap.mmap) -> None:
+    """Map the pages back now, in one call, rather than one fault at a time in the phase."""
+    if _populate["supported"]:
+        try:
+            area.madvise(MADV_POPULATE_READ)
+        except OSError:  # an older kernel: the phase faults them in, a few pages at a time
+            _populate["supported"] = False
+
+
 def restore(state: OffloadedState) -> float:
-    """Put back what ``offload`` took; returns the seconds it took. CPU tensors get their
-    own storage each (so nothing looks shared to safetensors), filled by one ``preadv``."""
+    """Put back what ``offload`` took; returns the seconds it took."""
     t0 = time.perf_counter()
-    try:
-        restored: list[torch.Tensor] = []
-        views = []
-        for e in state.entries:
-            if e.host is not None:
-                restored.append(e.host.to(e.device, non_blocking=True))
-                continue
-            t = _allocate(e.shape, e.dtype, e.nbytes)
-            restored.append(t)
-            views.append(_as_bytes(t).data)
-            views.append(memoryview(bytearray(-e.nbytes % ALIGN)))  # the padding in the file
-        if state.path is not None:
-            _read_all(state.path, views)
-        for e, t in zip(state.entries, restored):
-            _attach(e, t if e.host is not None or e.device.type == "cpu" else t.to(e.device))
-        if any(e.host is not None for e in state.entries):
-            torch.cuda.synchronize()
-    finally:
-        if state.path is not None:
-            state.path.unlink(missing_ok=True)
-    state.entries = []
+    for area in state.mappings:
+        _populate_pages(area)
+    for e in state.entries:
+        _attach(e, e.host.to(e.device, non_blocking=True) if e.host is not None else e.tensor)
+    if any(e.host is not None for e in state.entries):
+        torch.cuda.synchronize()
+    state.entries, state.mappings = [], []
     return time.perf_counter() - t0
-
-
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    """A restored tensor: the large ones each in an anonymous mapping of their own, so the
-    next offload returns their pages at once (no ``malloc_trim``, which would also make
-    the allocator hand out fresh, faulting pages for the next phase's activations)."""
-    if nbytes < MAPPED_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    area = mmap.mmap(-1, nbytes)
-    t = torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)  # keeps ``area`` alive
-    _MAPPED.add(t.data_ptr())
-    return t
-
-
-def _read_all(path: Path, views: list) -> None:
-    expected = sum(v.nbytes for v in views)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got, start = 0, 0
-        while start < len(views):  # preadv takes at most IOV_MAX buffers per call
-            batch = views[start : start + 1024]
-            got += os.preadv(fd, batch, got)
-            start += len(batch)
-    finally:
-        os.close(fd)
-    if got != expected:
-        raise OSError(f"offload file {path} is short: read {got} of {expected} bytes")
 
 
 class Swappable:
