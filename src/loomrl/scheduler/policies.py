@@ -65,9 +65,9 @@ class PriorityBackfill:
 class FairShare:
     """Weighted fair share by deficit round robin on device-seconds.
 
-    Jobs are visited in registration order, starting after the last one served. A job
-    with positive credit (``deficit_s``) is served; what it then uses (lease time, and
-    swap time it caused) is taken off its credit. When no waiting job has credit, every
+    Of the waiting jobs with positive credit (``deficit_s``), the one with the most credit
+    per weight is served (ties: registration order, starting after the last one served);
+    what it then uses (lease time, and swap time it caused) is taken off its credit. When no waiting job has credit, every
     live job gets ``quantum_s * weight`` per round, as many rounds as it takes for one
     waiting job to have some. Credit is capped at one quantum, so a job cannot bank time while
     it does not ask; debt is kept, so a job that took long phases waits its turn out.
@@ -98,7 +98,10 @@ class FairShare:
                 if j.state == "alive":
                     j.deficit_s = min(j.deficit_s + rounds * self.quantum_s * j.weight, self.quantum_s * j.weight)
                     sched.save(j)
-        chosen = next(j for j in jobs if j.deficit_s > 0)
+        # The most credit per weight first (ties in round-robin order): a job that was away
+        # between phases (a tool call) and returns with credit is served before jobs that
+        # spent theirs, so short-phase jobs with gaps are not left behind by long-phase ones.
+        chosen = max((j for j in jobs if j.deficit_s > 0), key=lambda j: j.deficit_s / j.weight)
         return by_job[chosen.id]
 
     def on_grant(self, job: Job) -> None:
