@@ -68,14 +68,16 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         self.groups: list[Group] = []
         self._min_versions: list[int] = []  # each group's min_version, taken once when it arrives
-        self.num_rollouts = 0
         self._changed = asyncio.Condition()
+
+    @property
+    def num_rollouts(self) -> int:
+        return sum(len(g.rollouts) for g in self.groups)
 
     async def put(self, group: Group) -> None:
         async with self._changed:
             self.groups.append(group)
             self._min_versions.append(group.min_version)
-            self.num_rollouts += len(group.rollouts)
             self._changed.notify_all()
 
     async def take(self, count: int, version: int, on_drop) -> Batch:
@@ -91,7 +93,6 @@ class RolloutBuffer:
                     stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
                     kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
                     self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
-                    self.num_rollouts -= sum(len(g.rollouts) for g in stale)
                     for g in stale:
                         await on_drop(g)
                 if len(self.groups) >= count:
@@ -99,6 +100,5 @@ class RolloutBuffer:
                 await self._changed.wait()
             chosen, self.groups = self.groups[:count], self.groups[count:]
             versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
-            self.num_rollouts -= sum(len(g.rollouts) for g in chosen)
         order = sorted(range(len(chosen)), key=lambda i: (chosen[i].epoch, chosen[i].prompt_index))
         return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order])

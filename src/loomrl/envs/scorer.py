@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import logging
 import threading
 import time
@@ -123,7 +122,6 @@ class Scorer:
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self.failures_by_reason: Counter[str] = Counter()
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
-        self._recent_failed = 0  # failures in ``recent``
         self.last_error: str | None = None
         self.busy_s = 0.0
 
@@ -132,7 +130,6 @@ class Scorer:
         into training's ``rollout/failed_*`` or its failure-rate limit."""
         twin = copy.copy(self)
         twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
-        twin._recent_failed = 0
         return twin
 
     def attach(self, executors: list[Any], fault_stats: Any) -> None:
@@ -190,22 +187,10 @@ class Scorer:
         """Feed outcomes into the failure-rate window; raise if the rate passes the limit.
         Rollouts no scorer could score are the executors' failure, not the reward's: they
         stay out of the window (and their prompt goes out again)."""
-        recent = self.recent
-        outcomes = [r.status == "failed" for r in rollouts]
-        if any(outcomes):
-            outcomes = [failed for failed, r in zip(outcomes, rollouts) if not (failed and lost_by_scorer(r))]
-        if len(outcomes) >= recent.maxlen:
-            recent.clear()
-            recent.extend(outcomes[-recent.maxlen :])
-            self._recent_failed = sum(recent)
-        else:
-            evicted = len(recent) + len(outcomes) - recent.maxlen  # the oldest leave the window
-            if evicted > 0:
-                self._recent_failed -= sum(itertools.islice(recent, evicted))
-            recent.extend(outcomes)
-            self._recent_failed += sum(outcomes)
-        if len(recent) >= min(self.task.failure_window, 32):
-            rate = self._recent_failed / len(recent)  # (kept as a count: no sum over the window per call)
+        self.recent.extend(r.status == "failed" for r in rollouts if not lost_by_scorer(r))
+        min_seen = min(self.task.failure_window, 32)
+        if len(self.recent) >= min_seen:
+            rate = sum(self.recent) / len(self.recent)
             if rate > self.task.max_failure_rate:
                 raise JobFailedError(
                     f"{rate:.0%} of the last {len(self.recent)} rollouts failed scoring "

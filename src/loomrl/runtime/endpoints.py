@@ -15,6 +15,7 @@ a time, in order. An implementation may override the flag by marking its own met
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,19 +52,9 @@ def _spec_of(attr: Any) -> EndpointSpec | None:
     return getattr(attr, _MARK, None)
 
 
+@functools.cache  # looked up once per class: every executor call checks its method against them
 def endpoints_of(interface: type) -> Mapping[str, EndpointSpec]:
-    """The endpoints ``interface`` declares, by name (looked up once per class: every
-    executor call checks its method against them)."""
-    specs = _ENDPOINTS.get(interface)
-    if specs is None:
-        specs = _ENDPOINTS[interface] = MappingProxyType(_find_endpoints(interface))
-    return specs
-
-
-_ENDPOINTS: dict[type, Mapping[str, EndpointSpec]] = {}
-
-
-def _find_endpoints(interface: type) -> dict[str, EndpointSpec]:
+    """The endpoints ``interface`` declares, by name."""
     specs = {}
     for name in dir(interface):
         spec = _spec_of(getattr(interface, name, None))
@@ -71,7 +62,7 @@ def _find_endpoints(interface: type) -> dict[str, EndpointSpec]:
             specs[name] = spec
     if not specs:
         raise TypeError(f"{interface.__name__} declares no @endpoint methods")
-    return specs
+    return MappingProxyType(specs)
 
 
 def _near(name: str, names: list[str]) -> str:
