@@ -41,8 +41,13 @@ class StalenessGate:
 
     async def finish(self, accepted: bool) -> None:
         """A running group ended: delivered to the buffer, or failed/abandoned."""
-        self.running -= 1
-        self.accepted += int(accepted)
+        await self.finish_many(1, int(accepted))
+
+    async def finish_many(self, count: int, accepted: int) -> None:
+        """``count`` running groups ended (one request's), ``accepted`` of them delivered to
+        the buffer: one wake-up of the waiters for all of them."""
+        self.running -= count
+        self.accepted += accepted
         await self._notify()
 
     async def release_accepted(self) -> None:
@@ -75,9 +80,13 @@ class RolloutBuffer:
         return sum(len(g.rollouts) for g in self.groups)
 
     async def put(self, group: Group) -> None:
+        await self.put_many([group])
+
+    async def put_many(self, groups: list[Group]) -> None:
+        """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
         async with self._changed:
-            self.groups.append(group)
-            self._min_versions.append(group.min_version)
+            self.groups.extend(groups)
+            self._min_versions.extend(g.min_version for g in groups)
             self._changed.notify_all()
 
     async def take(self, count: int, version: int, on_drop) -> Batch:

@@ -321,28 +321,34 @@ class Controller(Evaluation, StallWatchdog):
         await self._score_and_put_groups([group])
 
     async def _score_and_put_groups(self, groups: list[Group]) -> None:
-        """Score the groups of one request together (one reward batch), then put each."""
+        """Score the groups of one request together (one reward batch), then put them
+        together (one wake-up of the gate and the trainer per request, not per group)."""
         rollouts = [r for group in groups for r in group.rollouts]
         try:
             await self.scorer.score(rollouts)
-        except BaseException:
+        finally:  # they leave "scoring" just as they enter the buffer (or fail)
             self.scoring_rollouts -= len(rollouts)
-            raise
-        for group in groups:  # each leaves "scoring" just as it enters the buffer
-            self.scoring_rollouts -= len(group.rollouts)
-            await self._put_scored(group)
+        await self._put_scored(groups)
 
-    async def _put_scored(self, group: Group) -> None:
-        failed = [r for r in group.rollouts if r.status == "failed"]
-        self.counters.failed += len(failed)
-        if failed and all(lost_by_scorer(r) for r in group.rollouts):  # scorers lost it, not the reward
-            self.stream.requeue(group.epoch, group.prompt_index)
-            self.faults.requeued_prompts += 1
-        group.rollouts = [r for r in group.rollouts if r.status == "ok"]
-        if group.rollouts:
-            await self.buffer.put(group)
-        await self.gate.finish(accepted=bool(group.rollouts))
-        self.scorer.record_outcomes(failed + group.rollouts)
+    async def _put_scored(self, groups: list[Group]) -> None:
+        outcomes: list[Rollout] = []  # failed and ok, for the failure-rate window
+        kept: list[Group] = []
+        for group in groups:
+            ok = [r for r in group.rollouts if r.status == "ok"]
+            if len(ok) < len(group.rollouts):
+                self.counters.failed += len(group.rollouts) - len(ok)
+                outcomes += [r for r in group.rollouts if r.status != "ok"]
+                if all(lost_by_scorer(r) for r in group.rollouts):  # scorers lost it, not the reward
+                    self.stream.requeue(group.epoch, group.prompt_index)
+                    self.faults.requeued_prompts += 1
+                group.rollouts = ok
+            outcomes += ok
+            if ok:
+                kept.append(group)
+        if kept:
+            await self.buffer.put_many(kept)
+        await self.gate.finish_many(len(groups), len(kept))
+        self.scorer.record_outcomes(outcomes)
 
     async def _on_drop(self, group: Group) -> None:
         self.counters.dropped_stale += len(group.rollouts)

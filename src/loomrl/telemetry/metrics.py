@@ -43,17 +43,21 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], step: int) -> None:
         """``metrics.jsonl`` is written at once (it is what resume and readers trust);
         TensorBoard follows on its thread."""
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
-        if self._tb is not None:  # a snapshot: the caller may change its dict afterwards
-            scalars = [(k, v) for k, v in record.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-            self._tb_queue.put((scalars, step))
+        try:  # the common case, all in C: no value is NaN or infinite
+            line = json.dumps(record, sort_keys=True, allow_nan=False)
+        except ValueError:  # JSON has no NaN or infinity: they are written as null
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            line = json.dumps(clean, sort_keys=True)
+        self._file.write(line + "\n")
+        if self._tb is not None:  # a snapshot (the caller may change its dict afterwards); scalars picked there
+            self._tb_queue.put((record.copy(), step))
 
     def _write_tb(self) -> None:
         failed = False
         while (item := self._tb_queue.get()) is not None:
-            scalars, step = item
+            record, step = item
+            scalars = [(k, v) for k, v in record.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
             try:
                 self._write_step(scalars, step)
             except Exception as err:  # noqa: BLE001 - keep draining; metrics.jsonl has every record
