@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import os
 import threading
@@ -138,15 +140,29 @@ class ExecutorHandle(ABC):
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` there by name; checked against the interface, if any."""
+        self._check(method, args, kwargs)
+        return await self._invoke(method, args, kwargs)
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+        """``call`` as a future (checked the same way, at once), for a caller that watches
+        the call rather than awaits it (``Supervised``): on runtimes whose calls already
+        are futures (threads, processes), no task is made to run it."""
+        self._check(method, args, kwargs)
+        return self._submit(method, args, kwargs)
+
+    def _check(self, method: str, args: tuple, kwargs: dict) -> None:
         if self.interface is not None:
             if method not in endpoints_of(self.interface):
                 raise UnknownEndpointError(str(unknown_endpoint(self.interface, method)))
             bind_arguments(self.interface, method, args, kwargs)
-        return await self._invoke(method, args, kwargs)
 
     @abstractmethod
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``method(*args, **kwargs)`` on the executor and return its result."""
+
+    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+        """``_invoke`` as a future; a runtime whose calls are futures returns them as they are."""
+        return asyncio.ensure_future(self._invoke(method, args, kwargs))
 
     @property
     @abstractmethod

@@ -55,9 +55,12 @@ class LocalHandle(ExecutorHandle):
             self._busy.add(time.perf_counter() - t0)
 
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return await self._submit(method, args, kwargs)
+
+    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         fn = getattr(self.obj, method)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs)
+        return loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs)
 
     @property
     def where(self) -> str:

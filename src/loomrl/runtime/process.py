@@ -217,17 +217,25 @@ class ProcessHandle(ExecutorHandle):
         await asyncio.wrap_future(self._ready)
 
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
-        loop = asyncio.get_running_loop()
         if self._ready.done():  # (wrapping a done future still costs a wake-up of the loop)
-            self._ready.result()
+            self._ready.result()  # a start that failed raises here
         else:
             await asyncio.wrap_future(self._ready)
+        return await self._submit(method, args, kwargs)
+
+    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+        if not self._ready.done() or self._ready.exception() is not None:
+            return asyncio.ensure_future(self._invoke(method, args, kwargs))  # waits, or raises the start's error
+        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, self._call, method, args, kwargs)
+            return loop.run_in_executor(self._pool, self._call, method, args, kwargs)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise
-            raise self._dead or ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed") from err
+            closed = self._dead or ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
+            failed = loop.create_future()
+            failed.set_exception(closed)
+            return failed
 
     @property
     def busy_s(self) -> float:

@@ -210,7 +210,11 @@ class Supervised:
         if not self._queue:
             call.started = time.monotonic()
         self._queue.append(call)
-        inner = asyncio.ensure_future(handle.call(method, *args, **kwargs))
+        try:
+            inner = handle.submit(method, args, kwargs)  # a future: no task of its own
+        except BaseException:
+            self._finished(call)
+            raise
         inner.add_done_callback(lambda _: self._finished(call))
         while True:
             done, _ = await asyncio.wait({inner}, timeout=self.check_s)  # a cancelled caller leaves it running
