@@ -136,6 +136,26 @@ def test_a_factory_that_fails_is_reported_on_the_first_call():
         runtime.shutdown()
 
 
+def test_calls_to_a_closed_or_failed_handle_fail_through_submit_too():
+    """``submit`` (the future ``Supervised`` watches) reports what ``call`` does: a start
+    that failed raises its own error; a closed handle fails with ExecutorDiedError."""
+    runtime = ProcessRuntime()
+    try:
+        broken, closed = runtime.start("b", broken_factory), runtime.start("c", Worker)
+        run(closed.call("pid"))
+        closed.close()
+
+        async def main():
+            with pytest.raises(FileNotFoundError, match="model weights missing"):
+                await broken.submit("pid", (), {})
+            with pytest.raises(ExecutorDiedError, match="'c' .* was closed"):
+                await closed.submit("pid", (), {})
+
+        run(main())
+    finally:
+        runtime.shutdown()
+
+
 def test_a_factory_that_cannot_reach_a_process_is_a_clear_error():
     runtime = ProcessRuntime()
     with pytest.raises(TypeError, match="factory of executor 'w' must pickle"):
