@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loomrl.buffer import RolloutBuffer
+from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.controller import Controller
 from loomrl.data import PromptStream, load_rows
 from loomrl.envs.scorer import JobFailedError, Scorer
@@ -163,6 +163,23 @@ def test_buffer_drops_stale_groups_and_counts_them():
     dropped, taken, staleness = asyncio.run(scenario())
     assert dropped == [0, 2]  # versions 0 and 1 are more than 1 behind version 3
     assert taken == [1, 3, 4] and staleness == [1, 0, 1]
+
+
+def test_a_requests_groups_enter_the_buffer_and_leave_the_gate_together():
+    def group(index):
+        return Group(index, 0, [Rollout(index, [1], [5], [-1.0], [1], 0, reward=1.0)])
+
+    async def scenario():
+        gate, buf = StalenessGate(max_staleness=0, groups_per_step=4), RolloutBuffer(max_staleness=0)
+        started = await gate.acquire(4)
+        take = asyncio.create_task(buf.take(3, version=0, on_drop=None))
+        await asyncio.sleep(0)  # the trainer waits for its batch
+        await buf.put_many([group(2), group(0), group(1)])  # one request's groups (one failed: 3 of 4)
+        await gate.finish_many(4, accepted=3)
+        batch = await take
+        return started, gate.running, gate.accepted, gate.capacity(), [g.prompt_index for g in batch.groups]
+
+    assert asyncio.run(scenario()) == (4, 0, 3, 1, [0, 1, 2])
 
 
 def test_prompt_stream_hands_out_each_prompt_once_per_epoch_and_resumes():

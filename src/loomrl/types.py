@@ -6,6 +6,7 @@ actors without a rewrite.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,7 +96,7 @@ class Group:
 
     @property
     def min_version(self) -> int:
-        return min(r.version for r in self.rollouts)
+        return min(map(operator.attrgetter("version"), self.rollouts))
 
     @property
     def num_failed(self) -> int:
