@@ -15,6 +15,7 @@ waiting nor an executor call) and the CPU time of the controller's whole process
 Repeats each configuration, interleaved, and reports medians.
 
     python bench/async_vs_sync.py --steps 40 --repeats 3 --runtimes local,process
+    python bench/async_vs_sync.py --model "tiny:llama?hidden_size=256&num_layers=2" --max-new-tokens 32
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def run_once(runtime: str, max_staleness: int, args: argparse.Namespace, out: Pa
         "checkpoint.every_steps=100000",
         'data.eval="examples/arithmetic/eval.jsonl"',
         "data.max_eval_examples=8",
+        *([f"generation.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
     ]
     result = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run()
     records = [r for r in read_metrics(out) if "train/loss" in r]
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--async-staleness", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=16)
     parser.add_argument("--model", default="tiny:llama", help="model spec (default: random tiny Llama)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the job's (4)")
     parser.add_argument("--runtimes", default="local,process", help="comma-separated: local, process")
     args = parser.parse_args()
     import logging
