@@ -22,7 +22,7 @@ from loomrl.generation.base import Generator
 from loomrl.models import build_char_tokenizer
 from loomrl.runtime.local import LocalRuntime
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
-from loomrl.training.base import TrainerEndpoints
+from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.types import Completion, GenerationResult, Group, Rollout, WeightsApplied
 
 
@@ -71,11 +71,11 @@ class FakeTrainer(TrainerEndpoints):
         self.version = 0
         self.staleness: list[int] = []
 
-    def train_step(self, groups):
+    def train_step(self, groups, publish=False):
         self.staleness.extend(self.version - g.min_version for g in groups)
         time.sleep(self.delays[self.version % len(self.delays)])
         self.version += 1
-        return {"train/loss": 0.0}
+        return {"train/loss": 0.0, **(self.publish() if publish else {})}
 
     def publish(self, full=False):
         with self.published.lock:
@@ -95,12 +95,13 @@ class FakeTrainer(TrainerEndpoints):
         raise NotImplementedError
 
 
-def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None):
+def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None, trainer_cls=None):
     if reward_path:
         cfg.task.reward = reward_path
     runtime = LocalRuntime()
     published = Published()
-    trainer = runtime.start("trainer", lambda: FakeTrainer(published, train_delays), TrainerEndpoints)
+    trainer_cls = trainer_cls or FakeTrainer
+    trainer = runtime.start("trainer", lambda: trainer_cls(published, train_delays), TrainerEndpoints)
     gens = [runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i), Generator)
             for i in range(cfg.generation.num_generators)]
     rows = load_rows(cfg.data.train)
@@ -109,12 +110,33 @@ def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None):
         cfg, trainer=trainer, generators=gens, scorer=Scorer(cfg.task), tokenizer=build_char_tokenizer(),
         train_rows=rows, eval_rows=[], stream=PromptStream(len(rows), 0), metrics=metrics,
     )
+    run_fake.last = ctl  # (for a test whose run raises)
     try:
         summary = asyncio.run(ctl.run())
     finally:
         metrics.close()
         runtime.shutdown()
     return ctl, trainer.obj, summary
+
+
+class PublishFailsAtStep3(FakeTrainer):
+    def train_step(self, groups, publish=False):
+        if self.version + 1 < 3:
+            return super().train_step(groups, publish)
+        super().train_step(groups)
+        raise PublishAfterStepError("step 3 was trained but publishing it failed: OSError: disk full")
+
+
+def test_a_step_whose_fused_publish_fails_is_counted_before_the_job_fails(tiny_job, tmp_path):
+    cfg = tiny_job(algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 2}, trainer={"num_steps": 6})
+    with pytest.raises(PublishAfterStepError, match="disk full"):
+        run_fake(cfg, tmp_path, [0.0], [0.0], trainer_cls=PublishFailsAtStep3)
+    ctl = run_fake.last
+    # the controller is at the trainer's version (a checkpoint now would match), and the
+    # step's rollouts count as trained, not in flight
+    assert ctl.version == 3 and ctl.published_version == 2
+    c = ctl.counters
+    assert c.trained == 3 * 2 * 2 and c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

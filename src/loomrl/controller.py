@@ -25,6 +25,7 @@ from loomrl.prompt_fit import encode_texts, truncate_ids
 from loomrl.runtime.base import ExecutorHandle
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.training.base import PublishAfterStepError
 from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
 from loomrl.watchdog import StallWatchdog
 
@@ -376,15 +377,20 @@ class Controller(Evaluation, StallWatchdog):
         if batch is None:  # stop requested while waiting for a batch
             return None
         wait_s = time.perf_counter() - t0
-        metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups))
-        rollouts = [r for g in batch.groups for r in g.rollouts]
-        self.counters.trained += len(rollouts)
-        for g in batch.groups:
-            self.stream.mark_trained(g.epoch, g.prompt_index)
-        self.version += 1
-        self._last_step_at, self._drops_since_step = time.monotonic(), 0
-        if self.version % self.cfg.weight_sync.sync_every == 0 or self.version == self.cfg.trainer.num_steps:
-            metrics.update(await self.on_device("weight_sync", self.trainer.publish))
+        step = self.version + 1
+        publish = step % self.cfg.weight_sync.sync_every == 0 or step == self.cfg.trainer.num_steps
+        # Without a scheduler the publish rides in the step's own call (one round trip, not
+        # two); with one, training and weight sync stay device phases of their own.
+        fused = publish and self.leases is None
+        try:
+            metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
+        except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
+            self._count_step(batch)
+            raise
+        rollouts = self._count_step(batch)
+        if publish:
+            if not fused:
+                metrics.update(await self.on_device("weight_sync", self.trainer.publish))
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
@@ -417,6 +423,16 @@ class Controller(Evaluation, StallWatchdog):
             }
         )
         return metrics
+
+    def _count_step(self, batch) -> list[Rollout]:
+        """The trainer took one step on ``batch``: account for it; the batch's rollouts."""
+        rollouts = [r for g in batch.groups for r in g.rollouts]
+        self.counters.trained += len(rollouts)
+        for g in batch.groups:
+            self.stream.mark_trained(g.epoch, g.prompt_index)
+        self.version += 1
+        self._last_step_at, self._drops_since_step = time.monotonic(), 0
+        return rollouts
 
     async def _take_batch(self, count: int):
         """The next batch, or None when a stop is requested first (Ctrl-C must not wait

@@ -12,11 +12,19 @@ from loomrl.runtime.endpoints import endpoint
 from loomrl.types import Group
 
 
+class PublishAfterStepError(RuntimeError):
+    """``train_step(..., publish=True)`` trained the step but could not publish it: the
+    trainer is one version ahead of what the generators may hold."""
+
+
 class TrainerEndpoints(ABC):
     @endpoint
     @abstractmethod
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """One optimizer step on ``groups``; the version grows by one; step metrics."""
+    def train_step(self, groups: list[Group], publish: bool = False) -> dict[str, float]:
+        """One optimizer step on ``groups``; the version grows by one; step metrics.
+        ``publish=True``: then ``publish()`` the new version in the same call (one round
+        trip a step instead of two), its ``weight_sync/*`` metrics with the step's; a
+        publish that fails raises ``PublishAfterStepError`` (the step itself stands)."""
 
     @endpoint
     @abstractmethod

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loomrl.config import JobConfig
 from loomrl.models.loading import load_policy
-from loomrl.training.base import TrainerEndpoints
+from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
@@ -37,8 +37,16 @@ class TrainerExecutor(TrainerEndpoints):
     def version(self) -> int:
         return self.trainer.version
 
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
-        return self.trainer.train_step(groups)
+    def train_step(self, groups: list[Group], publish: bool = False) -> dict[str, float]:
+        metrics = self.trainer.train_step(groups)
+        if publish:
+            try:
+                metrics.update(self.publish())
+            except Exception as err:
+                raise PublishAfterStepError(
+                    f"step {self.trainer.version} was trained but publishing it failed: {type(err).__name__}: {err}"
+                ) from err
+        return metrics
 
     def publish(self, full: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
