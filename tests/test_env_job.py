@@ -37,9 +37,9 @@ def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_jo
     trained: list = []
     real_step = TrainerExecutor.train_step
 
-    def recording_step(self, groups):
+    def recording_step(self, groups, publish=False):
         trained.extend(r for g in groups for r in g.rollouts)
-        return real_step(self, groups)
+        return real_step(self, groups, publish)
 
     monkeypatch.setattr(TrainerExecutor, "train_step", recording_step)
     cfg = tiny_job(task={"reward": None, "environment": "test_env_job:GuessTwice",
