@@ -187,7 +187,7 @@ class Scorer:
         """Feed outcomes into the failure-rate window; raise if the rate passes the limit.
         Rollouts no scorer could score are the executors' failure, not the reward's: they
         stay out of the window (and their prompt goes out again)."""
-        self.recent.extend([r.status != "ok" for r in rollouts if r.status == "ok" or not lost_by_scorer(r)])
+        self.recent.extend([r.status == "failed" for r in rollouts if not lost_by_scorer(r)])
         min_seen = min(self.task.failure_window, 32)
         if len(self.recent) >= min_seen:
             rate = sum(self.recent) / len(self.recent)

@@ -67,9 +67,9 @@ class FairShare:
 
     Of the waiting jobs with positive credit (``deficit_s``), the one with the most credit
     per weight is served (ties: registration order, starting after the last one served);
-    what it then uses (lease time, and swap time it caused) is taken off its credit. When no waiting job has credit, every
-    live job gets ``quantum_s * weight`` per round, as many rounds as it takes for one
-    waiting job to have some. Credit is capped at one quantum, so a job cannot bank time while
+    what it then uses (lease time, and swap time it caused) is taken off its credit. When
+    no waiting job has credit, every live job gets ``quantum_s * weight`` per round, as many
+    rounds as it takes for one waiting job to have some. Credit is capped at one quantum, so a job cannot bank time while
     it does not ask; debt is kept, so a job that took long phases waits its turn out.
     """
 
