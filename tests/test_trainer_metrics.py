@@ -72,3 +72,16 @@ def test_step_phases_are_timed_within_the_step():
     phases = [metrics[f"timing/train_{p}_s"] for p in ("forward", "backward", "optimizer")]
     assert all(p > 0 for p in phases)
     assert sum(phases) <= metrics["timing/train_step_s"]
+
+
+def test_the_fused_optimizer_is_adamw_up_to_rounding_and_can_be_turned_off():
+    weights = {}
+    for fused in (True, False):
+        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, fused_optimizer=fused), 1.0)
+        assert bool(trainer.optimizer.param_groups[0]["fused"]) is fused
+        for _ in range(3):
+            trainer.train_step(_groups())
+        weights[fused] = [p.detach().clone() for p in model.parameters()]
+    diffs = [float((a - b).abs().max()) for a, b in zip(weights[True], weights[False])]
+    assert max(diffs) < 1e-6  # the same update, rounded in another order

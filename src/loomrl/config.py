@@ -127,6 +127,11 @@ class TrainerConfig(_Section):
         True, description="Run each distinct prompt of a micro-batch once and its completions on its "
         "key/value cache (same loss up to float order, far less work with groups of short completions)."
     )
+    fused_optimizer: bool = Field(
+        True, description="AdamW's fused kernel (torch's fused=True, on CPU and CUDA): one op for "
+        "all parameters instead of a dozen per tensor; about 3x faster on the demo model, and "
+        "rounds differently from the per-tensor loop (weights within ~1e-7 after a step)."
+    )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate decay after warmup: to 0 at num_steps for linear/cosine."

@@ -44,31 +44,28 @@ class PrefixBatch:
         return self.prefix_ids.shape[0]
 
 
+def padded_tensor(rows: list[list], width: int, fill, dtype: torch.dtype, left: list[list] | None = None) -> torch.Tensor:
+    """``rows`` right-padded with ``fill`` to ``width`` (after ``left[i]`` when given), as one
+    tensor: one ``torch.tensor`` call for the batch, not a slice assignment per row."""
+    if left is None:
+        return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
+    return torch.tensor([a + row + [fill] * (width - len(a) - len(row)) for a, row in zip(left, rows)], dtype=dtype)
+
+
 def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int) -> PrefixBatch:
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(r.prompt_ids), len(index)) for r in rollouts]
-    prompts = list(index)
-    width = max(len(p) for p in prompts)
-    prefix_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    prefix_attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        prefix_ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
-        prefix_attn[row, : len(p)] = 1
-    n, s = len(rollouts), max(max(len(r.completion_ids) for r in rollouts), 1)
-    suffix_ids = torch.full((n, s), pad_id, dtype=torch.long)
-    suffix_attn = torch.zeros((n, s), dtype=torch.long)
-    target_mask = torch.zeros((n, s), dtype=torch.float32)
-    behaviour = torch.zeros((n, s), dtype=torch.float32)
-    for row, r in enumerate(rollouts):
-        k = len(r.completion_ids)
-        if k:
-            suffix_ids[row, :k] = torch.tensor(r.completion_ids, dtype=torch.long)
-            suffix_attn[row, :k] = 1
-            target_mask[row, :k] = torch.tensor(r.loss_mask, dtype=torch.float32)
-            behaviour[row, :k] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+    prompts = [list(p) for p in index]
+    width = max(map(len, prompts))
+    completions = [r.completion_ids for r in rollouts]
+    s = max(max(map(len, completions)), 1)
+    prefix_attn = padded_tensor([[1] * len(p) for p in prompts], width, 0, torch.long)
     return PrefixBatch(
-        prefix_ids, prefix_attn, prefix_attn.sum(1), torch.tensor(owner), suffix_ids, suffix_attn, target_mask,
-        behaviour, torch.tensor(advantages, dtype=torch.float32), torch.tensor([r.version == version for r in rollouts]),
+        padded_tensor(prompts, width, pad_id, torch.long), prefix_attn, prefix_attn.sum(1), torch.tensor(owner),
+        padded_tensor(completions, s, pad_id, torch.long), padded_tensor([[1] * len(c) for c in completions], s, 0, torch.long),
+        padded_tensor([r.loss_mask for r in rollouts], s, 0.0, torch.float32),
+        padded_tensor([r.behaviour_logprobs for r in rollouts], s, 0.0, torch.float32),
+        torch.tensor(advantages, dtype=torch.float32), torch.tensor([r.version == version for r in rollouts]),
     )
 
 

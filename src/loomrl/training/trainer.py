@@ -14,7 +14,7 @@ from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_sta
 from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
-from loomrl.training.prefix import PrefixBatch, build_prefix_batch, prefix_logits
+from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -37,25 +37,15 @@ class TokenBatch:
 def build_token_batch(
     rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int
 ) -> TokenBatch:
-    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    n = len(rollouts)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    target_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    behaviour = torch.zeros((n, width - 1), dtype=torch.float32)
-    for row, r in enumerate(rollouts):
-        ids = r.prompt_ids + r.completion_ids
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention[row, : len(ids)] = 1
-        start = len(r.prompt_ids) - 1  # logits at position p predict token p + 1
-        end = start + len(r.completion_ids)
-        target_mask[row, start:end] = torch.tensor(r.loss_mask, dtype=torch.float32)
-        behaviour[row, start:end] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+    ids = [r.prompt_ids + r.completion_ids for r in rollouts]
+    width = max(map(len, ids))
+    # Logits at position p predict token p + 1: a completion's targets start one before it.
+    shift = [[0.0] * (len(r.prompt_ids) - 1) for r in rollouts]
     return TokenBatch(
-        input_ids,
-        attention,
-        target_mask,
-        behaviour,
+        padded_tensor(ids, width, pad_id, torch.long),
+        padded_tensor([[1] * len(row) for row in ids], width, 0, torch.long),
+        padded_tensor([r.loss_mask for r in rollouts], width - 1, 0.0, torch.float32, left=shift),
+        padded_tensor([r.behaviour_logprobs for r in rollouts], width - 1, 0.0, torch.float32, left=shift),
         torch.tensor(advantages, dtype=torch.float32),
         torch.tensor([r.version == version for r in rollouts]),
     )
@@ -136,8 +126,11 @@ class Trainer:
         self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
         self._prefix_ok: bool | None = None  # can rows share their prompt's forward (trainer.shared_prefix)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # Fused where torch has the kernel: it also holds the GIL for one call, not one per
+        # tensor, which matters when a generator thread shares it (runtime = "local").
+        fused = trainer.fused_optimizer and self.device.type in ("cpu", "cuda") or None
         self.optimizer = torch.optim.AdamW(
-            params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
+            params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=fused
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         self.reference = None
