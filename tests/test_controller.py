@@ -49,7 +49,7 @@ class FakeGenerator(Generator):
     def load_weights(self, weights):  # pragma: no cover
         raise NotImplementedError
 
-    def generate(self, requests):
+    def generate(self, requests, apply_newest=False):
         with self.published.lock:
             version = self.published.version
         time.sleep(self.delays[self.calls % len(self.delays)])
@@ -137,6 +137,68 @@ def test_a_step_whose_fused_publish_fails_is_counted_before_the_job_fails(tiny_j
     assert ctl.version == 3 and ctl.published_version == 2
     c = ctl.counters
     assert c.trained == 3 * 2 * 2 and c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+
+
+class RecordingTrainer(FakeTrainer):
+    def train_step(self, groups, publish=False):
+        self.groups = getattr(self, "groups", []) + list(groups)
+        return super().train_step(groups, publish)
+
+
+class RecordingGenerator(FakeGenerator):
+    def generate(self, requests, apply_newest=False):
+        with self.published.lock:
+            self.asked = getattr(self, "asked", []) + [(apply_newest, self.published.version)]
+        results = super().generate(requests)
+        for r in results:
+            for c in r.completions:
+                c.text = "t" + "".join(map(str, c.token_ids))
+                c.finish_reason = "stop"
+        return results
+
+
+def test_trained_rollouts_carry_what_the_generator_and_the_dataset_gave(tiny_job, tmp_path):
+    """The controller builds rollouts positionally (speed): each field lands where it belongs."""
+    cfg = tiny_job(algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 3}, trainer={"num_steps": 3})
+    import test_controller as me
+
+    real = me.FakeGenerator
+    me.FakeGenerator = RecordingGenerator
+    try:
+        ctl, trainer, _ = run_fake(cfg, tmp_path, [0.0], [0.0], trainer_cls=RecordingTrainer)
+    finally:
+        me.FakeGenerator = real
+    rows = load_rows(cfg.data.train)
+    tok = build_char_tokenizer()
+    assert len(trainer.groups) == 3 * 2
+    for group in trainer.groups:
+        assert len(group.rollouts) == 3
+        for r in group.rollouts:
+            assert r.prompt_index == group.prompt_index and r.row == rows[r.prompt_index]
+            assert r.prompt == rows[r.prompt_index]["prompt"] and r.prompt_ids == tok(r.prompt).input_ids
+            assert r.completion == "t" + "".join(map(str, r.completion_ids)) and len(r.completion_ids) == 2
+            assert r.behaviour_logprobs == [-1.0, -1.0] and r.loss_mask == [1, 1]
+            assert r.finish_reason == "stop" and r.status == "ok" and r.error is None
+            assert r.reward is not None and 0 <= r.version <= 3 and r.num_turns == 1
+
+
+def test_a_generator_behind_the_published_version_applies_it_in_its_generate_call(tiny_job, tmp_path):
+    cfg = tiny_job(algorithm={"max_staleness": 0, "groups_per_step": 2, "group_size": 2},
+                   generation={"prompts_per_request": 2}, trainer={"num_steps": 4})
+    import test_controller as me
+
+    real = me.FakeGenerator
+    me.FakeGenerator = RecordingGenerator
+    try:
+        ctl, _, _ = run_fake(cfg, tmp_path, [0.0], [0.0])
+    finally:
+        me.FakeGenerator = real
+    asked = ctl.generators[0].obj.asked
+    # synchronous: every training request comes after a new version, so each one asks for
+    # it; none finds the generator already up to date
+    training = asked[: cfg.trainer.num_steps]
+    assert [a for a, _ in training] == [True] * cfg.trainer.num_steps
+    assert [v for _, v in training] == list(range(cfg.trainer.num_steps))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

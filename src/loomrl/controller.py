@@ -14,6 +14,7 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from itertools import chain
 from typing import Any
 
 from loomrl.buffer import RolloutBuffer, StalenessGate
@@ -31,7 +32,7 @@ from loomrl.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-_loss_mask, _reward = operator.attrgetter("loss_mask"), operator.attrgetter("reward")
+_loss_mask, _reward, _status = (operator.attrgetter(a) for a in ("loss_mask", "reward", "status"))
 PROMPT_CACHE_ROWS = 100_000  # training rows whose prompt ids the controller keeps between epochs
 
 
@@ -211,14 +212,12 @@ class Controller(Evaluation, StallWatchdog):
         return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
 
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        # A generator that holds the newest published version has nothing to apply: no call.
+        # A generator behind the newest published version applies it first, in the same
+        # call (one round trip); one that holds it is not asked to look.
         if self._held.get(id(generator), -1) < self.published_version:
-            applied = await generator.apply_weights(max((r.min_version for r in requests), default=0))
-            self._held[id(generator)] = applied.version
-            self._apply_s += applied.apply_s
-            if applied.weight_metrics:
-                self._generator_weight_metrics = applied.weight_metrics
-        results = await generator.generate(requests)
+            results = await generator.generate(requests, apply_newest=True)
+        else:
+            results = await generator.generate(requests)
         for r in results:
             self._apply_s += r.weight_apply_s  # generate's own catch-up, if any
             if r.weight_metrics:
@@ -273,19 +272,11 @@ class Controller(Evaluation, StallWatchdog):
                 row = self.train_rows[index]
                 texts = self._texts(result.completions)
                 prompt_ids, prompt, version = request.prompt_ids, row[self._prompt_key], result.version
+                # Positional (the field order of ``Rollout``): a keyword call costs twice as much,
+                # and this runs for every completion on the loop.
                 rollouts = [
-                    Rollout(
-                        prompt_index=index,
-                        prompt_ids=prompt_ids,
-                        completion_ids=c.token_ids,
-                        behaviour_logprobs=c.logprobs,
-                        loss_mask=[1] * len(c.token_ids),
-                        version=version,
-                        prompt=prompt,
-                        completion=text,
-                        row=row,
-                        finish_reason=c.finish_reason,
-                    )
+                    Rollout(index, prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), version, prompt,
+                            text, row, None, "ok", None, c.finish_reason)
                     for c, text in zip(result.completions, texts)
                 ]
                 self.counters.generated += len(rollouts)
@@ -335,6 +326,13 @@ class Controller(Evaluation, StallWatchdog):
         await self._put_scored(groups)
 
     async def _put_scored(self, groups: list[Group]) -> None:
+        rollouts = list(chain.from_iterable(g.rollouts for g in groups))
+        if set(map(_status, rollouts)) <= {"ok"}:  # the common case, checked at C speed
+            if groups:
+                await self.buffer.put_many(groups)
+            await self.gate.finish_many(len(groups), len(groups))
+            self.scorer.record_ok(len(rollouts))
+            return
         outcomes: list[Rollout] = []  # failed and ok, for the failure-rate window
         kept: list[Group] = []
         for group in groups:

@@ -30,7 +30,7 @@ class GenerationRequest:
     min_version: int = 0  # the generator waits until it holds at least this policy version
 
 
-@dataclass
+@dataclass(slots=True)  # one per completion: cheaper to build and to read
 class Completion:
     token_ids: list[int]  # generated tokens, EOS included when sampled
     logprobs: list[float]  # behaviour log-prob of each sampled token at the sampling temperature
@@ -60,7 +60,7 @@ class WeightsApplied:
 RolloutStatus = Literal["ok", "failed"]
 
 
-@dataclass
+@dataclass(slots=True)  # one per completion: cheaper to build and to read
 class Rollout:
     """One completion (or multi-turn episode) for one prompt, with everything training needs.
 
@@ -86,7 +86,7 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class Group:
     """The G rollouts of one prompt. Advantages are computed within a group."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import operator
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +28,7 @@ from loomrl.types import Rollout
 logger = logging.getLogger(__name__)
 
 ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
+_prompt, _completion, _row = (operator.attrgetter(a) for a in ("prompt", "completion", "row"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
 
@@ -141,7 +143,7 @@ class Scorer:
         if self.fn is None:
             return
         t0 = time.perf_counter()
-        items = [(r.prompt, r.completion, r.row) for r in rollouts]
+        items = list(zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts)))  # (C speed)
         if self.executors:
             outcomes = await self._score_remote(items)
         else:
@@ -188,6 +190,14 @@ class Scorer:
         Rollouts no scorer could score are the executors' failure, not the reward's: they
         stay out of the window (and their prompt goes out again)."""
         self.recent.extend([r.status == "failed" for r in rollouts if not lost_by_scorer(r)])
+        self._check_failure_rate()
+
+    def record_ok(self, count: int) -> None:
+        """``count`` rollouts scored without failure (``record_outcomes`` without a pass over them)."""
+        self.recent.extend([False] * count)
+        self._check_failure_rate()
+
+    def _check_failure_rate(self) -> None:
         min_seen = min(self.task.failure_window, 32)
         if len(self.recent) >= min_seen:
             rate = sum(self.recent) / len(self.recent)

@@ -3,8 +3,8 @@
 Its ``@endpoint`` methods are what the controller calls on a generator's handle. Weights
 arrive through a ``loomrl.weights.receiver.WeightReceiver``, which every engine shares: it
 applies updates to a mirror and hands the engine the tensors they changed
-(``load_weights``). Applying the newest weights is a step of its own (``apply_weights``),
-so a scheduler can wrap it in a lease, apart from ``generate``.
+(``load_weights``). Applying the newest weights is a step of its own (``apply_weights``,
+or ``generate(..., apply_newest=True)`` to save a round trip).
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ class Generator(ABC):
 
     @endpoint
     @abstractmethod
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """One result per request, each with ``request.num_samples`` completions."""
+    def generate(self, requests: list[GenerationRequest], apply_newest: bool = False) -> list[GenerationResult]:
+        """One result per request, each with ``request.num_samples`` completions.
+
+        ``apply_newest=True``: first apply the newest weights the transport holds, as
+        ``apply_weights`` does, in the same call (one round trip, not two); the first
+        result reports the pause (``weight_apply_s``, ``weight_metrics``)."""
 
     @endpoint
     @abstractmethod

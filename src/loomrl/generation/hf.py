@@ -120,9 +120,9 @@ class HFGenerator(Generator):
 
     # -- sampling ------------------------------------------------------------------------
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], apply_newest: bool = False) -> list[GenerationResult]:
         needed = max((r.min_version for r in requests), default=0)
-        applied = self.apply_weights(needed) if needed > self.version or self.version < 0 else None
+        applied = self.apply_weights(needed) if apply_newest or needed > self.version or self.version < 0 else None
         if not requests:
             return []
         results = self._generate_grouped(requests)
