@@ -93,11 +93,11 @@ def test_a_generator_that_dies_leaves_a_checkpoint_of_what_the_trainer_has(tiny_
     calls = {"n": 0}
     real = HFGenerator.generate
 
-    def dying(self, requests):
+    def dying(self, requests, apply_newest=False):
         calls["n"] += 1
         if calls["n"] > 12:
             raise RuntimeError("generator lost its device")
-        return real(self, requests)
+        return real(self, requests, apply_newest)
 
     monkeypatch.setattr(HFGenerator, "generate", dying)
     cfg = tiny_job(trainer={"num_steps": 50}, checkpoint={"every_steps": 100}, data={"eval": None})
