@@ -214,10 +214,8 @@ class Controller(Evaluation, StallWatchdog):
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
         # A generator behind the newest published version applies it first, in the same
         # call (one round trip); one that holds it is not asked to look.
-        if self._held.get(id(generator), -1) < self.published_version:
-            results = await generator.generate(requests, apply_newest=True)
-        else:
-            results = await generator.generate(requests)
+        behind = self._held.get(id(generator), -1) < self.published_version
+        results = await generator.generate(requests, apply_newest=behind)
         for r in results:
             self._apply_s += r.weight_apply_s  # generate's own catch-up, if any
             if r.weight_metrics:
@@ -328,12 +326,19 @@ class Controller(Evaluation, StallWatchdog):
     async def _put_scored(self, groups: list[Group]) -> None:
         rollouts = list(chain.from_iterable(g.rollouts for g in groups))
         if set(map(_status, rollouts)) <= {"ok"}:  # the common case, checked at C speed
-            if groups:
-                await self.buffer.put_many(groups)
-            await self.gate.finish_many(len(groups), len(groups))
-            self.scorer.record_ok(len(rollouts))
-            return
-        outcomes: list[Rollout] = []  # failed and ok, for the failure-rate window
+            kept, outcomes = groups, rollouts
+        else:
+            kept, outcomes = self._drop_failed(groups)
+        if kept:
+            await self.buffer.put_many(kept)
+        await self.gate.finish_many(len(groups), len(kept))
+        self.scorer.record_outcomes(outcomes)
+
+    def _drop_failed(self, groups: list[Group]) -> tuple[list[Group], list[Rollout]]:
+        """Count and remove the failed rollouts of ``groups`` (a prompt no scorer could score
+        goes out again); the groups left with any rollout, and every outcome for the
+        failure-rate window."""
+        outcomes: list[Rollout] = []  # failed and ok
         kept: list[Group] = []
         for group in groups:
             ok = [r for r in group.rollouts if r.status == "ok"]
@@ -347,10 +352,7 @@ class Controller(Evaluation, StallWatchdog):
             outcomes += ok
             if ok:
                 kept.append(group)
-        if kept:
-            await self.buffer.put_many(kept)
-        await self.gate.finish_many(len(groups), len(kept))
-        self.scorer.record_outcomes(outcomes)
+        return kept, outcomes
 
     async def _on_drop(self, group: Group) -> None:
         self.counters.dropped_stale += len(group.rollouts)

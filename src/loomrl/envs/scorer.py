@@ -28,7 +28,7 @@ from loomrl.types import Rollout
 logger = logging.getLogger(__name__)
 
 ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
-_prompt, _completion, _row = (operator.attrgetter(a) for a in ("prompt", "completion", "row"))
+_prompt, _completion, _row, _status = (operator.attrgetter(a) for a in ("prompt", "completion", "row", "status"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
 
@@ -189,15 +189,10 @@ class Scorer:
         """Feed outcomes into the failure-rate window; raise if the rate passes the limit.
         Rollouts no scorer could score are the executors' failure, not the reward's: they
         stay out of the window (and their prompt goes out again)."""
-        self.recent.extend([r.status == "failed" for r in rollouts if not lost_by_scorer(r)])
-        self._check_failure_rate()
-
-    def record_ok(self, count: int) -> None:
-        """``count`` rollouts scored without failure (``record_outcomes`` without a pass over them)."""
-        self.recent.extend([False] * count)
-        self._check_failure_rate()
-
-    def _check_failure_rate(self) -> None:
+        if set(map(_status, rollouts)) <= {"ok"}:  # the common case: no pass in Python
+            self.recent.extend([False] * len(rollouts))
+        else:
+            self.recent.extend([r.status == "failed" for r in rollouts if not lost_by_scorer(r)])
         min_seen = min(self.task.failure_window, 32)
         if len(self.recent) >= min_seen:
             rate = sum(self.recent) / len(self.recent)

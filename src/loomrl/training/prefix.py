@@ -44,12 +44,10 @@ class PrefixBatch:
         return self.prefix_ids.shape[0]
 
 
-def padded_tensor(rows: list[list], width: int, fill, dtype: torch.dtype, left: list[list] | None = None) -> torch.Tensor:
-    """``rows`` right-padded with ``fill`` to ``width`` (after ``left[i]`` when given), as one
-    tensor: one ``torch.tensor`` call for the batch, not a slice assignment per row."""
-    if left is None:
-        return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
-    return torch.tensor([a + row + [fill] * (width - len(a) - len(row)) for a, row in zip(left, rows)], dtype=dtype)
+def padded_tensor(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` right-padded with ``fill`` to ``width``, as one tensor: one ``torch.tensor``
+    call for the batch, not a slice assignment per row."""
+    return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
 
 
 def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int) -> PrefixBatch:

@@ -44,8 +44,8 @@ def build_token_batch(
     return TokenBatch(
         padded_tensor(ids, width, pad_id, torch.long),
         padded_tensor([[1] * len(row) for row in ids], width, 0, torch.long),
-        padded_tensor([r.loss_mask for r in rollouts], width - 1, 0.0, torch.float32, left=shift),
-        padded_tensor([r.behaviour_logprobs for r in rollouts], width - 1, 0.0, torch.float32, left=shift),
+        padded_tensor([a + r.loss_mask for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32),
+        padded_tensor([a + r.behaviour_logprobs for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32),
         torch.tensor(advantages, dtype=torch.float32),
         torch.tensor([r.version == version for r in rollouts]),
     )
@@ -128,7 +128,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Fused where torch has the kernel: it also holds the GIL for one call, not one per
         # tensor, which matters when a generator thread shares it (runtime = "local").
-        fused = trainer.fused_optimizer and self.device.type in ("cpu", "cuda") or None
+        fused = True if trainer.fused_optimizer and self.device.type in ("cpu", "cuda") else None
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=fused
         )
