@@ -8,6 +8,33 @@ from dataclasses import dataclass, field
 from loomrl.types import Group
 
 
+class _Waiters:
+    """Coroutines waiting for a change, woken all at once. The gate and the buffer live on
+    one event loop and change only between awaits, so no lock is needed (an
+    ``asyncio.Condition`` costs a lock and two futures per wait and per wake-up, on the
+    controller's loop, every step)."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self) -> None:
+        self._futures: list[asyncio.Future] = []
+
+    async def wait(self) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._futures.append(future)
+        try:
+            await future
+        finally:  # (a cancelled waiter leaves no future behind)
+            if not future.done():
+                self._futures.remove(future)
+
+    def wake(self) -> None:
+        futures, self._futures = self._futures, []
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
+
+
 class StalenessGate:
     """Admits a new group only while ``accepted + running < (max_staleness + v + 1) * B``.
 
@@ -21,7 +48,7 @@ class StalenessGate:
         self.version = 0
         self.accepted = 0
         self.running = 0
-        self._changed = asyncio.Condition()
+        self._waiters = _Waiters()
 
     def capacity(self) -> int:
         limit = (self.max_staleness + self.version + 1) * self.groups_per_step
@@ -29,15 +56,11 @@ class StalenessGate:
 
     async def acquire(self, wanted: int) -> int:
         """Wait until at least one group may start; start up to ``wanted``; returns how many."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.capacity() > 0)
-            n = min(wanted, self.capacity())
-            self.running += n
-            return n
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        while self.capacity() <= 0:
+            await self._waiters.wait()
+        n = min(wanted, self.capacity())
+        self.running += n
+        return n
 
     async def finish(self, accepted: bool) -> None:
         """A running group ended: delivered to the buffer, or failed/abandoned."""
@@ -48,16 +71,16 @@ class StalenessGate:
         the buffer: one wake-up of the waiters for all of them."""
         self.running -= count
         self.accepted += accepted
-        await self._notify()
+        self._waiters.wake()
 
     async def release_accepted(self) -> None:
         """An accepted group was dropped (stale) instead of trained."""
         self.accepted -= 1
-        await self._notify()
+        self._waiters.wake()
 
     async def set_version(self, version: int) -> None:
         self.version = version
-        await self._notify()
+        self._waiters.wake()
 
 
 @dataclass
@@ -73,7 +96,8 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         self.groups: list[Group] = []
         self._min_versions: list[int] = []  # each group's min_version, taken once when it arrives
-        self._changed = asyncio.Condition()
+        self._waiters = _Waiters()
+        self._interrupted = False
 
     @property
     def num_rollouts(self) -> int:
@@ -84,30 +108,38 @@ class RolloutBuffer:
 
     async def put_many(self, groups: list[Group]) -> None:
         """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
-        async with self._changed:
-            self.groups.extend(groups)
-            self._min_versions.extend(g.min_version for g in groups)
-            self._changed.notify_all()
+        self.groups.extend(groups)
+        self._min_versions.extend(g.min_version for g in groups)
+        self._waiters.wake()
 
-    async def take(self, count: int, version: int, on_drop) -> Batch:
-        """Wait for ``count`` groups fresh enough for ``version``; stale ones go to ``on_drop``.
+    def interrupt(self) -> None:
+        """A ``take`` waiting now or later returns None unless its batch is there already
+        (a stop was requested: Ctrl-C must not wait for a batch that may never come)."""
+        self._interrupted = True
+        self._waiters.wake()
+
+    async def take(self, count: int, version: int, on_drop) -> Batch | None:
+        """Wait for ``count`` groups fresh enough for ``version``; stale ones go to ``on_drop``;
+        None once ``interrupt`` was called.
 
         The batch is ordered by (epoch, prompt index), so a synchronous run's batch does
         not depend on the order in which scoring finished.
         """
-        async with self._changed:
-            while True:
-                oldest = version - self.max_staleness
-                if self._min_versions and min(self._min_versions) < oldest:
-                    stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
-                    kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
-                    self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
-                    for g in stale:
-                        await on_drop(g)
-                if len(self.groups) >= count:
-                    break
-                await self._changed.wait()
-            chosen, self.groups = self.groups[:count], self.groups[count:]
-            versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
+        while True:
+            oldest = version - self.max_staleness
+            if self._min_versions and min(self._min_versions) < oldest:
+                stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
+                kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
+                self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
+                for g in stale:
+                    await on_drop(g)
+                continue  # (on_drop awaited: look again before taking)
+            if len(self.groups) >= count:
+                break
+            if self._interrupted:
+                return None
+            await self._waiters.wait()
+        chosen, self.groups = self.groups[:count], self.groups[count:]
+        versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
         order = sorted(range(len(chosen)), key=lambda i: (chosen[i].epoch, chosen[i].prompt_index))
         return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order])

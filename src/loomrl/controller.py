@@ -124,11 +124,10 @@ class Controller(Evaluation, StallWatchdog):
         """Stopping, failure and watchdog state, and what a resumed run carries over."""
         self._stop = False
         self._failure: BaseException | None = None
-        self._failed = asyncio.Event()
+        self._racing: asyncio.Task | None = None  # the task in _until_failure, cancelled by a failure
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
-        self._stop_event = asyncio.Event()  # wakes a training loop that waits for a batch
         self._last_step_at = time.monotonic()
         self._drops_since_step = 0  # groups dropped as stale since the last completed step
         self.last_checkpoint = version  # a resumed run starts at a checkpoint
@@ -435,18 +434,9 @@ class Controller(Evaluation, StallWatchdog):
         return rollouts
 
     async def _take_batch(self, count: int):
-        """The next batch, or None when a stop is requested first (Ctrl-C must not wait
-        for a batch that may never come)."""
-        take = asyncio.create_task(self.buffer.take(count, self.version, self._on_drop))
-        stop = asyncio.create_task(self._stop_event.wait())
-        try:
-            await asyncio.wait([take, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not take.done():
-                take.cancel()
-                await asyncio.gather(take, return_exceptions=True)
-        return take.result() if not take.cancelled() else None
+        """The next batch, or None when a stop is requested first (``request_stop``
+        interrupts the buffer)."""
+        return await self.buffer.take(count, self.version, self._on_drop)
 
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
@@ -556,7 +546,7 @@ class Controller(Evaluation, StallWatchdog):
         if not self.stop_requested:
             logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
         self.stop_requested = True
-        self._stop_event.set()
+        self.buffer.interrupt()  # wakes a training loop that waits for a batch
 
     def _watch(self, task: asyncio.Task) -> asyncio.Task:
         """Remember the first exception of a background task and wake the training loop."""
@@ -565,21 +555,30 @@ class Controller(Evaluation, StallWatchdog):
             self.scoring.discard(t)
             if not t.cancelled() and t.exception() is not None and self._failure is None:
                 self._failure = t.exception()
-                self._failed.set()
+                if self._racing is not None:  # interrupt the step waiting in _until_failure
+                    self._racing.cancel()
 
         task.add_done_callback(done)
         return task
 
     async def _until_failure(self, coro) -> Any:
-        """Await ``coro`` unless a generation or scoring task fails first; then raise that."""
-        step = asyncio.create_task(coro)
-        failed = asyncio.create_task(self._failed.wait())
-        await asyncio.wait([step, failed], return_when=asyncio.FIRST_COMPLETED)
-        failed.cancel()
+        """Await ``coro`` unless a generation or scoring task fails first; then raise that.
+
+        The failure cancels the task awaiting here (as a task racing ``coro`` would, but
+        without two tasks and a wait on the loop every step)."""
         if self._failure is not None:
-            step.cancel()
+            coro.close()
             raise self._failure
-        return step.result()
+        self._racing = asyncio.current_task()
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self._failure is None:  # a cancel from outside (the run is being torn down)
+                raise
+            self._racing.uncancel()
+            raise self._failure from None
+        finally:
+            self._racing = None
 
     def _emit(self, record: dict[str, Any]) -> None:
         self.metrics.log(record, step=int(record.get("step", self.version)))
