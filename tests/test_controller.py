@@ -266,6 +266,25 @@ def test_a_requests_groups_enter_the_buffer_and_leave_the_gate_together():
     assert asyncio.run(scenario()) == (4, 0, 3, 1, [0, 1, 2])
 
 
+def test_the_gate_wakes_a_waiting_generator_when_a_place_frees_and_a_stop_ends_a_waiting_take():
+    async def scenario():
+        gate, buf = StalenessGate(max_staleness=0, groups_per_step=2), RolloutBuffer(max_staleness=0)
+        await gate.acquire(2)
+        waiting = asyncio.create_task(gate.acquire(2))
+        await gate.finish_many(2, accepted=2)  # all accepted: no place frees until the step
+        for _ in range(3):
+            await asyncio.sleep(0)
+        blocked = not waiting.done()
+        await gate.set_version(1)  # the step opens two places
+        started = await asyncio.wait_for(waiting, 1.0)
+        take = asyncio.create_task(buf.take(2, version=1, on_drop=None))
+        await asyncio.sleep(0)
+        buf.interrupt()  # Ctrl-C while the trainer waits for a batch that will not come
+        return blocked, started, await asyncio.wait_for(take, 1.0)
+
+    assert asyncio.run(scenario()) == (True, 2, None)
+
+
 def test_prompt_stream_hands_out_each_prompt_once_per_epoch_and_resumes():
     stream = PromptStream(10, seed=3)
     got = [stream.next() for _ in range(6)]

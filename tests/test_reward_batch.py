@@ -98,3 +98,39 @@ def test_a_batch_after_cancelled_hung_ones_still_gets_a_worker():
     finally:
         release.set()
     assert results[0][0] == 1.0 and elapsed < 2.0
+
+
+def test_a_fast_reward_runs_later_batches_on_one_worker_and_a_slow_one_stays_split(monkeypatch):
+    """Waking four workers costs more than a batch of microsecond rewards: once a function
+    is known to be fast its batches go to one worker; one that waits keeps every worker."""
+    from loomrl.envs import reward as reward_module
+
+    submitted: list[int] = []  # worker runs handed out, per batch
+    submit = reward_module._REWARD_THREADS.submit
+
+    def counting_submit(task):
+        submitted[-1] += 1
+        submit(task)
+
+    monkeypatch.setattr(reward_module._REWARD_THREADS, "submit", counting_submit)
+
+    def fast(prompt, completion, **row):
+        return 1.0
+
+    for _ in range(3):
+        submitted.append(0)
+        results = asyncio.run(call_reward_batch(fast, [("p", str(i), {}) for i in range(64)], timeout_s=5.0))
+        assert [v for v, _ in results] == [1.0] * 64
+    assert submitted == [reward_module._REWARD_THREADS.size, 1, 1]
+
+    def slow(prompt, completion, **row):
+        time.sleep(0.05)
+        return 1.0
+
+    for _ in range(2):  # the second batch, with the function's timings known, still runs side by side
+        submitted.append(0)
+        t0 = time.monotonic()
+        results = asyncio.run(call_reward_batch(slow, [("p", str(i), {}) for i in range(16)], timeout_s=5.0))
+        assert [v for v, _ in results] == [1.0] * 16
+        assert time.monotonic() - t0 < 0.6  # 16 x 0.05 s one after another would take 0.8 s
+    assert submitted[-1] == reward_module._REWARD_THREADS.size

@@ -71,16 +71,22 @@ class StalenessGate:
         the buffer: one wake-up of the waiters for all of them."""
         self.running -= count
         self.accepted += accepted
-        self._waiters.wake()
+        self._wake_if_open()
 
     async def release_accepted(self) -> None:
         """An accepted group was dropped (stale) instead of trained."""
         self.accepted -= 1
-        self._waiters.wake()
+        self._wake_if_open()
 
     async def set_version(self, version: int) -> None:
         self.version = version
-        self._waiters.wake()
+        self._wake_if_open()
+
+    def _wake_if_open(self) -> None:
+        # Only when a group may start: a request whose groups were all accepted frees no
+        # place, and waking the generation loop for nothing costs it a turn on the loop.
+        if self.capacity() > 0:
+            self._waiters.wake()
 
 
 @dataclass

@@ -101,6 +101,27 @@ class DaemonThreads:
 
 _REWARD_THREADS = DaemonThreads()
 
+# A batch expected to take less than this runs on one worker: waking each further worker
+# (and the loop once per chunk) costs more than the split saves. Per reward function, the
+# running mean of its item seconds; a function not seen yet is split across the workers.
+PARALLEL_MIN_S = 0.002
+_item_seconds: dict[Any, float] = {}
+
+
+def _chunk_count(fn: Callable[..., Any], n: int) -> int:
+    per_item = _item_seconds.get(fn)
+    if per_item is not None and per_item * n < PARALLEL_MIN_S:
+        return 1
+    return min(n, _REWARD_THREADS.size)
+
+
+def _observe_item_seconds(fn: Callable[..., Any], outcomes: dict[int, tuple[str, Any, float]]) -> None:
+    if not outcomes:
+        return
+    mean = sum(seconds for _, _, seconds in outcomes.values()) / len(outcomes)
+    old = _item_seconds.get(fn)
+    _item_seconds[fn] = mean if old is None else 0.8 * old + 0.2 * mean
+
 
 async def call_reward(
     fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], timeout_s: float
@@ -154,10 +175,15 @@ async def call_reward_batch(
              for prompt, completion, row in items]
     outcomes: dict[int, tuple[str, Any, float]] = {}
     # Contiguous chunks, one per worker: rewards that release the GIL (I/O, subprocesses,
-    # numpy) still run side by side, and the loop wakes once per chunk, not per item.
-    chunks = min(len(calls), _REWARD_THREADS.size)
+    # numpy) still run side by side, and the loop wakes once per chunk, not per item. A
+    # function whose batches take microseconds runs a batch on one worker.
+    chunks = _chunk_count(fn, len(calls))
     bounds = [(len(calls) * k // chunks, len(calls) * (k + 1) // chunks) for k in range(chunks)]
-    await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
+    if chunks == 1:
+        await _run_chunk(fn, calls, 0, len(calls), outcomes, timeout_s)
+    else:
+        await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
+    _observe_item_seconds(fn, outcomes)
     results: list[tuple[float | RewardFailure, float]] = []
     for i in range(len(calls)):
         status, value, seconds = outcomes[i]
