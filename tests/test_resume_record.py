@@ -56,6 +56,27 @@ def test_tensorboard_gets_every_scalar_of_a_record_at_its_step(tmp_path):
                        ("train/loss", 2): 0.25}  # fmt: skip
 
 
+def test_metrics_are_written_off_the_caller_flush_waits_for_them_and_a_failed_write_is_raised(tmp_path):
+    """The controller's loop only queues a record; ``flush`` (before every checkpoint) and
+    ``close`` wait until it is in metrics.jsonl, and a write that failed is not silent."""
+    from loomrl.telemetry.metrics import MetricsLogger
+
+    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    record = {"step": 1, "train/loss": float("nan")}
+    metrics.log(record, step=1)
+    record["step"] = 99  # the caller may change its dict afterwards: the logged one is a snapshot
+    metrics.flush()
+    assert read_metrics(tmp_path) == [{"step": 1, "train/loss": None}]  # (NaN is null in JSON)
+    metrics._file.close()  # the file goes away under the writer
+    metrics.log({"step": 2}, step=2)
+    with pytest.raises(OSError, match="could not write"):
+        metrics.flush()
+    with pytest.raises(OSError, match="could not write"):
+        metrics.log({"step": 3}, step=3)
+    metrics._file = (tmp_path / "other.jsonl").open("a")
+    metrics.close()
+
+
 def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job):
     first = Job(tiny_job(trainer={"num_steps": 3}, checkpoint={"every_steps": 2, "keep": 5})).run()
     run = first.run_dir

@@ -392,6 +392,7 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
     checkpoint_root = run_dir / "checkpoints"
 
     async def checkpoint(step: int) -> None:
+        controller.metrics.flush()  # the record up to here is on disk before the checkpoint is
         extra = {"controller": controller.state_dict(), "rng": rng_state(), "config": json.loads(cfg.to_json())}
         await controller.on_device(
             "checkpoint", lambda: trainer.save_checkpoint(str(checkpoint_root), step, extra, cfg.checkpoint.keep))
