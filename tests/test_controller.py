@@ -380,3 +380,24 @@ def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
         c._encode_train_prompts(picks)
         assert all(c._prompt_ids[i] == [1, i + 1] for i in picks)
         assert len(c._prompt_ids) <= 3
+
+
+def test_rollouts_and_completions_pickle_and_copy_field_for_field():
+    """They cross process boundaries every step, pickled by their fields (not dataclasses'
+    slower getstate): every field, in order, must come back."""
+    import copy
+    import pickle
+
+    from loomrl.types import Completion
+
+    row = {"prompt": "1+2=", "answer": "3"}
+    rollout = Rollout(7, [1, 2], [5, 2], [-0.5, -0.25], [1, 0], 3, "1+2=", "3", row, 1.0, "failed", "boom",
+                      "length", 2, {"episode_s": 0.5})  # fmt: skip
+    completion = Completion([5, 2], [-0.5, -0.25], "length", "3")
+    for thing in (rollout, completion, Group(7, 1, [rollout])):
+        for back in (pickle.loads(pickle.dumps(thing, protocol=5)), copy.deepcopy(thing)):
+            assert type(back) is type(thing) and back == thing and back is not thing
+    shallow = copy.copy(rollout)
+    assert shallow == rollout and shallow.row is rollout.row
+    twins = pickle.loads(pickle.dumps([rollout, rollout]))
+    assert twins[0] is twins[1]  # (memoized: a group's shared row and prompt pickle once)

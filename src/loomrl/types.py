@@ -7,8 +7,24 @@ actors without a rewrite.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+
+def _pickled_by_fields(cls: type) -> type:
+    """Pickle instances as (class, fields in order), rebuilt by the positional __init__.
+
+    A slotted dataclass otherwise pickles through dataclasses' Python-level
+    ``__getstate__``/``__setstate__``: 128 rollouts took 0.43 ms to pickle and 0.44 ms to
+    unpickle, against 0.24 and 0.18 ms this way, once on the controller and once in the
+    trainer (on its critical path) every step of the ``process`` and ``ray`` runtimes."""
+    get = operator.attrgetter(*(f.name for f in fields(cls)))
+
+    def __reduce__(self):  # noqa: N807 - the pickle protocol's name
+        return type(self), get(self)
+
+    cls.__reduce__ = __reduce__
+    return cls
 
 
 @dataclass
@@ -30,6 +46,7 @@ class GenerationRequest:
     min_version: int = 0  # the generator waits until it holds at least this policy version
 
 
+@_pickled_by_fields
 @dataclass(slots=True)  # one per completion: cheaper to build and to read
 class Completion:
     token_ids: list[int]  # generated tokens, EOS included when sampled
@@ -60,6 +77,7 @@ class WeightsApplied:
 RolloutStatus = Literal["ok", "failed"]
 
 
+@_pickled_by_fields
 @dataclass(slots=True)  # one per completion: cheaper to build and to read
 class Rollout:
     """One completion (or multi-turn episode) for one prompt, with everything training needs.
@@ -86,6 +104,7 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@_pickled_by_fields
 @dataclass(slots=True)
 class Group:
     """The G rollouts of one prompt. Advantages are computed within a group."""
