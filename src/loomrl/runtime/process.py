@@ -145,6 +145,37 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
             return
 
 
+def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
+    with one ``call_soon_threadsafe``. (``run_in_executor`` chains a concurrent future to an
+    asyncio one: two futures, their callbacks and a state copy on the loop, every call.)
+    The pool must run every item it accepts (it is never shut down with ``cancel_futures``)."""
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome, value = _set_result, fn(*args)
+        except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
+            outcome, value = _set_exception, err
+        try:
+            loop.call_soon_threadsafe(outcome, future, value)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    pool.submit(run)
+    return future
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():  # (a caller may have cancelled it)
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, err: BaseException) -> None:
+    if not future.done():
+        future.set_exception(err)
+
+
 class ProcessHandle(ExecutorHandle):
     def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, interface: type | None = None) -> None:
         self.name, self.factory = name, factory
@@ -228,7 +259,7 @@ class ProcessHandle(ExecutorHandle):
             return asyncio.ensure_future(self._invoke(method, args, kwargs))  # waits, or raises the start's error
         loop = asyncio.get_running_loop()
         try:
-            return loop.run_in_executor(self._pool, self._call, method, args, kwargs)
+            return _on_thread(loop, self._pool, self._call, method, args, kwargs)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise
