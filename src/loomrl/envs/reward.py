@@ -179,10 +179,7 @@ async def call_reward_batch(
     # function whose batches take microseconds runs a batch on one worker.
     chunks = _chunk_count(fn, len(calls))
     bounds = [(len(calls) * k // chunks, len(calls) * (k + 1) // chunks) for k in range(chunks)]
-    if chunks == 1:
-        await _run_chunk(fn, calls, 0, len(calls), outcomes, timeout_s)
-    else:
-        await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
+    await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
     _observe_item_seconds(fn, outcomes)
     results: list[tuple[float | RewardFailure, float]] = []
     for i in range(len(calls)):
