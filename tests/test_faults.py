@@ -133,6 +133,35 @@ def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
     assert hung.killed and stats.hung_kills == 1 and stats.restarts["scorer"] == 1
 
 
+def test_the_deadline_check_survives_a_closed_loop_and_a_cancelled_caller_leaves_its_call_running():
+    runtime = FakeRuntime()
+    handle = FakeHandle("generator0", factory=lambda: None, delay=0.0)
+    runtime.handles.append(handle)
+    stats = FaultStats()
+    slot = _slot(runtime, handle, stats)
+
+    async def quick():  # ends long before the check it armed (0.5 s) fires: that loop closes armed
+        return await slot.generate([0])
+
+    assert asyncio.run(quick()) == ("generate", ([0],))
+
+    async def cancel_then_hang():
+        waiting = asyncio.ensure_future(slot.generate([1], seconds=0.3))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # the cancelled call still runs (0.3 s): the next one waits behind it, uncounted, and
+        # then runs past its own deadline (0.5 s) on this new loop, where it is caught
+        with pytest.raises(ExecutorLostError, match="ran past its deadline of 0.5 s"):
+            await slot.generate([2], seconds=30.0)
+
+    t0 = time.monotonic()
+    asyncio.run(cancel_then_hang())
+    assert time.monotonic() - t0 < 5.0
+    assert handle.killed and stats.hung_kills == 1 and runtime.started == 1
+
+
 def test_waiting_behind_other_calls_does_not_count_against_a_deadline():
     runtime = FakeRuntime()
     stats = FaultStats()

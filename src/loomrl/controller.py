@@ -32,7 +32,7 @@ from loomrl.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-_loss_mask, _reward, _status = (operator.attrgetter(a) for a in ("loss_mask", "reward", "status"))
+_loss_mask, _reward, _status, _text = (operator.attrgetter(a) for a in ("loss_mask", "reward", "status", "text"))
 PROMPT_CACHE_ROWS = 100_000  # training rows whose prompt ids the controller keeps between epochs
 
 
@@ -97,6 +97,7 @@ class Controller(Evaluation, StallWatchdog):
         self._prompt_key = cfg.data.prompt_key
         self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
+        self._eval_prompt_ids: list[list[int]] | None = None  # the eval rows' prompt tokens, at the first eval
         if env_factory is None and len(train_rows) <= PROMPT_CACHE_ROWS:
             # The whole dataset in one batch now (as a trainer tokenizes its dataset before it
             # starts), not a few prompts per request on the loop while the executors run.
@@ -167,9 +168,6 @@ class Controller(Evaluation, StallWatchdog):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
-    def _encode_prompt(self, text: str) -> list[int]:
-        return truncate_ids(self._encode(text), self.max_prompt_tokens, self.tokenizer.bos_token_id)
-
     def _encode_train_prompts(self, indices: list[int]) -> None:
         """Encode the training rows' prompts not encoded yet, in one tokenizer call; each is
         encoded once per run (epochs and groups share the ids; nothing downstream changes
@@ -200,8 +198,9 @@ class Controller(Evaluation, StallWatchdog):
 
     def _texts(self, completions: list) -> list[str]:
         """The completions' text: the engine's own detokenization, else decoded here."""
-        if all(c.text is not None for c in completions):
-            return [c.text for c in completions]
+        texts = list(map(_text, completions))
+        if None not in texts:  # (identity first: no Python frame per completion)
+            return texts
         return self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
 
     async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:

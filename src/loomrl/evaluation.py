@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from loomrl.prompt_fit import encode_texts, truncate_ids
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.types import GenerationRequest, Rollout, SamplingParams
 
@@ -38,8 +39,7 @@ class Evaluation:
         if self.env_factory is not None:
             rollouts = await self._evaluate_episodes(greedy)
         else:
-            requests = [GenerationRequest(self._encode_prompt(r[self._prompt_key]), 1, greedy, 0, self.published_version)
-                        for r in self.eval_rows]  # fmt: skip
+            requests = [GenerationRequest(ids, 1, greedy, 0, self.published_version) for ids in self._eval_prompts()]
             results = await self._generate(self.generators[0], requests)
             rollouts = [
                 Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
@@ -64,6 +64,15 @@ class Evaluation:
                            "first error: %s", record["eval/version"], record["eval/num_failed"], len(rollouts), last)  # fmt: skip
         self.eval_history.append(record)
         return record
+
+    def _eval_prompts(self) -> list[list[int]]:
+        """The held-out prompts' ids, encoded in one tokenizer call at the first evaluation
+        and kept (every evaluation asks the same prompts)."""
+        if self._eval_prompt_ids is None:
+            encoded = encode_texts(self.tokenizer, [r[self._prompt_key] for r in self.eval_rows])
+            self._eval_prompt_ids = [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+                                     for ids in encoded]  # fmt: skip
+        return self._eval_prompt_ids
 
     async def _evaluate_episodes(self, greedy: SamplingParams) -> list[Rollout]:
         from loomrl.envs.episode import run_group_episodes

@@ -44,6 +44,13 @@ class CallTracker:
             return [(i, m, now - t0) for i, (m, t0) in self._running.items()]
 
 
+def then(future: asyncio.Future, on_done: Callable[[], None] | None) -> asyncio.Future:
+    """``future``, with ``on_done()`` run when it is done (if given)."""
+    if on_done is not None:
+        future.add_done_callback(lambda _: on_done())
+    return future
+
+
 class UnknownEndpointError(AttributeError):
     """A handle was asked for a method its interface does not declare."""
 
@@ -142,12 +149,15 @@ class ExecutorHandle(ABC):
         self._check(method, args, kwargs)
         return await self._invoke(method, args, kwargs)
 
-    def submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+    def submit(self, method: str, args: tuple, kwargs: dict,
+               on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
         """``call`` as a future (checked the same way, at once), for a caller that watches
         the call rather than awaits it (``Supervised``): on runtimes whose calls already
-        are futures (threads, processes), no task is made to run it."""
+        are futures (threads, processes), no task is made to run it. ``on_done()`` runs on
+        the loop when the call ends, just after the future is resolved (on ``process`` in
+        the same callback: no turn of the loop of its own)."""
         self._check(method, args, kwargs)
-        return self._submit(method, args, kwargs)
+        return self._submit(method, args, kwargs, on_done)
 
     def _check(self, method: str, args: tuple, kwargs: dict) -> None:
         if self.interface is not None:
@@ -159,9 +169,10 @@ class ExecutorHandle(ABC):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``method(*args, **kwargs)`` on the executor and return its result."""
 
-    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+    def _submit(self, method: str, args: tuple, kwargs: dict,
+                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
         """``_invoke`` as a future; a runtime whose calls are futures returns them as they are."""
-        return asyncio.ensure_future(self._invoke(method, args, kwargs))
+        return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)
 
     @property
     @abstractmethod

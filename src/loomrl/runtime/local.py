@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime
+from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime, then
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
 
 CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
@@ -57,10 +57,11 @@ class LocalHandle(ExecutorHandle):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+    def _submit(self, method: str, args: tuple, kwargs: dict,
+                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
         fn = getattr(self.obj, method)
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs)
+        return then(loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs), on_done)
 
     @property
     def where(self) -> str:

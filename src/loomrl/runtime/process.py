@@ -39,6 +39,7 @@ from loomrl.runtime.base import (
     ExecutorHandle,
     RemoteError,
     Runtime,
+    then,
 )
 from loomrl.runtime.endpoints import check_implements
 
@@ -145,11 +146,14 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
             return
 
 
-def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, on_done: Callable[[], None] | None,
+               fn: Callable[..., Any], *args: Any) -> asyncio.Future:  # fmt: skip
     """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
-    with one ``call_soon_threadsafe``. (``run_in_executor`` chains a concurrent future to an
-    asyncio one: two futures, their callbacks and a state copy on the loop, every call.)
-    The pool must run every item it accepts (it is never shut down with ``cancel_futures``)."""
+    with one ``call_soon_threadsafe``, in which ``on_done()`` runs too (a done callback
+    would take a turn of the loop of its own). (``run_in_executor`` chains a concurrent
+    future to an asyncio one: two futures, their callbacks and a state copy on the loop,
+    every call.) The pool must run every item it accepts (it is never shut down with
+    ``cancel_futures``)."""
     future = loop.create_future()
 
     def run() -> None:
@@ -158,7 +162,7 @@ def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, fn: Ca
         except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
             outcome, value = _set_exception, err
         try:
-            loop.call_soon_threadsafe(outcome, future, value)
+            loop.call_soon_threadsafe(outcome, future, value, on_done)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for it
             pass
 
@@ -166,14 +170,18 @@ def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, fn: Ca
     return future
 
 
-def _set_result(future: asyncio.Future, value: Any) -> None:
+def _set_result(future: asyncio.Future, value: Any, on_done: Callable[[], None] | None) -> None:
     if not future.done():  # (a caller may have cancelled it)
         future.set_result(value)
+    if on_done is not None:
+        on_done()
 
 
-def _set_exception(future: asyncio.Future, err: BaseException) -> None:
+def _set_exception(future: asyncio.Future, err: BaseException, on_done: Callable[[], None] | None) -> None:
     if not future.done():
         future.set_exception(err)
+    if on_done is not None:
+        on_done()
 
 
 class ProcessHandle(ExecutorHandle):
@@ -254,19 +262,20 @@ class ProcessHandle(ExecutorHandle):
             await asyncio.wrap_future(self._ready)
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+    def _submit(self, method: str, args: tuple, kwargs: dict,
+                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
         if not self._ready.done() or self._ready.exception() is not None:
-            return asyncio.ensure_future(self._invoke(method, args, kwargs))  # waits, or raises the start's error
+            return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)  # waits, or raises the start's error
         loop = asyncio.get_running_loop()
         try:
-            return _on_thread(loop, self._pool, self._call, method, args, kwargs)
+            return _on_thread(loop, self._pool, on_done, self._call, method, args, kwargs)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise
             closed = self._dead or ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
             failed = loop.create_future()
             failed.set_exception(closed)
-            return failed
+            return then(failed, on_done)
 
     @property
     def busy_s(self) -> float:

@@ -155,6 +155,9 @@ class Supervised:
         self._queue: deque[_Queued] = deque()  # calls submitted and not returned, in order
         self._serving = asyncio.Event()
         self._serving.set()
+        # The loop a deadline check is armed on (checks run every check_s while calls are queued);
+        # a loop, not a flag, so a check left armed on a closed loop does not stop later ones.
+        self._deadline_loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the controller reads off a handle
     @property
@@ -206,22 +209,27 @@ class Supervised:
         """The call, watched: it is hung when it has *run* (not waited behind the calls
         before it: an executor runs its calls one at a time, in order) past its deadline."""
         key = call_key(method, args)
-        call = _Queued(key, self.deadlines.limit(self.role, key))
+        loop = asyncio.get_running_loop()
+        call = _Queued(key, self.deadlines.limit(self.role, key), loop.create_future())
         if not self._queue:
             call.started = time.monotonic()
         self._queue.append(call)
         try:
-            inner = handle.submit(method, args, kwargs)  # a future: no task of its own
+            inner = handle.submit(method, args, kwargs, lambda: self._finished(call))  # a future: no task of its own
         except BaseException:
             self._finished(call)
             raise
-        inner.add_done_callback(lambda _: self._finished(call))
+        if self._deadline_loop is not loop:  # one timer per executor while it has calls, not one per call
+            self._deadline_loop = loop
+            loop.call_later(self.check_s, self._check_deadline)
         while True:
-            done, _ = await asyncio.wait({inner}, timeout=self.check_s)  # a cancelled caller leaves it running
-            if done:
+            # Woken by the call's end or by the deadline check; a cancelled caller cancels only
+            # its wake-up, and the call runs on.
+            hung = await call.woken
+            if hung is None or inner.done():
                 break
-            hung = self._hung_head()
-            if hung is not None and self.incarnation == incarnation:
+            call.woken = loop.create_future()  # (if another call heals it first)
+            if self.incarnation == incarnation:
                 await self._heal(handle, incarnation, ExecutorHungError(
                     f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
                     f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
@@ -245,6 +253,21 @@ class Supervised:
             self._queue.remove(call)
         if self._queue and self._queue[0].started is None:
             self._queue[0].started = now
+        if not call.woken.done():
+            call.woken.set_result(None)
+
+    def _check_deadline(self) -> None:
+        """Every ``check_s`` while calls are queued: a running call past its deadline wakes
+        every caller waiting on this executor (each heals it, or finds it healed)."""
+        loop, self._deadline_loop = self._deadline_loop, None
+        hung = self._hung_head()
+        if hung is not None:
+            for call in self._queue:
+                if not call.woken.done():
+                    call.woken.set_result(hung)
+        if self._queue and loop is not None and not loop.is_closed():
+            self._deadline_loop = loop
+            loop.call_later(self.check_s, self._check_deadline)
 
     def _hung_head(self) -> _Queued | None:
         """The running call, if it has run past its deadline."""
@@ -308,12 +331,14 @@ class Supervised:
 
 
 class _Queued:
-    """One call in an executor's queue: its deadline key and limit, when it started running."""
+    """One call in an executor's queue: its deadline key and limit, when it started running,
+    and the future its caller waits on."""
 
-    __slots__ = ("key", "limit", "started", "ran_s")
+    __slots__ = ("key", "limit", "started", "ran_s", "woken")
 
-    def __init__(self, key: tuple[str, int], limit: float | None) -> None:
+    def __init__(self, key: tuple[str, int], limit: float | None, woken: asyncio.Future) -> None:
         self.key, self.limit = key, limit
+        self.woken = woken  # resolved with None when the call ends, with the hung call when one is
         self.started: float | None = None
         self.ran_s = 0.0
 
