@@ -115,10 +115,23 @@ def record_key() -> str:
     """What decides the floating-point order of these runs, so one record per kind of
     machine: torch's CPU kernel level and build. An AVX-512 machine writes the AVX2 record
     too, with ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2`` (the code paths an
-    AVX2-only CPU takes; that reproduced an AMD machine's runs bit for bit)."""
+    AVX2-only CPU takes; that reproduced an AMD machine's runs bit for bit).
+
+    A CPU with AMX tiles (Intel Sapphire Rapids and later) gets records of its own: there
+    MKL and oneDNN pick other fp32 kernels, and neither the AVX-512 record nor the AVX2 one
+    (with the variables above, or ``MKL_CBWR``) was reproduced."""
     import torch
 
-    return f"{torch.backends.cpu.get_cpu_capability()} torch {torch.__version__}"
+    amx = " AMX" if "amx_tile" in _cpu_flags() else ""
+    return f"{torch.backends.cpu.get_cpu_capability()}{amx} torch {torch.__version__}"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: the kernel level alone names the record
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
 def main() -> None:
