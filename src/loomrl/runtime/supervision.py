@@ -130,7 +130,7 @@ class Supervised:
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
-    check_s = 0.5  # how often a waiting call looks whether the running one is past its deadline
+    check_s = 0.5  # how often one check per executor looks whether its running call is past its deadline
 
     def __init__(
         self,
