@@ -79,6 +79,13 @@ def _slot(runtime, handle, stats=None, **kwargs):
     return Supervised(runtime, handle, deadlines, stats or FaultStats(), **kwargs)
 
 
+def _slot_over(handle):
+    """A supervised slot over ``handle`` (made outside the runtime); its runtime and stats."""
+    runtime, stats = FakeRuntime(), FaultStats()
+    runtime.handles.append(handle)
+    return runtime, handle, stats, _slot(runtime, handle, stats)
+
+
 def test_deadlines_start_generous_then_follow_the_longest_call():
     d = Deadlines(factor=10.0, min_s=1.0, first_s=100.0, calls=3)
     assert d.limit("generator", "generate") == 100.0
@@ -118,11 +125,7 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
 
 
 def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
-    runtime = FakeRuntime()
-    hung = FakeHandle("scorer0", factory=lambda: None, delay=30.0)
-    runtime.handles.append(hung)
-    stats = FaultStats()
-    slot = _slot(runtime, hung, stats)
+    runtime, hung, stats, slot = _slot_over(FakeHandle("scorer0", factory=lambda: None, delay=30.0))
 
     async def main():
         with pytest.raises(ExecutorLostError, match="ran past its deadline of 0.5 s"):
@@ -134,11 +137,7 @@ def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
 
 
 def test_the_deadline_check_survives_a_closed_loop_and_a_cancelled_caller_leaves_its_call_running():
-    runtime = FakeRuntime()
-    handle = FakeHandle("generator0", factory=lambda: None, delay=0.0)
-    runtime.handles.append(handle)
-    stats = FaultStats()
-    slot = _slot(runtime, handle, stats)
+    runtime, handle, stats, slot = _slot_over(FakeHandle("generator0", factory=lambda: None, delay=0.0))
 
     async def quick():  # ends long before the check it armed (0.5 s) fires: that loop closes armed
         return await slot.generate([0])
