@@ -178,9 +178,12 @@ class Controller(Evaluation, StallWatchdog):
         if len(self._prompt_ids) + len(new) > PROMPT_CACHE_ROWS:  # a huge dataset: keep only recent rows
             self._prompt_ids.clear()
             new = list(dict.fromkeys(indices))
-        encoded = encode_texts(self.tokenizer, [self.train_rows[i][self._prompt_key] for i in new])
-        for i, ids in zip(new, encoded):
-            self._prompt_ids[i] = truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+        self._prompt_ids.update(zip(new, self._encode_prompts([self.train_rows[i][self._prompt_key] for i in new])))
+
+    def _encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """Prompts' ids, in one tokenizer call, each cut to ``max_prompt_tokens``."""
+        return [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+                for ids in encode_texts(self.tokenizer, texts)]  # fmt: skip
 
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from typing import Any
 
-from loomrl.prompt_fit import encode_texts, truncate_ids
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.types import GenerationRequest, Rollout, SamplingParams
 
@@ -69,9 +68,7 @@ class Evaluation:
         """The held-out prompts' ids, encoded in one tokenizer call at the first evaluation
         and kept (every evaluation asks the same prompts)."""
         if self._eval_prompt_ids is None:
-            encoded = encode_texts(self.tokenizer, [r[self._prompt_key] for r in self.eval_rows])
-            self._eval_prompt_ids = [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
-                                     for ids in encoded]  # fmt: skip
+            self._eval_prompt_ids = self._encode_prompts([r[self._prompt_key] for r in self.eval_rows])
         return self._eval_prompt_ids
 
     async def _evaluate_episodes(self, greedy: SamplingParams) -> list[Rollout]:

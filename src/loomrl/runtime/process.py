@@ -158,11 +158,11 @@ def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, on_don
 
     def run() -> None:
         try:
-            outcome, value = _set_result, fn(*args)
+            ok, value = True, fn(*args)
         except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
-            outcome, value = _set_exception, err
+            ok, value = False, err
         try:
-            loop.call_soon_threadsafe(outcome, future, value, on_done)
+            loop.call_soon_threadsafe(_deliver, future, ok, value, on_done)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for it
             pass
 
@@ -170,16 +170,10 @@ def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, on_don
     return future
 
 
-def _set_result(future: asyncio.Future, value: Any, on_done: Callable[[], None] | None) -> None:
+def _deliver(future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[], None] | None) -> None:
+    """On the loop: resolve ``future`` with the call's result (``ok``) or exception, then ``on_done()``."""
     if not future.done():  # (a caller may have cancelled it)
-        future.set_result(value)
-    if on_done is not None:
-        on_done()
-
-
-def _set_exception(future: asyncio.Future, err: BaseException, on_done: Callable[[], None] | None) -> None:
-    if not future.done():
-        future.set_exception(err)
+        future.set_result(value) if ok else future.set_exception(value)
     if on_done is not None:
         on_done()
 

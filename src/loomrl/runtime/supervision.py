@@ -259,15 +259,15 @@ class Supervised:
     def _check_deadline(self) -> None:
         """Every ``check_s`` while calls are queued: a running call past its deadline wakes
         every caller waiting on this executor (each heals it, or finds it healed)."""
-        loop, self._deadline_loop = self._deadline_loop, None
+        self._deadline_loop = None
         hung = self._hung_head()
         if hung is not None:
             for call in self._queue:
                 if not call.woken.done():
                     call.woken.set_result(hung)
-        if self._queue and loop is not None and not loop.is_closed():
-            self._deadline_loop = loop
-            loop.call_later(self.check_s, self._check_deadline)
+        if self._queue:
+            self._deadline_loop = asyncio.get_running_loop()
+            self._deadline_loop.call_later(self.check_s, self._check_deadline)
 
     def _hung_head(self) -> _Queued | None:
         """The running call, if it has run past its deadline."""
