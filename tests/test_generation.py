@@ -82,6 +82,78 @@ def test_greedy_is_repeatable_and_a_weight_update_changes_outputs(model_and_tok)
         assert torch.equal(param.detach(), state[name].float())  # fp32 compute on bf16 weights
 
 
+def _traced_and_eager(seed: int, trace_after: int = 1):
+    from loomrl.generation.traced import TracedForward
+
+    gens = []
+    for trace in (True, False):
+        model, tok = load_model_and_tokenizer(TINY_MODEL, seed=seed)
+        gens.append(make_generator(model, tok))
+        gens[-1].trace = trace
+    traced = gens[0]
+    traced._start_tracing()
+    traced._traced = TracedForward(traced.model, trace_after=trace_after)
+    return traced, gens[1], tok
+
+
+def _same_completions(a: list, b: list) -> bool:
+    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.finish_reason == y.finish_reason
+               for ra, rb in zip(a, b, strict=True) for x, y in zip(ra.completions, rb.completions, strict=True))
+
+
+def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates():
+    traced, eager, tok = _traced_and_eager(seed=3)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    batches = [
+        [GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=7), GenerationRequest(tok("1+1=").input_ids, 3, sp, seed=8)],
+        [GenerationRequest(tok("45+17=").input_ids, 2, sp, seed=9)],  # no padding, one prompt shared
+        [GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=1), GenerationRequest(tok("7+8=").input_ids, 3, sp, seed=2)],
+    ]
+    for requests in batches + batches:  # the second pass runs from the traces the first made
+        assert _same_completions(traced.generate(requests), eager.generate(requests))
+    m = traced.generate(batches[0])[0].engine_metrics
+    assert m["generation/traces"] >= 4 and m["generation/traced_forwards"] > m["generation/eager_forwards"] == 0
+    assert m["generation/trace_failures"] == 0 and eager.generate(batches[0])[0].engine_metrics == {}
+    assert all(p.requires_grad for p in traced.model.parameters())  # as they were before tracing
+    before = traced.generate(batches[0])
+    state = {k: v * 1.5 for k, v in traced.mirror.items()}  # weights written in place under the traces
+    for gen in (traced, eager):
+        assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
+    after = traced.generate(batches[0])
+    assert _same_completions(after, eager.generate(batches[0]))
+    assert not _same_completions(after, before)
+
+
+def test_a_shape_is_traced_on_its_second_use_and_old_traces_are_dropped():
+    from loomrl.generation.traced import TracedForward
+
+    model, _ = load_model_and_tokenizer(TINY_MODEL, seed=0)
+    fwd = TracedForward(model.eval(), trace_after=2, max_traces=2)
+    with torch.no_grad():
+        for width in (3, 3, 4, 4, 5, 5, 5):
+            ids = torch.full((2, width), 4)
+            fwd(ids, torch.ones_like(ids), torch.arange(width).expand(2, width))
+    m = fwd.metrics()
+    assert (m["generation/traces"], m["generation/eager_forwards"], m["generation/traced_forwards"]) == (3, 3, 4)
+    assert [key[0] for key in fwd._traces] == [torch.Size([2, 4]), torch.Size([2, 5])]
+
+
+def test_a_failing_trace_leaves_the_engine_eager_and_is_counted(monkeypatch, caplog):
+    traced, eager, tok = _traced_and_eager(seed=4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tracer says no")
+
+    monkeypatch.setattr(torch.jit, "trace", broken)
+    requests = [GenerationRequest(tok("5+5=").input_ids, 3, SamplingParams(max_new_tokens=4), seed=5)]
+    with caplog.at_level("WARNING", logger="loomrl.generation.traced"):
+        for _ in range(3):
+            assert _same_completions(traced.generate(requests), eager.generate(requests))
+    m = traced.generate(requests)[0].engine_metrics
+    assert m["generation/trace_failures"] == 1 and m["generation/traces"] == 0 and m["generation/traced_forwards"] == 0
+    assert "runs eager from now on" in caplog.text and "tracer says no" in caplog.text
+
+
 class ScriptedLM(torch.nn.Module):
     """Prefill favours token 5, every decode step favours EOS."""
 

@@ -101,7 +101,7 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
                                   SamplingParams(temperature=1.0, max_new_tokens=5), seed=11 + i) for i in range(3)]
     outputs, prefill_rows = [], []
     for share in (True, False):
-        gen = HFGenerator(model, tok, publish_dtype="float32")
+        gen = HFGenerator(model, tok, publish_dtype="float32", trace=False)  # counts eager forwards
         gen.share_prefill = share
         calls = []
         forward = model.forward

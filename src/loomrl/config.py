@@ -97,6 +97,11 @@ class GenerationConfig(_Section):
         4, gt=0, description="Prompt groups batched into one generate call."
     )
     num_generators: int = Field(1, gt=0, description="Generator executors.")
+    trace: bool = Field(
+        True, description="Forward passes from TorchScript traces, one per batch shape: bit-identical "
+        "to eager, less Python per token, and no GIL held while they run. Eager for PEFT and "
+        "non-DynamicCache models, or after a trace fails."
+    )
 
 
 class AlgorithmConfig(_Section):

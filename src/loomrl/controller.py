@@ -51,6 +51,15 @@ def sample_seed(job_seed: int, epoch: int, index: int) -> int:
     return (job_seed * 1_000_003 + epoch) * 10_000_019 + index
 
 
+def _summed(dicts) -> dict[str, float]:
+    """Key-wise sums: the generators' engine totals as one set of metrics."""
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
 class Controller(Evaluation, StallWatchdog):
     def __init__(
         self,
@@ -118,6 +127,7 @@ class Controller(Evaluation, StallWatchdog):
         self.eval_history: list[dict[str, Any]] = []
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
+        self._engine_metrics: dict[int, dict[str, float]] = {}  # id(generator handle) -> its engine's totals
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
         self._held: dict[int, int] = {}  # id(generator handle) -> the version it last reported holding
 
@@ -221,6 +231,8 @@ class Controller(Evaluation, StallWatchdog):
             self._apply_s += r.weight_apply_s  # generate's own catch-up, if any
             if r.weight_metrics:
                 self._generator_weight_metrics = r.weight_metrics
+            if r.engine_metrics:
+                self._engine_metrics[id(generator)] = r.engine_metrics
             self._held[id(generator)] = max(self._held.get(id(generator), -1), r.version)
         return results
 
@@ -409,6 +421,7 @@ class Controller(Evaluation, StallWatchdog):
                 **{k.replace("weight_sync/", "weight_sync/generator_"): v
                    for k, v in self._generator_weight_metrics.items()},
                 "weight_sync/apply_s": apply_s,
+                **_summed(self._engine_metrics.values()),
                 "throughput/tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
                 "timing/step_s": time.perf_counter() - t0,
                 "timing/elapsed_s": elapsed,

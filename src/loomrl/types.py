@@ -62,6 +62,7 @@ class GenerationResult:
     version: int  # the policy version of the weights that produced every completion
     weight_apply_s: float = 0.0  # seconds the generator paused to apply updates before this call
     weight_metrics: dict[str, float] = field(default_factory=dict)  # the generator's weight_sync/*
+    engine_metrics: dict[str, float] = field(default_factory=dict)  # the engine's generation/* totals
 
 
 @dataclass

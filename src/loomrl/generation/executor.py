@@ -16,7 +16,8 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     ws = cfg.weight_sync
     return HFGenerator(
-        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype
+        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype,
+        trace=cfg.generation.trace,
     )
 
 

@@ -15,7 +15,8 @@ import torch
 
 from loomrl.device import module_device
 from loomrl.generation.base import Generator
-from loomrl.models.cache import can_repeat, repeat_cache
+from loomrl.generation.traced import TracedForward
+from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
 from loomrl.types import (
     Completion,
     GenerationRequest,
@@ -55,6 +56,7 @@ class HFGenerator(Generator):
         *,
         subscriber: Subscriber | None = None,
         publish_dtype: str = "bfloat16",
+        trace: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -64,6 +66,8 @@ class HFGenerator(Generator):
         mirror = published_state(model, DTYPES[publish_dtype])
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
+        self.trace = trace  # forward passes from TorchScript traces (loomrl.generation.traced)
+        self._traced: TracedForward | None = None
 
     # -- weights -------------------------------------------------------------------------
 
@@ -108,6 +112,8 @@ class HFGenerator(Generator):
             from loomrl.scheduler.offload import Swappable
 
             self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
+        if self._traced is not None:  # traces hold the tensors offload replaces
+            self._traced.clear()
         return self._swap.offload()
 
     def restore(self) -> float:
@@ -129,6 +135,8 @@ class HFGenerator(Generator):
         if applied is not None:
             results[0].weight_apply_s = applied.apply_s
             results[0].weight_metrics = applied.weight_metrics
+        if self._traced is not None:
+            results[0].engine_metrics = self._traced.metrics()
         return results
 
     def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -169,6 +177,8 @@ class HFGenerator(Generator):
             rng.manual_seed(s % (2**63))
             draws.append(torch.rand(sampling.max_new_tokens, generator=rng, dtype=torch.float64))
         uniforms = torch.stack(draws, dim=1).to(self.device)  # [max_new_tokens, n], drawn on the CPU
+        if self.trace and self._traced is None:
+            self._start_tracing()
         logits, cache, attention, positions = self._prefill(prompts)
         step_tokens, step_logprobs, step_live = [], [], []
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
@@ -183,14 +193,7 @@ class HFGenerator(Generator):
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
             attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=next_pos.unsqueeze(1),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits, cache = out.logits[:, -1, :].float(), out.past_key_values
+            logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
 
@@ -209,15 +212,39 @@ class HFGenerator(Generator):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p) :] = 1
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-        logits, cache = out.logits[:, -1, :].float(), out.past_key_values
+        logits, cache = self._forward(input_ids, attention, positions, None)
         if shared:
-            if not can_repeat(cache):  # sliding-window, linear-attention or a custom cache: no sharing
+            if isinstance(cache, tuple):  # the traced forward's flat cache
+                cache = tuple(t.index_select(0, owner) for t in cache)
+            elif can_repeat(cache):
+                cache = repeat_cache(cache, owner)
+            else:  # sliding-window, linear-attention or a custom cache: no sharing
                 self.share_prefill = False
                 return self._prefill(prompts)
-            logits, cache = logits.index_select(0, owner), repeat_cache(cache, owner)
+            logits = logits.index_select(0, owner)
             attention, positions = attention.index_select(0, owner), positions.index_select(0, owner)
         return logits, cache, attention, positions
+
+    def _start_tracing(self) -> None:
+        """Traces only where ``KVForward`` rebuilds the model's own cache faithfully, and
+        not for adapters (PEFT swaps modules under the trace)."""
+        from loomrl.weights.lora import is_peft_model
+
+        if is_peft_model(self.model) or not probe_can_repeat(self.model):
+            logger.info("generator forward runs eager: tracing needs a plain model with a full-attention DynamicCache")
+            self.trace = False
+            return
+        self._traced = TracedForward(self.model)
+
+    def _forward(self, input_ids, attention, positions, cache):
+        """Last-position logits (fp32) and the new cache: a flat tuple from the traced
+        forward, the model's own cache object otherwise."""
+        if self._traced is not None:
+            return self._traced(input_ids, attention, positions, cache or ())
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
 
     def _completions(self, tokens: list, logprobs: list, live: list) -> list[Completion]:
         """Per-sequence token lists from per-step tensors, up to and including EOS."""
