@@ -85,3 +85,26 @@ def test_the_fused_optimizer_is_adamw_up_to_rounding_and_can_be_turned_off():
         weights[fused] = [p.detach().clone() for p in model.parameters()]
     diffs = [float((a - b).abs().max()) for a, b in zip(weights[True], weights[False])]
     assert max(diffs) < 1e-6  # the same update, rounded in another order
+
+
+def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone():
+    from loomrl.algorithms import group_advantages
+    from loomrl.training.trainer import compute_advantages
+
+    gen = torch.Generator().manual_seed(5)
+    groups = []
+    for g, (size, failed) in enumerate([(8, 0), (8, 3), (8, 0), (8, 7), (8, 8), (4, 0), (8, 3)]):
+        rewards = torch.rand(size, generator=gen).tolist() if g % 2 else [float(i % 3 == 0) for i in range(size)]
+        rollouts = [Rollout(g, [1], [2], [-1.0], [1], 0, reward=r, status="failed" if i < failed else "ok")
+                    for i, r in enumerate(rewards)]
+        groups.append(Group(g, 0, rollouts))
+    for scale in ("none", "std"):
+        rollouts, adv = compute_advantages(groups, scale)
+        expected_rollouts, expected = [], []
+        for group in groups:
+            ok = [r for r in group.rollouts if r.status == "ok"]
+            if ok:
+                expected_rollouts += ok
+                rewards = torch.tensor([[float(r.reward) for r in ok]])
+                expected += group_advantages(rewards, scale=scale)[0].tolist() if len(ok) > 1 else [0.0]
+        assert [id(r) for r in rollouts] == [id(r) for r in expected_rollouts] and adv == expected

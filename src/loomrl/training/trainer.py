@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -71,17 +72,23 @@ def token_logprobs(
 
 
 def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], list[float]]:
-    """Advantages within each group over its successfully scored rollouts."""
-    rollouts, advantages = [], []
-    for group in groups:
-        ok = [r for r in group.rollouts if r.status == "ok"]
-        if not ok:
+    """Advantages within each group over its successfully scored rollouts. Groups with as
+    many of those are one tensor, one row each: the same numbers as a group at a time."""
+    kept = [[r for r in group.rollouts if r.status == "ok"] for group in groups]
+    by_size: dict[int, list[int]] = {}
+    for i, ok in enumerate(kept):
+        if ok:
+            by_size.setdefault(len(ok), []).append(i)
+    per_group: list[list[float]] = [[] for _ in kept]
+    for size, members in by_size.items():
+        if size == 1:  # a lone rollout has nothing to be compared with
+            for i in members:
+                per_group[i] = [0.0]
             continue
-        rewards = torch.tensor([[float(r.reward) for r in ok]])
-        adv = group_advantages(rewards, scale=scale)[0] if len(ok) > 1 else torch.zeros(1)
-        rollouts.extend(ok)
-        advantages.extend(adv.tolist())
-    return rollouts, advantages
+        rewards = torch.tensor([[float(r.reward) for r in kept[i]] for i in members])
+        for i, row in zip(members, group_advantages(rewards, scale=scale).tolist()):
+            per_group[i] = row
+    return list(chain.from_iterable(kept)), list(chain.from_iterable(per_group))
 
 
 def lr_factor(cfg: TrainerConfig):

@@ -22,7 +22,7 @@ import json
 import logging
 import struct
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -98,7 +98,7 @@ class TensorEntry:
         return n
 
     def to_json(self) -> dict:
-        out = asdict(self)
+        out = {name: getattr(self, name) for name in _ENTRY_FIELDS}  # asdict's keys and order, without its deep copies
         out["shape"] = list(self.shape)
         return out
 
@@ -123,6 +123,9 @@ class TensorEntry:
             raise WeightUpdateError(f"invalid tensor entry {entry.name!r} in manifest")
         parse_dtype(entry.dtype)
         return entry
+
+
+_ENTRY_FIELDS = tuple(f.name for f in fields(TensorEntry))
 
 
 def digest_of(entries: list[TensorEntry] | list[tuple[str, str, tuple[int, ...], int]]) -> str:
