@@ -83,7 +83,8 @@ def test_greedy_is_repeatable_and_a_weight_update_changes_outputs(model_and_tok)
 
 
 def _traced_and_eager(seed: int, trace_after: int = 1):
-    from loomrl.generation.traced import TracedForward
+    from loomrl.generation.traced import KVForward
+    from loomrl.models.traces import ShapeTraces
 
     gens = []
     for trace in (True, False):
@@ -92,7 +93,7 @@ def _traced_and_eager(seed: int, trace_after: int = 1):
         gens[-1].trace = trace
     traced = gens[0]
     traced._start_tracing()
-    traced._traced = TracedForward(traced.model, trace_after=trace_after)
+    traced._traced = ShapeTraces(KVForward(traced.model), what="forward", params_as_constants=True, trace_after=trace_after)
     return traced, gens[1], tok
 
 
@@ -125,17 +126,18 @@ def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates():
 
 
 def test_a_shape_is_traced_on_its_second_use_and_old_traces_are_dropped():
-    from loomrl.generation.traced import TracedForward
+    from loomrl.generation.traced import KVForward
+    from loomrl.models.traces import ShapeTraces
 
     model, _ = load_model_and_tokenizer(TINY_MODEL, seed=0)
-    fwd = TracedForward(model.eval(), trace_after=2, max_traces=2)
+    fwd = ShapeTraces(KVForward(model.eval()), what="forward", params_as_constants=True, trace_after=2, max_traces=2)
     with torch.no_grad():
         for width in (3, 3, 4, 4, 5, 5, 5):
             ids = torch.full((2, width), 4)
             fwd(ids, torch.ones_like(ids), torch.arange(width).expand(2, width))
-    m = fwd.metrics()
+    m = fwd.metrics("generation")
     assert (m["generation/traces"], m["generation/eager_forwards"], m["generation/traced_forwards"]) == (3, 3, 4)
-    assert [key[0] for key in fwd._traces] == [torch.Size([2, 4]), torch.Size([2, 5])]
+    assert [key[1] for key in fwd._traces] == [torch.Size([2, 4]), torch.Size([2, 5])]
 
 
 def test_a_failing_trace_leaves_the_engine_eager_and_is_counted(monkeypatch, caplog):
@@ -146,7 +148,7 @@ def test_a_failing_trace_leaves_the_engine_eager_and_is_counted(monkeypatch, cap
 
     monkeypatch.setattr(torch.jit, "trace", broken)
     requests = [GenerationRequest(tok("5+5=").input_ids, 3, SamplingParams(max_new_tokens=4), seed=5)]
-    with caplog.at_level("WARNING", logger="loomrl.generation.traced"):
+    with caplog.at_level("WARNING", logger="loomrl.models.traces"):
         for _ in range(3):
             assert _same_completions(traced.generate(requests), eager.generate(requests))
     m = traced.generate(requests)[0].engine_metrics

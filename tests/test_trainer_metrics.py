@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from loomrl.config import AlgorithmConfig, TrainerConfig
@@ -108,3 +109,20 @@ def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone(
                 rewards = torch.tensor([[float(r.reward) for r in ok]])
                 expected += group_advantages(rewards, scale=scale)[0].tolist() if len(ok) > 1 else [0.0]
         assert [id(r) for r in rollouts] == [id(r) for r in expected_rollouts] and adv == expected
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_a_traced_training_forward_trains_the_same_weights_bit_for_bit(shared_prefix):
+    runs = []
+    for trace in (True, False):
+        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, trace=trace, shared_prefix=shared_prefix), 1.0)
+        metrics = [trainer.train_step(_groups()) for _ in range(5)]  # traced from the third step
+        runs.append(([p.detach().clone() for p in model.parameters()], metrics))
+    (traced, traced_metrics), (eager, eager_metrics) = runs
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert [m["train/loss"] for m in traced_metrics] == [m["train/loss"] for m in eager_metrics]
+    assert [m["train/grad_norm"] for m in traced_metrics] == [m["train/grad_norm"] for m in eager_metrics]
+    last = traced_metrics[-1]
+    assert (last["train/traces"], last["train/eager_forwards"], last["train/traced_forwards"]) == (1, 2, 3)
+    assert "train/traces" not in eager_metrics[-1]

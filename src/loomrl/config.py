@@ -137,6 +137,11 @@ class TrainerConfig(_Section):
         "all parameters instead of a dozen per tensor; about 3x faster on the demo model, and "
         "rounds differently from the per-tensor loop (weights within ~1e-7 after a step)."
     )
+    trace: bool = Field(
+        True, description="The training forward from TorchScript traces, one per batch shape: the "
+        "same loss and gradients bit for bit, and no GIL held while it runs. Eager for PEFT models, "
+        "gradient checkpointing, or after a trace fails."
+    )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate decay after warmup: to 0 at num_steps for linear/cosine."

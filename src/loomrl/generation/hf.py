@@ -15,8 +15,9 @@ import torch
 
 from loomrl.device import module_device
 from loomrl.generation.base import Generator
-from loomrl.generation.traced import TracedForward
+from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
+from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.types import (
     Completion,
     GenerationRequest,
@@ -66,8 +67,8 @@ class HFGenerator(Generator):
         mirror = published_state(model, DTYPES[publish_dtype])
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
-        self.trace = trace  # forward passes from TorchScript traces (loomrl.generation.traced)
-        self._traced: TracedForward | None = None
+        self.trace = trace  # forward passes from TorchScript traces (loomrl.models.traces)
+        self._traced: ShapeTraces | None = None
 
     # -- weights -------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class HFGenerator(Generator):
             results[0].weight_apply_s = applied.apply_s
             results[0].weight_metrics = applied.weight_metrics
         if self._traced is not None:
-            results[0].engine_metrics = self._traced.metrics()
+            results[0].engine_metrics = self._traced.metrics("generation")
         return results
 
     def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -226,21 +227,19 @@ class HFGenerator(Generator):
         return logits, cache, attention, positions
 
     def _start_tracing(self) -> None:
-        """Traces only where ``KVForward`` rebuilds the model's own cache faithfully, and
-        not for adapters (PEFT swaps modules under the trace)."""
-        from loomrl.weights.lora import is_peft_model
-
-        if is_peft_model(self.model) or not probe_can_repeat(self.model):
+        """Traces only where ``KVForward`` rebuilds the model's own cache faithfully."""
+        if not can_trace(self.model) or not probe_can_repeat(self.model):
             logger.info("generator forward runs eager: tracing needs a plain model with a full-attention DynamicCache")
             self.trace = False
             return
-        self._traced = TracedForward(self.model)
+        self._traced = ShapeTraces(KVForward(self.model), what="generator's forward", params_as_constants=True)
 
     def _forward(self, input_ids, attention, positions, cache):
         """Last-position logits (fp32) and the new cache: a flat tuple from the traced
         forward, the model's own cache object otherwise."""
         if self._traced is not None:
-            return self._traced(input_ids, attention, positions, cache or ())
+            out = self._traced(input_ids, attention, positions, *(cache or ()))
+            return out[0], out[1:]
         out = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
         )

@@ -81,6 +81,8 @@ class TrainerExecutor(TrainerEndpoints):
             last = getattr(self.publisher, "_last", None)
             self._swap = Swappable([t.model] + ([t.reference] if t.reference is not None else []), t.optimizer,
                                    tensor_dicts=[last] if isinstance(last, dict) else [])  # fmt: skip
+        if self.trainer.traces is not None:  # traces hold the tensors offload replaces
+            self.trainer.traces.clear()
         return self._swap.offload()
 
     def restore(self) -> float:

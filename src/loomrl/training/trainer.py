@@ -15,6 +15,7 @@ from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_sta
 from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
+from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.types import Group, Rollout
 
@@ -69,6 +70,28 @@ def token_logprobs(
     logp = logp_all.gather(-1, targets).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+class Logprobs(torch.nn.Module):
+    """``token_logprobs`` over a batch's tensors (a ``PrefixBatch``'s six inputs, or a
+    ``TokenBatch``'s ids and mask), so that it can run from traces."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(tensors) == 2:
+            batch = TokenBatch(tensors[0], tensors[1], *([None] * 4))
+        else:
+            batch = PrefixBatch(*tensors, *([None] * 4))
+        return token_logprobs(self.model, batch, self.temperature)
+
+    @staticmethod
+    def inputs(batch: TokenBatch | PrefixBatch) -> tuple[torch.Tensor, ...]:
+        if isinstance(batch, PrefixBatch):
+            return batch.prefix_ids, batch.prefix_attn, batch.prefix_len, batch.owner, batch.suffix_ids, batch.suffix_attn
+        return batch.input_ids, batch.attention_mask
 
 
 def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], list[float]]:
@@ -140,6 +163,10 @@ class Trainer:
             params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=fused
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
+        # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
+        self.traces = None
+        if trainer.trace and can_trace(self.model):
+            self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
         self.reference = None
         if algorithm.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -192,6 +219,8 @@ class Trainer:
                 "timing/train_optimizer_s": optimizer_s,
             }
         )
+        if self.traces is not None:
+            metrics.update(self.traces.metrics("train"))
         return metrics
 
     def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
@@ -209,7 +238,10 @@ class Trainer:
         self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
     ) -> None:
         t0 = time.perf_counter()
-        logp, entropy = token_logprobs(self.model, batch, self.temperature)
+        if self.traces is not None:
+            logp, entropy = self.traces(*Logprobs.inputs(batch))
+        else:
+            logp, entropy = token_logprobs(self.model, batch, self.temperature)
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
             self.algo.loss, logp, batch.behaviour, batch.advantages, mask,
