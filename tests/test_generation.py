@@ -125,19 +125,48 @@ def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates():
     assert not _same_completions(after, before)
 
 
-def test_a_shape_is_traced_on_its_second_use_and_old_traces_are_dropped():
+def _prefill_forwards(widths, **kwargs):
+    """A ShapeTraces over the tiny model's prefill, run once per width in ``widths``."""
     from loomrl.generation.traced import KVForward
     from loomrl.models.traces import ShapeTraces
 
     model, _ = load_model_and_tokenizer(TINY_MODEL, seed=0)
-    fwd = ShapeTraces(KVForward(model.eval()), what="forward", params_as_constants=True, trace_after=2, max_traces=2)
+    fwd = ShapeTraces(KVForward(model.eval()), what="forward", params_as_constants=True, **kwargs)
     with torch.no_grad():
-        for width in (3, 3, 4, 4, 5, 5, 5):
+        for width in widths:
             ids = torch.full((2, width), 4)
             fwd(ids, torch.ones_like(ids), torch.arange(width).expand(2, width))
+    return fwd
+
+
+def test_a_shape_is_traced_on_its_nth_use_and_old_traces_are_dropped():
+    fwd = _prefill_forwards([3, 3, 4, 4, 5, 5, 5], trace_after=2, max_traces=2)
     m = fwd.metrics("generation")
     assert (m["generation/traces"], m["generation/eager_forwards"], m["generation/traced_forwards"]) == (3, 3, 4)
     assert [key[1] for key in fwd._traces] == [torch.Size([2, 4]), torch.Size([2, 5])]
+
+
+def test_tracing_stops_when_traces_are_dropped_before_they_pay(monkeypatch, caplog):
+    from loomrl.models import traces
+
+    monkeypatch.setattr(traces, "TRACE_BUDGET_S", 1e9)
+    with caplog.at_level("INFO", logger="loomrl.models.traces"):
+        # Every width twice, never again: each trace serves one call and is dropped later.
+        fwd = _prefill_forwards([w for w in range(2, 16) for _ in range(2)], trace_after=2, max_traces=2)
+    assert not fwd.enabled and fwd.wasted == traces.WASTED_TRACES_MAX
+    assert fwd.traces_made == 2 + traces.WASTED_TRACES_MAX  # the widths after stayed eager
+    assert fwd.metrics("g")["g/traces_wasted"] == traces.WASTED_TRACES_MAX
+    assert "vary too much for traces to pay" in caplog.text
+
+
+def test_tracing_keeps_within_its_time_budget(monkeypatch):
+    from loomrl.models import traces
+
+    monkeypatch.setattr(traces, "TRACE_BUDGET_S", 0.0)
+    monkeypatch.setattr(traces, "TRACE_BUDGET_FRAC", 0.0)
+    fwd = _prefill_forwards([3, 3, 4, 4, 4, 4, 3], trace_after=2)
+    # the first trace is free; the second would exceed a budget of nothing: width 4 stays eager
+    assert (fwd.traces_made, fwd.traced_calls, fwd.eager_calls) == (1, 2, 5) and fwd.enabled
 
 
 def test_a_failing_trace_leaves_the_engine_eager_and_is_counted(monkeypatch, caplog):

@@ -64,7 +64,8 @@ def test_run_writes_run_folder_and_final_model_loads_with_transformers(tiny_job)
     records = read_metrics(run)
     keys = set().union(*records)
     for key in ("rollout/staleness_mean", "throughput/samples_per_s", "executor/trainer_busy_frac",
-                "train/entropy", "train/clip_fraction", "weight_sync/bytes_sent", "eval/mean_reward"):
+                "train/entropy", "train/clip_fraction", "weight_sync/bytes_sent", "eval/mean_reward",
+                "generation/traced_forwards", "train/traced_forwards"):  # traces: 'auto' is on for local
         assert key in keys, key
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -97,9 +97,10 @@ class GenerationConfig(_Section):
         4, gt=0, description="Prompt groups batched into one generate call."
     )
     num_generators: int = Field(1, gt=0, description="Generator executors.")
-    trace: bool = Field(
-        True, description="Forward passes from TorchScript traces, one per batch shape: bit-identical "
-        "to eager, less Python per token, and no GIL held while they run. Eager for PEFT and "
+    trace: bool | Literal["auto"] = Field(
+        "auto", description="Forward passes from TorchScript traces, one per batch shape: bit-identical "
+        "to eager, and no GIL held while they run. 'auto': on where executors share a process "
+        "(runtime='local'), the one place that pays for the tracing. Eager for PEFT and "
         "non-DynamicCache models, or after a trace fails."
     )
 
@@ -137,10 +138,11 @@ class TrainerConfig(_Section):
         "all parameters instead of a dozen per tensor; about 3x faster on the demo model, and "
         "rounds differently from the per-tensor loop (weights within ~1e-7 after a step)."
     )
-    trace: bool = Field(
-        True, description="The training forward from TorchScript traces, one per batch shape: the "
-        "same loss and gradients bit for bit, and no GIL held while it runs. Eager for PEFT models, "
-        "gradient checkpointing, or after a trace fails."
+    trace: bool | Literal["auto"] = Field(
+        "auto", description="The training forward from TorchScript traces, one per batch shape: the "
+        "same loss and gradients bit for bit, and no GIL held while it runs. 'auto': on for "
+        "runtime='local' (see generation.trace). Eager for PEFT models, gradient checkpointing, "
+        "or after a trace fails."
     )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -365,6 +367,10 @@ class JobConfig(_Section):
                 f"would hang; set sync_every <= max_staleness + 1 = {stale + 1}"
             )
         return self
+
+    def uses_traces(self, setting: bool | str) -> bool:
+        """A ``trace`` setting resolved: 'auto' traces where executors share a process."""
+        return self.runtime == "local" if setting == "auto" else bool(setting)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -17,7 +17,7 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
     ws = cfg.weight_sync
     return HFGenerator(
         model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype,
-        trace=cfg.generation.trace,
+        trace=cfg.uses_traces(cfg.generation.trace),
     )
 
 

@@ -57,7 +57,7 @@ class HFGenerator(Generator):
         *,
         subscriber: Subscriber | None = None,
         publish_dtype: str = "bfloat16",
-        trace: bool = True,
+        trace: bool = False,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -16,6 +16,14 @@ shapes it was made with, because the forward turns shapes into Python values (ca
 mask lengths, a branch on a width): there is one per shape, made on that shape's
 ``TRACE_AFTER``-th use, so a one-off shape stays eager; at most ``MAX_TRACES`` are kept.
 
+A trace costs tens to hundreds of milliseconds and is no faster than eager on its own
+(its gain is the GIL), so tracing must not cost more than it saves where shapes vary a lot
+(prompts of many lengths, long generations: a new key/value length every token):
+- tracing spends at most ``TRACE_BUDGET_S`` plus ``TRACE_BUDGET_FRAC`` of the time spent
+  in the forward so far; a shape over budget stays eager until the budget allows;
+- once ``WASTED_TRACES_MAX`` traces were dropped (least recently used) before serving
+  ``TRACE_AFTER`` calls, the shapes vary too much for traces to pay: tracing stops.
+
 ``torch.jit.trace`` is deprecated in favour of ``torch.compile`` and ``torch.export``; it is
 used because it is the one path in torch that runs a whole forward without the GIL and
 without changing numerics (``torch.compile`` fuses kernels and keeps a Python wrapper). A
@@ -28,7 +36,6 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
@@ -36,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 TRACE_AFTER = 3  # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
 MAX_TRACES = 64  # traces kept (least recently used dropped first)
+TRACE_BUDGET_S = 1.0  # tracing time always allowed ...
+TRACE_BUDGET_FRAC = 0.1  # ... plus this share of the time spent in the forward
+WASTED_TRACES_MAX = 8  # traces dropped after fewer than TRACE_AFTER calls before tracing stops
 
 
 class ShapeTraces:
@@ -57,31 +67,43 @@ class ShapeTraces:
         self.params_as_constants = params_as_constants
         self.trace_after, self.max_traces = trace_after, max_traces
         self.enabled = True
-        self._traces: OrderedDict[tuple, Callable] = OrderedDict()
+        self._traces: OrderedDict[tuple, list] = OrderedDict()  # key -> [trace, calls it served]
         self._uses: dict[tuple, int] = {}
         self.traces_made = 0
         self.trace_s = 0.0
+        self.call_s = 0.0  # wall time in calls, traced or eager
         self.failures = 0
+        self.wasted = 0
         self.traced_calls = 0
         self.eager_calls = 0
 
     def __call__(self, *args: torch.Tensor):
+        t0 = time.perf_counter()
         key = (self.module.training, *(a.shape for a in args))
-        fn = self._traces.get(key)
-        if fn is not None:
+        entry = self._traces.get(key)
+        if entry is not None:
             self._traces.move_to_end(key)
         elif self.enabled:
             uses = self._uses[key] = self._uses.get(key, 0) + 1
-            if uses >= self.trace_after:
-                fn = self._trace(key, args)
-        if fn is None:
-            self.eager_calls += 1
-            return self.module(*args)
-        self.traced_calls += 1
-        with torch.jit.optimized_execution(False):  # per thread: the recorded ops as they are
-            return fn(*args)
+            if uses >= self.trace_after and self._affordable():
+                entry = self._trace(key, args)
+        try:
+            if entry is None:
+                self.eager_calls += 1
+                return self.module(*args)
+            self.traced_calls += 1
+            entry[1] += 1
+            with torch.jit.optimized_execution(False):  # per thread: the recorded ops as they are
+                return entry[0](*args)
+        finally:
+            self.call_s += time.perf_counter() - t0
 
-    def _trace(self, key: tuple, args: tuple) -> Callable | None:
+    def _affordable(self) -> bool:
+        """Whether one more trace, at the mean cost so far, stays within the budget."""
+        mean = self.trace_s / self.traces_made if self.traces_made else 0.0
+        return self.trace_s + mean <= TRACE_BUDGET_S + TRACE_BUDGET_FRAC * self.call_s
+
+    def _trace(self, key: tuple, args: tuple) -> list | None:
         t0 = time.perf_counter()
         module, target = self.module, self.module
         frozen: list[torch.nn.Parameter] = []
@@ -110,12 +132,17 @@ class ShapeTraces:
             self.trace_s += time.perf_counter() - t0
         self.traces_made += 1
         self._uses.pop(key, None)
-        self._traces[key] = fn
+        entry = self._traces[key] = [fn, 0]
         if len(self._traces) > self.max_traces:
-            self._traces.popitem(last=False)
+            _, (_, served) = self._traces.popitem(last=False)
+            self.wasted += served < self.trace_after
+            if self.wasted >= WASTED_TRACES_MAX:
+                self.enabled = False
+                logger.info("the %s runs eager from now on: its input shapes vary too much for traces to pay "
+                            "(%d traces dropped after fewer than %d calls each)", self.what, self.wasted, self.trace_after)
         if len(self._uses) > 16 * self.max_traces:  # shapes seen once, long ago
             self._uses.clear()
-        return fn
+        return entry
 
     def clear(self) -> None:
         self._traces.clear()
@@ -126,6 +153,7 @@ class ShapeTraces:
             f"{prefix}/traces": float(self.traces_made),
             f"{prefix}/trace_s": self.trace_s,
             f"{prefix}/trace_failures": float(self.failures),
+            f"{prefix}/traces_wasted": float(self.wasted),
             f"{prefix}/traced_forwards": float(self.traced_calls),
             f"{prefix}/eager_forwards": float(self.eager_calls),
         }

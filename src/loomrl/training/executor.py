@@ -25,7 +25,8 @@ class TrainerExecutor(TrainerEndpoints):
         self.owned_transport = owned_transport  # built here for this executor: closed with it
         model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed)
         self.trainer = Trainer(
-            model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature
+            model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature,
+            trace=cfg.uses_traces(cfg.trainer.trace),
         )
         ws = cfg.weight_sync
         self.publisher = Publisher(

@@ -145,7 +145,11 @@ class Trainer:
         algorithm: AlgorithmConfig,
         trainer: TrainerConfig,
         temperature: float,
+        *,
+        trace: bool | None = None,
     ) -> None:
+        """``trace``: the training forward from traces; by default ``trainer.trace``, where
+        'auto' is off (a trainer on its own shares its process with no other executor)."""
         self.model = model.float().train()
         self.device = module_device(self.model)
         self.pad_id = tokenizer.pad_token_id
@@ -165,7 +169,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
         self.traces = None
-        if trainer.trace and can_trace(self.model):
+        if (trainer.trace is True if trace is None else trace) and can_trace(self.model):
             self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
         self.reference = None
         if algorithm.kl_coef > 0:
