@@ -149,3 +149,51 @@ def test_controller_and_session_call_only_declared_endpoints():
                         called.add(func.attr)
     assert called and called <= declared, called - declared
     assert {"train_step", "publish", "generate"} <= called
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def work(self, tag: str, seconds: float) -> str:
+        time.sleep(seconds)
+        self.ran.append(tag)
+        return tag
+
+
+def test_a_local_call_cancelled_before_it_starts_never_runs_and_on_done_still_runs():
+    runtime = LocalRuntime()
+    handle = runtime.start("w", Recorder)
+    done: list[str] = []
+    try:
+        async def scenario():
+            first = handle.submit("work", ("first", 0.3), {}, on_done=lambda: done.append("first"))
+            queued = handle.submit("work", ("queued", 0.0), {}, on_done=lambda: done.append("queued"))
+            queued.cancel()
+            failing = handle.submit("work", ("bad", "not seconds"), {})
+            assert await first == "first"
+            with pytest.raises(TypeError):
+                await failing
+            return await handle.call("work", "after", 0.0)
+
+        assert asyncio.run(scenario()) == "after"
+        assert handle.obj.ran == ["first", "after"] and sorted(done) == ["first", "queued"]
+    finally:
+        runtime.shutdown()
+
+
+def test_closing_a_local_executor_cancels_the_calls_still_queued():
+    runtime = LocalRuntime()
+    handle = runtime.start("w", Recorder)
+
+    async def scenario():
+        running = handle.submit("work", ("running", 0.3), {})
+        queued = handle.submit("work", ("queued", 0.0), {})
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, runtime.shutdown)
+        assert await running == "running"
+        await asyncio.wait({queued}, timeout=5)
+        assert queued.cancelled()
+
+    asyncio.run(scenario())
+    assert handle.obj.ran == ["running"]

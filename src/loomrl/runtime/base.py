@@ -9,6 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,6 +43,46 @@ class CallTracker:
         now = time.monotonic()
         with self._lock:
             return [(i, m, now - t0) for i, (m, t0) in self._running.items()]
+
+
+def on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, on_done: Callable[[], None] | None,
+              fn: Callable[..., Any], *args: Any, skip_cancelled: bool = False) -> asyncio.Future:  # fmt: skip
+    """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
+    with one ``call_soon_threadsafe``, in which ``on_done()`` runs too (a done callback
+    would take a turn of the loop of its own). (``run_in_executor`` chains a concurrent
+    future to an asyncio one: two futures, their callbacks and a state copy on the loop,
+    every call.) ``skip_cancelled``: a call whose caller cancelled it before it started does
+    not run (as with ``run_in_executor``). An item the pool drops unrun (a shutdown with
+    ``cancel_futures``) cancels the future."""
+    future = loop.create_future()
+
+    def run() -> None:
+        if skip_cancelled and future.cancelled():
+            ok, value = False, asyncio.CancelledError()
+        else:
+            try:
+                ok, value = True, fn(*args)
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
+                ok, value = False, err
+        _threadsafe(loop, _deliver, future, ok, value, on_done)
+
+    pool.submit(run).add_done_callback(lambda item: item.cancelled() and _threadsafe(loop, future.cancel))
+    return future
+
+
+def _threadsafe(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+        pass
+
+
+def _deliver(future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[], None] | None) -> None:
+    """On the loop: resolve ``future`` with the call's result (``ok``) or exception, then ``on_done()``."""
+    if not future.done():  # (a caller may have cancelled it)
+        future.set_result(value) if ok else future.set_exception(value)
+    if on_done is not None:
+        on_done()
 
 
 def then(future: asyncio.Future, on_done: Callable[[], None] | None) -> asyncio.Future:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime, then
+from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime, on_thread
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
 
 CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
@@ -60,8 +60,8 @@ class LocalHandle(ExecutorHandle):
     def _submit(self, method: str, args: tuple, kwargs: dict,
                 on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
         fn = getattr(self.obj, method)
-        loop = asyncio.get_running_loop()
-        return then(loop.run_in_executor(self._pool_for(method), self._timed, method, fn, args, kwargs), on_done)
+        return on_thread(asyncio.get_running_loop(), self._pool_for(method), on_done, self._timed, method, fn, args,
+                         kwargs, skip_cancelled=True)  # fmt: skip
 
     @property
     def where(self) -> str:

@@ -39,6 +39,7 @@ from loomrl.runtime.base import (
     ExecutorHandle,
     RemoteError,
     Runtime,
+    on_thread,
     then,
 )
 from loomrl.runtime.endpoints import check_implements
@@ -146,38 +147,6 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
             return
 
 
-def _on_thread(loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, on_done: Callable[[], None] | None,
-               fn: Callable[..., Any], *args: Any) -> asyncio.Future:  # fmt: skip
-    """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
-    with one ``call_soon_threadsafe``, in which ``on_done()`` runs too (a done callback
-    would take a turn of the loop of its own). (``run_in_executor`` chains a concurrent
-    future to an asyncio one: two futures, their callbacks and a state copy on the loop,
-    every call.) The pool must run every item it accepts (it is never shut down with
-    ``cancel_futures``)."""
-    future = loop.create_future()
-
-    def run() -> None:
-        try:
-            ok, value = True, fn(*args)
-        except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
-            ok, value = False, err
-        try:
-            loop.call_soon_threadsafe(_deliver, future, ok, value, on_done)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
-
-    pool.submit(run)
-    return future
-
-
-def _deliver(future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[], None] | None) -> None:
-    """On the loop: resolve ``future`` with the call's result (``ok``) or exception, then ``on_done()``."""
-    if not future.done():  # (a caller may have cancelled it)
-        future.set_result(value) if ok else future.set_exception(value)
-    if on_done is not None:
-        on_done()
-
-
 class ProcessHandle(ExecutorHandle):
     def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, interface: type | None = None) -> None:
         self.name, self.factory = name, factory
@@ -262,7 +231,7 @@ class ProcessHandle(ExecutorHandle):
             return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)  # waits, or raises the start's error
         loop = asyncio.get_running_loop()
         try:
-            return _on_thread(loop, self._pool, on_done, self._call, method, args, kwargs)
+            return on_thread(loop, self._pool, on_done, self._call, method, args, kwargs)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise
