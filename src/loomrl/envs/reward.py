@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +116,10 @@ def _chunk_count(fn: Callable[..., Any], n: int) -> int:
     return min(n, _REWARD_THREADS.size)
 
 
-def _observe_item_seconds(fn: Callable[..., Any], outcomes: dict[int, tuple[str, Any, float]]) -> None:
+def _observe_item_seconds(fn: Callable[..., Any], outcomes: dict[int, tuple[Any, float]]) -> None:
     if not outcomes:
         return
-    mean = sum(seconds for _, _, seconds in outcomes.values()) / len(outcomes)
+    mean = sum(map(itemgetter(1), outcomes.values())) / len(outcomes)
     old = _item_seconds.get(fn)
     _item_seconds[fn] = mean if old is None else 0.8 * old + 0.2 * mean
 
@@ -171,9 +172,10 @@ async def call_reward_batch(
     left to it (and replaced), and the items after it go on on another worker."""
     if inspect.iscoroutinefunction(fn):
         return list(await asyncio.gather(*(_timed_call(fn, *item, timeout_s) for item in items)))
-    calls = [(prompt, completion, {k: v for k, v in row.items() if k not in ("prompt", "completion")})
-             for prompt, completion, row in items]
-    outcomes: dict[int, tuple[str, Any, float]] = {}
+    calls = items if isinstance(items, list) else list(items)
+    # item -> (reward or RewardFailure, seconds), written by the workers: a worker also
+    # filters each row and checks each value, so the loop does no Python per item.
+    outcomes: dict[int, tuple[float | RewardFailure, float]] = {}
     # Contiguous chunks, one per worker: rewards that release the GIL (I/O, subprocesses,
     # numpy) still run side by side, and the loop wakes once per chunk, not per item. A
     # function whose batches take microseconds runs a batch on one worker.
@@ -181,19 +183,7 @@ async def call_reward_batch(
     bounds = [(len(calls) * k // chunks, len(calls) * (k + 1) // chunks) for k in range(chunks)]
     await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
     _observe_item_seconds(fn, outcomes)
-    results: list[tuple[float | RewardFailure, float]] = []
-    for i in range(len(calls)):
-        status, value, seconds = outcomes[i]
-        if status == "timeout":
-            results.append((RewardFailure("timeout", f"reward function took longer than {timeout_s}s"), seconds))
-        elif status == "raised":
-            results.append((RewardFailure("raised", f"reward function raised {_describe(value)}"), seconds))
-        else:
-            try:
-                results.append((_check_value(value), seconds))
-            except RewardFailure as failure:
-                results.append((failure, seconds))
-    return results
+    return list(map(outcomes.__getitem__, range(len(calls))))
 
 
 async def _run_chunk(fn, calls: list, lo: int, hi: int, outcomes: dict, timeout_s: float) -> None:
@@ -211,7 +201,7 @@ async def _run_chunk(fn, calls: list, lo: int, hi: int, outcomes: dict, timeout_
             raise
         if hung is None:
             return
-        outcomes[hung] = ("timeout", None, timeout_s)
+        outcomes[hung] = (RewardFailure("timeout", f"reward function took longer than {timeout_s}s"), timeout_s)
         _REWARD_THREADS.replace_hung_worker()
         start = hung + 1
 
@@ -241,16 +231,22 @@ class _BatchRun:
                 if self.abandoned:
                     return
                 self.index, self.item_started = i, time.monotonic()
-            prompt, completion, kwargs = self.calls[i]
+            prompt, completion, row = self.calls[i]
+            kwargs = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
             t0 = time.perf_counter()
             try:
-                outcome: tuple[str, Any, float] = ("ok", self.fn(prompt, completion, **kwargs), 0.0)
+                value: Any = self.fn(prompt, completion, **kwargs)
             except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
-                outcome = ("raised", err, 0.0)
+                value = RewardFailure("raised", f"reward function raised {_describe(err)}")
+            else:
+                try:
+                    value = _check_value(value)
+                except RewardFailure as failure:
+                    value = failure
             with self.lock:
                 if self.abandoned:  # the loop gave up on this item: its outcome is the timeout
                     return
-                self.outcomes[i] = (outcome[0], outcome[1], time.perf_counter() - t0)
+                self.outcomes[i] = (value, time.perf_counter() - t0)
         try:
             self.loop.call_soon_threadsafe(lambda: self.done.done() or self.done.set_result(None))
         except RuntimeError:  # the loop closed meanwhile
