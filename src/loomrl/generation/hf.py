@@ -193,7 +193,8 @@ class HFGenerator(Generator):
             if bool(done.all()) or step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
+            if attention is not None:
+                attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
             logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
@@ -201,7 +202,7 @@ class HFGenerator(Generator):
     def _prefill(self, prompts: list[list[int]]):
         """The forward over the prompts, left-padded, each distinct prompt once (a request's
         samples share it, through a repeated KV cache): last-position logits, KV cache,
-        attention mask and positions, one row per entry of ``prompts``."""
+        attention mask (None when no row is padded) and positions, one row per entry of ``prompts``."""
         index: dict[tuple[int, ...], int] = {}
         owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=self.device)
         shared = self.share_prefill and len(index) < len(prompts)
@@ -213,6 +214,10 @@ class HFGenerator(Generator):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p) :] = 1
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        # No row padded: no mask at all (eager transformers skips an all-ones one; a trace
+        # would build it, and attend through it, every step).
+        if bool(attention.all()):
+            attention = None
         logits, cache = self._forward(input_ids, attention, positions, None)
         if shared:
             if isinstance(cache, tuple):  # the traced forward's flat cache
@@ -222,8 +227,8 @@ class HFGenerator(Generator):
             else:  # sliding-window, linear-attention or a custom cache: no sharing
                 self.share_prefill = False
                 return self._prefill(prompts)
-            logits = logits.index_select(0, owner)
-            attention, positions = attention.index_select(0, owner), positions.index_select(0, owner)
+            logits, positions = logits.index_select(0, owner), positions.index_select(0, owner)
+            attention = attention.index_select(0, owner) if attention is not None else None
         return logits, cache, attention, positions
 
     def _start_tracing(self) -> None:
@@ -237,8 +242,9 @@ class HFGenerator(Generator):
     def _forward(self, input_ids, attention, positions, cache):
         """Last-position logits (fp32) and the new cache: a flat tuple from the traced
         forward, the model's own cache object otherwise."""
-        if self._traced is not None:
-            out = self._traced(input_ids, attention, positions, *(cache or ()))
+        if self._traced is not None:  # (a trace takes tensors only: no mask is a mask of width 0)
+            mask = attention if attention is not None else input_ids.new_empty((input_ids.shape[0], 0))
+            out = self._traced(input_ids, mask, positions, *(cache or ()))
             return out[0], out[1:]
         out = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 TRACE_AFTER = 3  # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
 MAX_TRACES = 64  # traces kept (least recently used dropped first)
-TRACE_BUDGET_S = 1.0  # tracing time always allowed ...
-TRACE_BUDGET_FRAC = 0.1  # ... plus this share of the time spent in the forward
+TRACE_BUDGET_S = 0.25  # tracing time always allowed ...
+TRACE_BUDGET_FRAC = 0.05  # ... plus this share of the time spent in the forward
 WASTED_TRACES_MAX = 8  # traces dropped after fewer than TRACE_AFTER calls before tracing stops
 
 
