@@ -78,7 +78,6 @@ class ShapeTraces:
         self.eager_calls = 0
 
     def __call__(self, *args: torch.Tensor):
-        t0 = time.perf_counter()
         key = (self.module.training, *(a.shape for a in args))
         entry = self._traces.get(key)
         if entry is not None:
@@ -87,6 +86,7 @@ class ShapeTraces:
             uses = self._uses[key] = self._uses.get(key, 0) + 1
             if uses >= self.trace_after and self._affordable():
                 entry = self._trace(key, args)
+        t0 = time.perf_counter()  # (the forward's own time: tracing counts in trace_s)
         try:
             if entry is None:
                 self.eager_calls += 1
