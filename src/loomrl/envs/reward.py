@@ -172,18 +172,17 @@ async def call_reward_batch(
     left to it (and replaced), and the items after it go on on another worker."""
     if inspect.iscoroutinefunction(fn):
         return list(await asyncio.gather(*(_timed_call(fn, *item, timeout_s) for item in items)))
-    calls = items if isinstance(items, list) else list(items)
     # item -> (reward or RewardFailure, seconds), written by the workers: a worker also
     # filters each row and checks each value, so the loop does no Python per item.
     outcomes: dict[int, tuple[float | RewardFailure, float]] = {}
     # Contiguous chunks, one per worker: rewards that release the GIL (I/O, subprocesses,
     # numpy) still run side by side, and the loop wakes once per chunk, not per item. A
     # function whose batches take microseconds runs a batch on one worker.
-    chunks = _chunk_count(fn, len(calls))
-    bounds = [(len(calls) * k // chunks, len(calls) * (k + 1) // chunks) for k in range(chunks)]
-    await asyncio.gather(*(_run_chunk(fn, calls, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
+    chunks = _chunk_count(fn, len(items))
+    bounds = [(len(items) * k // chunks, len(items) * (k + 1) // chunks) for k in range(chunks)]
+    await asyncio.gather(*(_run_chunk(fn, items, lo, hi, outcomes, timeout_s) for lo, hi in bounds))
     _observe_item_seconds(fn, outcomes)
-    return list(map(outcomes.__getitem__, range(len(calls))))
+    return list(map(outcomes.__getitem__, range(len(items))))
 
 
 async def _run_chunk(fn, calls: list, lo: int, hi: int, outcomes: dict, timeout_s: float) -> None:
