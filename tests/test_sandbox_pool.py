@@ -77,7 +77,9 @@ def test_buffer_misses_fall_once_the_buffer_has_adapted(backend):
     with small_pool(backend, min_warm=1, max_warm=6, max_sandboxes=8) as pool:
 
         def burst(n: int) -> None:
-            threads = [threading.Thread(target=pool.exec, args=("print(1)",)) for _ in range(n)]
+            # Each exec lasts 0.2 s, so the n run at once: with instant ones the threads can
+            # finish before the last starts, the pool never needs n, and it rightly keeps fewer.
+            threads = [threading.Thread(target=pool.exec, args=("import time; time.sleep(0.2)",)) for _ in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
