@@ -30,13 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_once(runtime: str, max_staleness: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
+def run_once(runtime: str, event_loop: str, max_staleness: int, args: argparse.Namespace,
+             out: Path) -> dict[str, float]:  # fmt: skip
     from loomrl.job import Job
     from loomrl.telemetry.metrics import read_metrics
 
     overrides = [
         f'model.path="{args.model}"',
         f'runtime="{runtime}"',
+        f'event_loop="{event_loop}"',
         f"algorithm.max_staleness={max_staleness}",
         f"trainer.num_steps={args.steps}",
         f"algorithm.groups_per_step={args.groups_per_step}",
@@ -60,6 +62,7 @@ def run_once(runtime: str, max_staleness: int, args: argparse.Namespace, out: Pa
         "staleness_mean": statistics.mean(r["rollout/staleness_mean"] for r in records),
         "controller_overhead": s["controller_overhead"],
         "controller_process_cpu_s": s["controller_process_cpu_s"],
+        "controller_cpu_ms_per_step": s["controller_cpu_s"] * 1e3 / max(s["steps"], 1),
     }
 
 
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny:llama", help="model spec (default: random tiny Llama)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the job's (4)")
     parser.add_argument("--runtimes", default="local,process", help="comma-separated: local, process")
+    parser.add_argument("--event-loops", default="auto",
+                        help="comma-separated event_loop settings to compare: auto, uvloop, asyncio")  # fmt: skip
     args = parser.parse_args()
     import logging
 
@@ -80,22 +85,25 @@ def main() -> None:
     from rich.table import Table
 
     runtimes = [r.strip() for r in args.runtimes.split(",") if r.strip()]
-    configs = [(rt, mode) for rt in runtimes for mode in ("sync", "async")]
-    results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
+    loops = [e.strip() for e in args.event_loops.split(",") if e.strip()]
+    pairs = [(rt, ev) for rt in runtimes for ev in loops]
+    configs = [(rt, ev, mode) for rt, ev in pairs for mode in ("sync", "async")]
+    results: dict[tuple[str, str, str], list[dict[str, float]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):  # interleave configurations so machine noise hits all
-            for rt, mode in configs:
+            for rt, ev, mode in configs:
                 staleness = 0 if mode == "sync" else args.async_staleness
-                out = Path(tmp) / f"{rt}-{mode}-{rep}"
-                results[(rt, mode)].append(run_once(rt, staleness, args, out))
+                out = Path(tmp) / f"{rt}-{ev}-{mode}-{rep}"
+                results[(rt, ev, mode)].append(run_once(rt, ev, staleness, args, out))
 
-    def med(config: tuple[str, str], key: str) -> float:
+    def med(config: tuple[str, str, str], key: str) -> float:
         return statistics.median(r[key] for r in results[config])
 
-    baseline = med((runtimes[0], "sync"), "samples_per_s")
+    baseline = med(configs[0], "samples_per_s")
     table = Table(title=f"async vs sync: {args.steps} steps x {args.groups_per_step} groups, median of {args.repeats}")
-    cols = ("runtime", "mode", "samples/s", f"vs {runtimes[0]} sync", "gen busy s", "train busy s", "sync s", "staleness",
-            "wall s", "loop overhead", "controller process CPU s")  # fmt: skip
+    cols = ("runtime", "event loop", "mode", "samples/s", f"vs {runtimes[0]} {loops[0]} sync", "gen busy s",
+            "train busy s", "sync s", "staleness", "wall s", "loop overhead", "loop CPU ms/step",
+            "controller process CPU s")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for c in configs:
@@ -103,16 +111,16 @@ def main() -> None:
             *c, f"{med(c, 'samples_per_s'):.1f}", f"{med(c, 'samples_per_s') / baseline:.2f}x",
             f"{med(c, 'gen_s'):.2f}", f"{med(c, 'train_s'):.2f}", f"{med(c, 'sync_s'):.2f}",
             f"{med(c, 'staleness_mean'):.2f}", f"{med(c, 'elapsed_s'):.2f}", f"{med(c, 'controller_overhead'):.2%}",
-            f"{med(c, 'controller_process_cpu_s'):.2f}",
+            f"{med(c, 'controller_cpu_ms_per_step'):.3f}", f"{med(c, 'controller_process_cpu_s'):.2f}",
         )  # fmt: skip
     console = Console(width=max(Console().width, 120))
     console.print(table)
-    for rt in runtimes:
-        sync_sps, async_sps = med((rt, "sync"), "samples_per_s"), med((rt, "async"), "samples_per_s")
-        gen, train, sync = (med((rt, "sync"), k) for k in ("gen_s", "train_s", "sync_s"))
+    for rt, ev in pairs:
+        sync_sps, async_sps = med((rt, ev, "sync"), "samples_per_s"), med((rt, ev, "async"), "samples_per_s")
+        gen, train, sync = (med((rt, ev, "sync"), k) for k in ("gen_s", "train_s", "sync_s"))
         ideal = (gen + train + sync) / max(gen, train)
         console.print(
-            f"{rt}: async / sync samples/s {async_sps / sync_sps:.2f}x; ideal "
+            f"{rt} ({ev}): async / sync samples/s {async_sps / sync_sps:.2f}x; ideal "
             f"(gen + train + sync) / max(gen, train) from its sync run {ideal:.2f}x; share of ideal "
             f"{async_sps / sync_sps / ideal:.2f}"
         )

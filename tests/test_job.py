@@ -230,3 +230,32 @@ def test_ctrl_c_checkpoints_the_current_step_and_names_it_for_resume(tmp_path, t
     assert int(last.name.split("_")[1]) == max(step_records(run_dir)) < 400
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
     assert not (run_dir / "final").exists()
+
+
+def test_sync_run_is_bit_identical_on_uvloop_and_asyncio(tiny_job, tmp_path):
+    """The controller's event loop orders callbacks its own way; a synchronous run's
+    numbers must not depend on it (and the summary names the loop that ran)."""
+    pytest.importorskip("uvloop")
+    sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": LENGTH_REWARD}, "trainer": {"num_steps": 3}}
+    runs = {loop: Job(tiny_job(**sync, event_loop=loop, output_dir=str(tmp_path / loop))).run()
+            for loop in ("asyncio", "uvloop")}  # fmt: skip
+    assert {loop: r.summary["event_loop"] for loop, r in runs.items()} == {"asyncio": "asyncio", "uvloop": "uvloop"}
+    a, b = (step_records(r.run_dir) for r in runs.values())
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+            assert a[step][key] == b[step][key], (step, key)
+    assert a[3]["train/loss"] != 0.0
+
+
+def test_event_loop_uvloop_without_uvloop_fails_before_anything_starts(tiny_job, monkeypatch):
+    from loomrl.config import ConfigError
+    from loomrl.session import event_loop_factory
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    assert event_loop_factory("auto") is None  # auto falls back to asyncio's loop
+    assert event_loop_factory("asyncio") is None
+    cfg = tiny_job(event_loop="uvloop")
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        Job(cfg).run()
+    assert not Path(cfg.output_dir).exists()  # no run folder made

@@ -321,6 +321,12 @@ class JobConfig(_Section):
         "(one spawned process each, no shared GIL) or 'ray' (Ray actors, see [ray]); the last two "
         "send weights by shm, files or torch_dist.",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="The controller's event loop: 'uvloop' (libuv; its turns and cross-thread "
+        "wake-ups cost the controller less CPU), 'asyncio' (the standard library's) or 'auto' "
+        "(uvloop where it is installed, else asyncio).",
+    )
     stall_warning_s: float = Field(
         300.0, gt=0, description="Warn when one executor call (generate, train_step, publish ...) runs longer than this."
     )

@@ -184,6 +184,26 @@ def _restore(state: dict[str, Any], path: Path, controller_kwargs: dict[str, Any
     return state["trainer"]
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The controller's loop (``event_loop``): uvloop's, or None for asyncio's own.
+
+    On the controller's loop every executor call's submission, its result's wake-up from
+    another thread and the step's bookkeeping run in turns of the loop; uvloop's turns,
+    ``call_soon_threadsafe`` and self-pipe reads are C, not Python (docs/benchmarks.md)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            from loomrl.config import ConfigError
+
+            raise ConfigError("event_loop = 'uvloop', but uvloop is not installed (pip install uvloop), "
+                              "or set event_loop = 'asyncio'") from None  # fmt: skip
+        return None
+    return uvloop.new_event_loop
+
+
 @contextmanager
 def _graceful_interrupt(controller: Controller) -> Iterator[None]:
     """While the controller runs, a first Ctrl-C asks it to stop after the current step
@@ -246,6 +266,7 @@ def run_job(
 ) -> JobResult:
     """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
     run folder, which is checked and locked first."""
+    event_loop_factory(cfg.event_loop)  # a missing uvloop fails before the run folder is made
     run_dir = default_run_dir(cfg)
     faults = FaultStats(cfg.faults.max_executor_restarts)  # counts carry over the job's own restarts
     with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
@@ -403,6 +424,7 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
     with _graceful_interrupt(controller):
         summary = await controller.run(checkpoint=checkpoint)
     # per executor; on the local runtime every executor shares the controller's process
+    summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop or asyncio
     summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),
                               **{h.name: peak_rss_mb(h.pid) for h in runtime.handles}}
     if not summary["interrupted"]:
@@ -421,6 +443,7 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
     )
 
     (train_rows, eval_rows), (resume_from, resume_state) = rows, resume
+    loop_factory = event_loop_factory(cfg.event_loop)
     torch.manual_seed(cfg.seed)
     configure_default_pool(cfg.sandbox)  # reward code that calls default_pool() gets the job's settings
     runtime = _make_runtime(cfg.runtime, cfg)
@@ -443,7 +466,8 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
             extra_metrics=_with_lease_metrics(pool_metrics, leases), max_prompt_tokens=budget,
             leases=leases, faults=faults, **kwargs,
         )
-        summary = asyncio.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            summary = runner.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
         summary["run_dir"] = str(run_dir)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return JobResult(run_dir, summary, controller.eval_history)
