@@ -102,13 +102,12 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         self.groups: list[Group] = []
         self._min_versions: list[int] = []  # each group's min_version, taken once when it arrives
-        self._sizes: list[int] = []  # each group's rollouts, counted once when it arrives
         self._waiters = _Waiters()
         self._interrupted = False
 
     @property
     def num_rollouts(self) -> int:
-        return sum(self._sizes)  # (read every step for rollout/in_flight: at C speed)
+        return sum(len(g.rollouts) for g in self.groups)
 
     async def put(self, group: Group) -> None:
         await self.put_many([group])
@@ -117,7 +116,6 @@ class RolloutBuffer:
         """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
         self.groups.extend(groups)
         self._min_versions.extend(g.min_version for g in groups)
-        self._sizes.extend(len(g.rollouts) for g in groups)
         self._waiters.wake()
 
     def interrupt(self) -> None:
@@ -137,9 +135,8 @@ class RolloutBuffer:
             oldest = version - self.max_staleness
             if self._min_versions and min(self._min_versions) < oldest:
                 stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
-                kept = [(g, v, n) for g, v, n in zip(self.groups, self._min_versions, self._sizes) if v >= oldest]
-                self.groups, self._min_versions, self._sizes = ([g for g, _, _ in kept], [v for _, v, _ in kept],
-                                                                [n for _, _, n in kept])  # fmt: skip
+                kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
+                self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
                 for g in stale:
                     await on_drop(g)
                 continue  # (on_drop awaited: look again before taking)
@@ -150,6 +147,5 @@ class RolloutBuffer:
             await self._waiters.wait()
         chosen, self.groups = self.groups[:count], self.groups[count:]
         versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
-        del self._sizes[:count]
         order = sorted(range(len(chosen)), key=lambda i: (chosen[i].epoch, chosen[i].prompt_index))
         return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order])

@@ -9,8 +9,9 @@ import torch
 class KVForward(torch.nn.Module):
     """The causal LM's forward with its key/value cache as a flat tuple of tensors
     ``(keys_0, values_0, keys_1, ...)`` (empty for a prefill): last-position logits in fp32
-    and the new cache. A mask of width 0 stands for none (no row padded). Only for models whose own cache is a ``DynamicCache`` of full-attention
-    layers (``loomrl.models.cache.probe_can_repeat``), the cache this forward rebuilds."""
+    and the new cache. A mask of width 0 stands for none (no row padded). Only for models
+    whose own cache is a ``DynamicCache`` of full-attention layers
+    (``loomrl.models.cache.probe_can_repeat``), the cache this forward rebuilds."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
