@@ -107,7 +107,7 @@ class RolloutBuffer:
 
     @property
     def num_rollouts(self) -> int:
-        return sum(len(g.rollouts) for g in self.groups)
+        return sum(g.size for g in self.groups)
 
     async def put(self, group: Group) -> None:
         await self.put_many([group])

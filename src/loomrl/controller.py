@@ -32,7 +32,7 @@ from loomrl.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-_loss_mask, _reward, _status, _text = (operator.attrgetter(a) for a in ("loss_mask", "reward", "status", "text"))
+_text = operator.attrgetter("text")
 PROMPT_CACHE_ROWS = 100_000  # training rows whose prompt ids the controller keeps between epochs
 
 
@@ -278,21 +278,17 @@ class Controller(Evaluation, StallWatchdog):
             except ExecutorLostError as err:
                 await self._requeue_lost(picks, err)
                 continue
-            groups: list[Group] = []
-            for (epoch, index), request, result in zip(picks, requests, results):
-                row = self.train_rows[index]
-                texts = self._texts(result.completions)
-                prompt_ids, prompt, version = request.prompt_ids, row[self._prompt_key], result.version
-                # Positional (the field order of ``Rollout``): a keyword call costs twice as much,
-                # and this runs for every completion on the loop.
-                rollouts = [
-                    Rollout(index, prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), version, prompt,
-                            text, row, None, "ok", None, c.finish_reason)
-                    for c, text in zip(result.completions, texts)
-                ]
-                self.counters.generated += len(rollouts)
-                self.scoring_rollouts += len(rollouts)
-                groups.append(Group(index, epoch, rollouts))
+            # One object per group (its completions as columns), not one per completion: the
+            # trainer builds the rollouts it trains on, on its own thread.
+            groups = [
+                Group.from_completions(index, epoch, request.prompt_ids, result.version,
+                                       self.train_rows[index][self._prompt_key], self.train_rows[index],
+                                       result.completions, self._texts(result.completions))
+                for (epoch, index), request, result in zip(picks, requests, results)
+            ]  # fmt: skip
+            generated = sum(len(result.completions) for result in results)
+            self.counters.generated += generated
+            self.scoring_rollouts += generated
             task = asyncio.create_task(self._score_and_put_groups(groups))
             self.scoring.add(task)
             self._watch(task)
@@ -329,23 +325,26 @@ class Controller(Evaluation, StallWatchdog):
     async def _score_and_put_groups(self, groups: list[Group]) -> None:
         """Score the groups of one request together (one reward batch), then put them
         together (one wake-up of the gate and the trainer per request, not per group)."""
-        rollouts = [r for group in groups for r in group.rollouts]
+        count = sum(group.size for group in groups)
         try:
-            await self.scorer.score(rollouts)
+            await self.scorer.score_groups(groups)
         finally:  # they leave "scoring" just as they enter the buffer (or fail)
-            self.scoring_rollouts -= len(rollouts)
-        await self._put_scored(groups)
+            self.scoring_rollouts -= count
+        await self._put_scored(groups, count)
 
-    async def _put_scored(self, groups: list[Group]) -> None:
-        rollouts = list(chain.from_iterable(g.rollouts for g in groups))
-        if set(map(_status, rollouts)) <= {"ok"}:  # the common case, checked at C speed
-            kept, outcomes = groups, rollouts
+    async def _put_scored(self, groups: list[Group], count: int) -> None:
+        """Put ``groups`` (``count`` rollouts) in the buffer, less their failed rollouts."""
+        if all(group.all_ok for group in groups):  # the common case: nothing to look at per rollout
+            kept, outcomes = groups, None
         else:
             kept, outcomes = self._drop_failed(groups)
         if kept:
             await self.buffer.put_many(kept)
         await self.gate.finish_many(len(groups), len(kept))
-        self.scorer.record_outcomes(outcomes)
+        if outcomes is None:
+            self.scorer.record_ok(count)
+        else:
+            self.scorer.record_outcomes(outcomes)
 
     def _drop_failed(self, groups: list[Group]) -> tuple[list[Group], list[Rollout]]:
         """Count and remove the failed rollouts of ``groups`` (a prompt no scorer could score
@@ -368,7 +367,7 @@ class Controller(Evaluation, StallWatchdog):
         return kept, outcomes
 
     async def _on_drop(self, group: Group) -> None:
-        self.counters.dropped_stale += len(group.rollouts)
+        self.counters.dropped_stale += group.size
         self.stream.requeue(group.epoch, group.prompt_index)
         await self.gate.release_accepted()
         self._drops_since_step += 1
@@ -395,28 +394,32 @@ class Controller(Evaluation, StallWatchdog):
         # Without a scheduler the publish rides in the step's own call (one round trip, not
         # two); with one, training and weight sync stay device phases of their own.
         fused = publish and self.leases is None
+        # What the step's record needs from the batch, read before the trainer has it (the
+        # batch is not the controller's to read while it trains on it).
+        num_rollouts = sum(g.size for g in batch.groups)
+        reward_sum = sum(chain.from_iterable(g.rewards for g in batch.groups))  # (in the order summed before)
+        completion_tokens = sum(g.completion_tokens for g in batch.groups)
         try:
             metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
         except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
-            self._count_step(batch)
+            self._count_step(batch, num_rollouts)
             raise
-        rollouts = self._count_step(batch)
+        self._count_step(batch, num_rollouts)
         if publish:
             if not fused:
                 metrics.update(await self.on_device("weight_sync", self.trainer.publish))
             self.published_version = self.version
         await self.gate.set_version(self.version)
         elapsed = time.perf_counter() - started
-        completion_tokens = sum(map(sum, map(_loss_mask, rollouts)))  # (map: no Python frame per rollout)
         self._trained_tokens += completion_tokens
         apply_s, self._apply_s = self._apply_s, 0.0
         metrics.update(
             {
                 "step": self.version,
-                "rollout/reward_mean": sum(map(_reward, rollouts)) / len(rollouts),
+                "rollout/reward_mean": reward_sum / num_rollouts,
                 "rollout/staleness_mean": sum(batch.staleness) / len(batch.staleness),
                 "rollout/staleness_max": max(batch.staleness),
-                "rollout/completion_len_mean": completion_tokens / len(rollouts),
+                "rollout/completion_len_mean": completion_tokens / num_rollouts,
                 "timing/wait_for_batch_s": wait_s,
                 **{k.replace("weight_sync/", "weight_sync/generator_"): v
                    for k, v in self._generator_weight_metrics.items()},
@@ -438,15 +441,13 @@ class Controller(Evaluation, StallWatchdog):
         )
         return metrics
 
-    def _count_step(self, batch) -> list[Rollout]:
-        """The trainer took one step on ``batch``: account for it; the batch's rollouts."""
-        rollouts = [r for g in batch.groups for r in g.rollouts]
-        self.counters.trained += len(rollouts)
+    def _count_step(self, batch, num_rollouts: int) -> None:
+        """The trainer took one step on ``batch`` (``num_rollouts`` rollouts): account for it."""
+        self.counters.trained += num_rollouts
         for g in batch.groups:
             self.stream.mark_trained(g.epoch, g.prompt_index)
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
-        return rollouts
 
     async def _take_batch(self, count: int):
         """The next batch, or None when a stop is requested first (``request_stop``

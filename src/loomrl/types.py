@@ -108,17 +108,130 @@ class Rollout:
 
 @_pickled_by_fields
 @dataclass(slots=True)
-class Group:
-    """The G rollouts of one prompt. Advantages are computed within a group."""
+class Completions:
+    """One prompt's completions from one generate call, as columns: what a ``Group`` holds
+    until something asks for its ``rollouts``. The controller's loop then builds one
+    object per group, not one per completion (nor frees one per completion once it is
+    trained): the trainer builds the rollouts it trains on, on its own thread."""
 
-    prompt_index: int
-    epoch: int
-    rollouts: list[Rollout]
+    prompt_ids: list[int]
+    version: int  # of the weights that generated every one of them
+    prompt: str
+    row: dict[str, Any]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    texts: list[str]
+    finish_reasons: list[str]
+    rewards: list[float | None]  # set by the scorer
+
+    def build(self, prompt_index: int) -> list[Rollout]:
+        """The rollouts, as the controller built them from the completions (a loss mask of
+        ones: every token was generated)."""
+        return [Rollout(prompt_index, self.prompt_ids, ids, logprobs, [1] * len(ids), self.version, self.prompt,
+                        text, self.row, reward, "ok", None, finish)
+                for ids, logprobs, text, reward, finish in zip(self.completion_ids, self.behaviour_logprobs,
+                                                               self.texts, self.rewards, self.finish_reasons)]  # fmt: skip
+
+
+_completion_ids, _logprobs, _finish_reason = (operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason"))
+_version, _reward, _loss_mask = (operator.attrgetter(a) for a in ("version", "reward", "loss_mask"))
+
+
+class Group:
+    """The G rollouts of one prompt. Advantages are computed within a group.
+
+    Built from a generate call's completions (``from_completions``), a group keeps them as
+    columns (``Completions``) until ``rollouts`` is read; reading it builds the rollouts
+    once and from then on they are the group (a scorer failure, a filter and any code that
+    changes a rollout work on them). What the loop needs every step (``size``,
+    ``min_version``, ``rewards``, ``completion_tokens``, ``all_ok``) reads either form
+    without building anything; ``ok_rollouts()`` gives a trainer fresh rollouts without
+    keeping them in the group."""
+
+    __slots__ = ("prompt_index", "epoch", "_rollouts", "_columns")
+
+    def __init__(self, prompt_index: int, epoch: int, rollouts: list[Rollout] | None = None,
+                 columns: Completions | None = None) -> None:  # fmt: skip
+        if (rollouts is None) == (columns is None):
+            raise TypeError("a Group holds either rollouts or columns")
+        self.prompt_index, self.epoch = prompt_index, epoch
+        self._rollouts, self._columns = rollouts, columns
+
+    @classmethod
+    def from_completions(cls, prompt_index: int, epoch: int, prompt_ids: list[int], version: int, prompt: str,
+                         row: dict[str, Any], completions: list[Completion], texts: list[str]) -> Group:  # fmt: skip
+        """A group of one generate call's completions (columns taken at C speed)."""
+        return cls(prompt_index, epoch, columns=Completions(
+            prompt_ids, version, prompt, row, list(map(_completion_ids, completions)),
+            list(map(_logprobs, completions)), texts, list(map(_finish_reason, completions)),
+            [None] * len(completions)))  # fmt: skip
+
+    @property
+    def columns(self) -> Completions | None:
+        """The completions as columns, until the rollouts were built (then None)."""
+        return self._columns
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        if self._rollouts is None:
+            self._rollouts, self._columns = self._columns.build(self.prompt_index), None
+        return self._rollouts
+
+    @rollouts.setter
+    def rollouts(self, rollouts: list[Rollout]) -> None:
+        self._rollouts, self._columns = rollouts, None
+
+    def ok_rollouts(self) -> list[Rollout]:
+        """The successfully scored rollouts; built afresh from columns (and not kept: the
+        caller owns them), else the group's own."""
+        if self._columns is not None:
+            return self._columns.build(self.prompt_index)
+        return [r for r in self._rollouts if r.status == "ok"]
+
+    @property
+    def size(self) -> int:
+        return len(self._columns.texts) if self._columns is not None else len(self._rollouts)
 
     @property
     def min_version(self) -> int:
-        return min(map(operator.attrgetter("version"), self.rollouts))
+        if self._columns is not None:
+            return self._columns.version
+        return min(map(_version, self._rollouts))
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return self._columns.rewards if self._columns is not None else list(map(_reward, self._rollouts))
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens to train on (the loss mask's ones)."""
+        if self._columns is not None:
+            return sum(map(len, self._columns.completion_ids))
+        return sum(map(sum, map(_loss_mask, self._rollouts)))
+
+    @property
+    def all_ok(self) -> bool:
+        """No rollout failed (columns never hold a failure: failing one builds the rollouts)."""
+        return self._columns is not None or all(r.status == "ok" for r in self._rollouts)
 
     @property
     def num_failed(self) -> int:
-        return sum(r.status == "failed" for r in self.rollouts)
+        return 0 if self._columns is not None else sum(r.status == "failed" for r in self._rollouts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Group):
+            return NotImplemented
+        return (self.prompt_index, self.epoch, self._view()) == (other.prompt_index, other.epoch, other._view())
+
+    def _view(self) -> list[Rollout]:
+        """The rollouts, without building them into the group."""
+        return self._columns.build(self.prompt_index) if self._columns is not None else self._rollouts
+
+    __hash__ = None  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        form = f"columns={self._columns!r}" if self._columns is not None else f"rollouts={self._rollouts!r}"
+        return f"Group(prompt_index={self.prompt_index}, epoch={self.epoch}, {form})"
+
+    def __reduce__(self):
+        return Group, (self.prompt_index, self.epoch, self._rollouts, self._columns)

@@ -24,7 +24,7 @@ from typing import Any
 from loomrl.config import SandboxConfig, TaskConfig
 from loomrl.envs.reward import RewardFailure, call_reward_batch, load_object
 from loomrl.runtime.endpoints import endpoint
-from loomrl.types import Rollout
+from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -155,19 +155,50 @@ class Scorer:
             return
         t0 = time.perf_counter()
         items = list(zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts)))  # (C speed)
+        self._apply(rollouts, await self._outcomes(items))
+        self.busy_s += time.perf_counter() - t0
+
+    async def score_groups(self, groups: list[Group]) -> None:
+        """``score`` every rollout of ``groups`` as one batch. A group still in columns
+        gets its rewards as one list (no rollout built); with any failure, the failed
+        groups' rollouts are built and marked, as ``score`` marks them."""
+        if self.fn is None:
+            return
+        t0 = time.perf_counter()
+        items: list[ScoreItem] = []
+        for group in groups:
+            columns = group.columns
+            if columns is not None:
+                items += zip(repeat(columns.prompt), columns.texts, repeat(columns.row))
+            else:
+                rollouts = group.rollouts
+                items += zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts))
+        outcomes = await self._outcomes(items)
+        start = 0
+        for group in groups:
+            end = start + group.size
+            mine = outcomes[start:end]
+            if group.columns is not None and set(map(_first, mine)) <= {"ok"}:  # the common case
+                group.columns.rewards = list(map(_second, mine))
+            else:
+                self._apply(group.rollouts, mine)
+            start = end
+        self.busy_s += time.perf_counter() - t0
+
+    async def _outcomes(self, items: list[ScoreItem]) -> list[ScoreOutcome]:
         if self.executors:
-            outcomes = await self._score_remote(items)
-        else:
-            outcomes = reward_outcomes(await call_reward_batch(self.fn, items, self.task.reward_timeout_s))
+            return await self._score_remote(items)
+        return reward_outcomes(await call_reward_batch(self.fn, items, self.task.reward_timeout_s))
+
+    def _apply(self, rollouts: list[Rollout], outcomes: list[ScoreOutcome]) -> None:
         if set(map(_first, outcomes)) <= {"ok"}:  # the common case: every reward set at C speed
             deque(map(setattr, rollouts, repeat("reward"), map(_second, outcomes)), maxlen=0)
-        else:
-            for rollout, (status, value, _seconds) in zip(rollouts, outcomes):
-                if status == "ok":
-                    rollout.reward = value
-                else:
-                    self.record_failure(rollout, status, value)
-        self.busy_s += time.perf_counter() - t0
+            return
+        for rollout, (status, value, _seconds) in zip(rollouts, outcomes):
+            if status == "ok":
+                rollout.reward = value
+            else:
+                self.record_failure(rollout, status, value)
 
     async def _score_remote(self, items: list[ScoreItem]) -> list[ScoreOutcome]:
         """On the least busy scorer; once more if that scorer is lost (it is restarted),
@@ -200,6 +231,11 @@ class Scorer:
         rollout.status, rollout.error, rollout.reward = "failed", message, None
         self.failures_by_reason[reason] += 1
         self.last_error = message
+
+    def record_ok(self, count: int) -> None:
+        """``count`` rollouts scored without a failure, into the failure-rate window (which
+        only falls: no check)."""
+        self.recent.extend([False] * count)
 
     def record_outcomes(self, rollouts: list[Rollout]) -> None:
         """Feed outcomes into the failure-rate window; raise if the rate passes the limit.

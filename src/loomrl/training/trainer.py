@@ -97,7 +97,7 @@ class Logprobs(torch.nn.Module):
 def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], list[float]]:
     """Advantages within each group over its successfully scored rollouts. Groups with as
     many of those are one tensor, one row each: the same numbers as a group at a time."""
-    kept = [[r for r in group.rollouts if r.status == "ok"] for group in groups]
+    kept = [group.ok_rollouts() for group in groups]
     by_size: dict[int, list[int]] = {}
     for i, ok in enumerate(kept):
         if ok:

@@ -1,0 +1,103 @@
+"""A ``Group`` built from a generate call's completions keeps them as columns until its
+rollouts are asked for: every reading the loop makes must agree with the rollouts the
+controller used to build one by one, and the columns must never hide a change."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pickle
+
+import pytest
+
+from loomrl.config import TaskConfig
+from loomrl.envs.scorer import Scorer
+from loomrl.types import Completion, Group, Rollout
+
+ROW = {"prompt": "1+2=", "answer": "3"}
+
+
+def _completions() -> list[Completion]:
+    return [Completion([5, 2], [-0.5, -0.25], "length", "3"), Completion([7], [-1.5], "stop", "4"),
+            Completion([8, 9, 4], [-0.1, -0.2, -0.3], "length", "x")]  # fmt: skip
+
+
+def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
+    cs = _completions()
+    return Group.from_completions(index, epoch, [1, 2], version, ROW["prompt"], ROW, cs, [c.text for c in cs])
+
+
+def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
+    """What the controller built per completion before groups held columns."""
+    return [Rollout(index, [1, 2], c.token_ids, c.logprobs, [1] * len(c.token_ids), version, ROW["prompt"], c.text,
+                    ROW, None, "ok", None, c.finish_reason) for c in _completions()]  # fmt: skip
+
+
+def test_a_columnar_group_reads_as_the_rollouts_it_stands_for_without_building_them():
+    group = _columnar()
+    explicit = Group(7, 1, _one_by_one())
+    assert group.size == explicit.size == 3
+    assert group.min_version == explicit.min_version == 3
+    assert group.rewards == explicit.rewards == [None, None, None]
+    assert group.completion_tokens == explicit.completion_tokens == 6
+    assert group.all_ok and explicit.all_ok and group.num_failed == explicit.num_failed == 0
+    assert group == explicit and group.columns is not None  # (comparing builds nothing into it)
+    fresh = group.ok_rollouts()
+    assert fresh == _one_by_one() and group.ok_rollouts() is not fresh and group.columns is not None
+
+
+def test_rollouts_are_built_once_and_from_then_on_are_the_group():
+    group = _columnar()
+    group.columns.rewards = [1.0, 0.0, 0.5]
+    rollouts = group.rollouts
+    assert group.columns is None and group.rollouts is rollouts
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.5] and [r.loss_mask for r in rollouts] == [[1, 1], [1], [1] * 3]
+    rollouts[1].status, rollouts[1].reward = "failed", None
+    assert not group.all_ok and group.num_failed == 1 and group.rewards == [1.0, None, 0.5]
+    assert group.ok_rollouts() == [rollouts[0], rollouts[2]]
+    group.rollouts = rollouts[:1]
+    assert group.size == 1 and group.completion_tokens == 2
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_a_group_pickles_and_copies_in_the_form_it_is_in(built):
+    group = _columnar()
+    group.columns.rewards = [1.0, 0.0, 1.0]
+    if built:
+        group.rollouts  # noqa: B018 (builds them)
+    for back in (pickle.loads(pickle.dumps(group, protocol=5)), copy.deepcopy(group)):
+        assert type(back) is Group and back == group and back is not group
+        assert (back.columns is None) == built and back.rewards == [1.0, 0.0, 1.0]
+
+
+def test_a_group_needs_exactly_one_form():
+    with pytest.raises(TypeError, match="either rollouts or columns"):
+        Group(0, 0)
+    with pytest.raises(TypeError, match="either rollouts or columns"):
+        Group(0, 0, [], _columnar().columns)
+
+
+def picky_reward(prompt: str, completion: str, answer: str, **row) -> float:
+    if completion == "x":
+        raise ValueError("no x here")
+    return 1.0 if completion == answer else 0.0
+
+
+def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollouts():
+    scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
+    clean = _columnar(index=1)
+    clean.columns.texts = ["3", "4", "3"]
+    faulty = _columnar(index=2)  # its third completion is "x"
+    asyncio.run(scorer.score_groups([clean, faulty]))
+    assert clean.columns is not None and clean.rewards == [1.0, 0.0, 1.0]
+    assert faulty.columns is None and [r.status for r in faulty.rollouts] == ["ok", "ok", "failed"]
+    assert faulty.rewards == [1.0, 0.0, None] and "no x here" in faulty.rollouts[2].error
+    assert scorer.failures_by_reason and sum(scorer.failures_by_reason.values()) == 1
+    # The same outcomes as scoring the rollouts themselves, one list.
+    twin = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
+    rollouts = _one_by_one(index=1)
+    for r, text in zip(rollouts, ["3", "4", "3"]):
+        r.completion = text
+    rollouts += _one_by_one(index=2)
+    asyncio.run(twin.score(rollouts))
+    assert [r.reward for r in rollouts] == clean.rewards + faulty.rewards
