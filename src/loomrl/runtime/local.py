@@ -16,7 +16,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loomrl.runtime.base import BusyClock, CallTracker, ExecutorHandle, Runtime, on_thread
+from loomrl.runtime.base import (
+    BusyClock,
+    CallTracker,
+    ExecutorHandle,
+    Runtime,
+    SerialWorker,
+    on_thread,
+)
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
 
 CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
@@ -25,7 +32,7 @@ CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concur
 class LocalHandle(ExecutorHandle):
     def __init__(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> None:
         self.name, self.factory = name, factory
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loomrl-{name}")
+        self._pool = SerialWorker(f"loomrl-{name}")
         self._concurrent_pool: ThreadPoolExecutor | None = None
         self._busy = BusyClock()
         self.calls = CallTracker()
@@ -39,7 +46,7 @@ class LocalHandle(ExecutorHandle):
                 raise
         self._bind_interface(interface)
 
-    def _pool_for(self, method: str) -> ThreadPoolExecutor:
+    def _pool_for(self, method: str) -> SerialWorker | ThreadPoolExecutor:
         if not self.concurrent.get(method):
             return self._pool
         if self._concurrent_pool is None:

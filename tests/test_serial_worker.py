@@ -1,0 +1,81 @@
+"""``SerialWorker``: an executor's own thread, in place of a one-worker ThreadPoolExecutor.
+Calls run one at a time in order, results and exceptions reach the caller, a shutdown that
+cancels leaves no caller waiting forever, and the loop's futures of ``on_thread`` follow."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from loomrl.runtime.base import SerialWorker, on_thread
+
+
+def test_calls_run_on_one_thread_in_order_and_deliver_results_and_errors():
+    worker = SerialWorker("loomrl-test")
+    seen: list[tuple[int, str]] = []
+    futures = [worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i * i) for i in range(50)]
+    assert [f.result(timeout=5) for f in futures] == [i * i for i in range(50)]
+    assert [i for i, _ in seen] == list(range(50)) and {name for _, name in seen} == {"loomrl-test"}
+    with pytest.raises(ZeroDivisionError):
+        worker.submit(lambda: 1 / 0).result(timeout=5)
+    worker.shutdown(wait=True)
+    assert not worker._thread.is_alive()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.submit(lambda: None)
+
+
+def test_a_cancelling_shutdown_cancels_what_is_queued_and_lets_the_running_call_finish():
+    worker = SerialWorker("loomrl-test")
+    started, release = threading.Event(), threading.Event()
+    running = worker.submit(lambda: (started.set(), release.wait(5), "done")[2])
+    started.wait(5)
+    queued = [worker.submit(lambda: "never") for _ in range(3)]
+    threading.Timer(0.1, release.set).start()
+    worker.shutdown(wait=True, cancel_futures=True)
+    assert running.result(timeout=5) == "done"
+    for f in queued:
+        with pytest.raises(CancelledError):
+            f.result(timeout=5)
+
+
+def test_a_shutdown_without_cancel_runs_what_is_queued():
+    worker = SerialWorker("loomrl-test")
+    futures = [worker.submit(lambda i=i: i) for i in range(5)]
+    worker.shutdown(wait=False)
+    assert [f.result(timeout=5) for f in futures] == list(range(5))
+
+
+def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_future():
+    async def main() -> None:
+        worker = SerialWorker("loomrl-test")
+        loop = asyncio.get_running_loop()
+        done: list[str] = []
+        assert await on_thread(loop, worker, lambda: done.append("on_done"), lambda x: x + 1, 41) == 42
+        assert done == ["on_done"]
+        with pytest.raises(KeyError):
+            await on_thread(loop, worker, None, {}.__getitem__, "missing")
+        # A call cancelled before it starts does not run (skip_cancelled).
+        gate = threading.Event()
+        blocker = on_thread(loop, worker, None, gate.wait, 5)
+        ran: list[int] = []
+        skipped = on_thread(loop, worker, None, ran.append, 1, skip_cancelled=True)
+        skipped.cancel()
+        gate.set()
+        await blocker
+        # Dropped unrun by a cancelling shutdown: the loop's future is cancelled, not left pending.
+        gate.clear()
+        blocker = on_thread(loop, worker, None, gate.wait, 5)
+        dropped = on_thread(loop, worker, None, ran.append, 2)
+        await asyncio.sleep(0.05)
+        worker.shutdown(wait=False, cancel_futures=True)  # (``dropped`` is still queued: the thread waits on the gate)
+        gate.set()
+        await blocker
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(dropped, 5)
+        worker._thread.join(5)
+        assert ran == [] and not worker._thread.is_alive()
+
+    asyncio.run(main())
