@@ -77,6 +77,25 @@ def test_metrics_are_written_off_the_caller_flush_waits_for_them_and_a_failed_wr
     metrics.close()
 
 
+def test_a_record_reaches_metrics_jsonl_without_a_flush_and_an_owned_one_is_not_copied(tmp_path):
+    """The writer is not woken per record: it drains the queue every WRITE_EVERY_S, so a
+    record is on disk within that even if nothing flushes (a job that hangs later)."""
+    import time
+
+    from loomrl.telemetry.metrics import WRITE_EVERY_S, MetricsLogger
+
+    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    record = {"step": 1, "train/loss": 0.5}
+    metrics.log(record, step=1, owned=True)
+    assert metrics._queue.get_nowait()[0] is record  # handed over, not copied
+    metrics.log(record, step=1, owned=True)
+    deadline = time.monotonic() + 20 * WRITE_EVERY_S
+    while not read_metrics(tmp_path) and time.monotonic() < deadline:
+        time.sleep(WRITE_EVERY_S / 4)
+    assert read_metrics(tmp_path) == [record]
+    metrics.close()
+
+
 def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job):
     first = Job(tiny_job(trainer={"num_steps": 3}, checkpoint={"every_steps": 2, "keep": 5})).run()
     run = first.run_dir

@@ -82,7 +82,9 @@ class Job:
         """Train; with ``resume=True`` continue from the run folder's latest checkpoint.
 
         A run folder that already holds a run is refused unless ``overwrite=True``
-        (``--overwrite``), which replaces it; see docs/runs.md."""
+        (``--overwrite``), which replaces it; see docs/runs.md. ``on_record(record)`` is
+        called on the controller's loop with each record metrics.jsonl gets, as a read-only
+        mapping (copy it to keep a changed one)."""
         from loomrl.session import run_job
 
         return run_job(self.config, resume=resume, overwrite=overwrite, from_step=from_step, on_record=on_record)
