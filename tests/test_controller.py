@@ -318,6 +318,23 @@ async def async_reward(prompt, completion, **row):
     return 1.0
 
 
+def test_prompts_handed_out_and_marked_in_batches_follow_one_at_a_time():
+    """``next_many`` and ``mark_trained_many`` (one call a request, one a step) give the
+    same order and state as ``next`` and ``mark_trained``, across epochs and requeues."""
+    one, many = PromptStream(7, seed=3), PromptStream(7, seed=3)
+    for n in (3, 2, 4, 5, 1, 6):
+        singles = [one.next() for _ in range(n)]
+        assert many.next_many(n) == singles
+        one.requeue(*singles[0])
+        many.requeue(*singles[0])
+        for pick in singles[1:]:
+            one.mark_trained(*pick)
+        many.mark_trained_many(singles[1:])
+        assert (one.epoch, one.trained, one.trained_twice, one.state_dict()) == \
+            (many.epoch, many.trained, many.trained_twice, many.state_dict())  # fmt: skip
+        assert one._outstanding == many._outstanding and list(one._pending) == list(many._pending)
+
+
 @pytest.mark.parametrize("reward,reason", [("raising_reward", "raised"), ("nan_reward", "invalid")])
 def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(tiny_job, tmp_path, reward, reason):
     cfg = tiny_job(task={"reward": f"test_controller:{reward}", "max_failure_rate": 0.5})

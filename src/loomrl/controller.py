@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import chain
+from types import MappingProxyType
 from typing import Any
 
 from loomrl.buffer import RolloutBuffer, StalenessGate
@@ -257,20 +258,15 @@ class Controller(Evaluation, StallWatchdog):
         group_size = self.cfg.algorithm.group_size
         while not self._stop:
             n = await self.gate.acquire(per_request)
-            picks = [self.stream.next() for _ in range(n)]
+            picks = self.stream.next_many(n)
             if self.env_factory is not None:
                 for epoch, index in picks:
                     self._watch(asyncio.create_task(self._episode_group(generator, epoch, index)))
                 continue
             self._encode_train_prompts([i for _, i in picks])
+            seed, min_version, prompt_ids = self.cfg.seed, self._min_version(), self._prompt_ids
             requests = [
-                GenerationRequest(
-                    self._prompt_ids[i],
-                    group_size,
-                    self._sampling,
-                    sample_seed(self.cfg.seed, epoch, i),
-                    self._min_version(),
-                )
+                GenerationRequest(prompt_ids[i], group_size, self._sampling, sample_seed(seed, epoch, i), min_version)
                 for epoch, i in picks
             ]
             try:
@@ -444,8 +440,7 @@ class Controller(Evaluation, StallWatchdog):
     def _count_step(self, batch, num_rollouts: int) -> None:
         """The trainer took one step on ``batch`` (``num_rollouts`` rollouts): account for it."""
         self.counters.trained += num_rollouts
-        for g in batch.groups:
-            self.stream.mark_trained(g.epoch, g.prompt_index)
+        self.stream.mark_trained_many([(g.epoch, g.prompt_index) for g in batch.groups])
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
 
@@ -597,9 +592,11 @@ class Controller(Evaluation, StallWatchdog):
             self._racing = None
 
     def _emit(self, record: dict[str, Any]) -> None:
-        self.metrics.log(record, step=int(record.get("step", self.version)))
+        """Log ``record``, which the caller hands over (it is not changed afterwards: the
+        metrics writer takes the dict itself, and ``on_record`` gets a read-only view)."""
+        self.metrics.log(record, step=int(record.get("step", self.version)), owned=True)
         if self.on_record is not None:
-            self.on_record(record)
+            self.on_record(MappingProxyType(record))
 
     def state_dict(self) -> dict[str, Any]:
         history = {"elapsed_s": self.history.get("elapsed_s_at_checkpoint", self.history["elapsed_s"]),

@@ -102,18 +102,32 @@ class PromptStream:
         self._outstanding.add(index)
         return self.epoch, index
 
+    def next_many(self, n: int) -> list[tuple[int, int]]:
+        """The next ``n`` prompts, as ``next`` hands them out (one call a request)."""
+        pending = self._pending
+        if len(pending) < n:
+            return [self.next() for _ in range(n)]
+        indices = [pending.popleft() for _ in range(n)]
+        self._outstanding.update(indices)
+        return list(zip([self.epoch] * n, indices))
+
     def requeue(self, epoch: int, index: int) -> None:
         if epoch == self.epoch and index in self._outstanding:
             self._outstanding.discard(index)
             self._pending.appendleft(index)
 
     def mark_trained(self, epoch: int, index: int) -> None:
-        if epoch == self.epoch:
-            self._outstanding.discard(index)
-            if index in self._trained_set:
-                self.trained_twice += 1
-            self._trained_set.add(index)
-            self.trained.append(index)
+        self.mark_trained_many([(epoch, index)])
+
+    def mark_trained_many(self, picks: list[tuple[int, int]]) -> None:
+        """``mark_trained`` for each ``(epoch, index)``: one call a step."""
+        for epoch, index in picks:
+            if epoch == self.epoch:
+                self._outstanding.discard(index)
+                if index in self._trained_set:
+                    self.trained_twice += 1
+                self._trained_set.add(index)
+                self.trained.append(index)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "trained": list(self.trained), "seed": self.seed}
