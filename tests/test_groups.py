@@ -12,7 +12,7 @@ import pytest
 
 from loomrl.config import TaskConfig
 from loomrl.envs.scorer import Scorer
-from loomrl.types import Completion, Group, Rollout
+from loomrl.types import Completion, GenerationResult, Group, Rollout
 
 ROW = {"prompt": "1+2=", "answer": "3"}
 
@@ -24,7 +24,7 @@ def _completions() -> list[Completion]:
 
 def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
     cs = _completions()
-    return Group.from_completions(index, epoch, [1, 2], version, ROW["prompt"], ROW, cs, [c.text for c in cs])
+    return Group.from_result(index, epoch, [1, 2], ROW["prompt"], ROW, GenerationResult(cs, version), [c.text for c in cs])
 
 
 def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
@@ -101,3 +101,25 @@ def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollout
     rollouts += _one_by_one(index=2)
     asyncio.run(twin.score(rollouts))
     assert [r.reward for r in rollouts] == clean.rewards + faulty.rewards
+
+
+def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
+    cs = _completions()
+    as_objects = GenerationResult(cs, 3)
+    as_columns = GenerationResult.from_columns([c.token_ids for c in cs], [c.logprobs for c in cs],
+                                               [c.finish_reason for c in cs], [c.text for c in cs], 3)  # fmt: skip
+    assert len(as_objects) == len(as_columns) == 3 and as_objects == as_columns
+    assert as_columns.columns() == as_objects.columns() == (
+        [[5, 2], [7], [8, 9, 4]], [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]], ["length", "stop", "length"], ["3", "4", "x"])
+    for back in (pickle.loads(pickle.dumps(as_columns)), copy.deepcopy(as_columns)):
+        assert back == as_columns and back._columns is not None  # (still columns: nothing built to pickle)
+    group_a = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_objects, as_objects.columns()[3])
+    group_b = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_columns, as_columns.columns()[3])
+    assert group_a == group_b == Group(7, 1, _one_by_one())
+    assert as_columns.completions == cs and as_columns._columns is None  # built once, then the result's own
+    as_columns.completions.append(Completion([3], [-0.2], "stop"))
+    assert len(as_columns) == 4
+    untexted = GenerationResult.from_columns([[1]], [[-0.1]], ["stop"], None, 0)
+    assert untexted.columns()[3] == [None] and untexted.completions[0].text is None
+    with pytest.raises(ValueError, match="differ in length"):
+        GenerationResult.from_columns([[1], [2]], [[-0.1]], ["stop"], None, 0)

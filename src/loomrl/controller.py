@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,7 +32,6 @@ from loomrl.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-_text = operator.attrgetter("text")
 PROMPT_CACHE_ROWS = 100_000  # training rows whose prompt ids the controller keeps between epochs
 
 
@@ -210,12 +208,12 @@ class Controller(Evaluation, StallWatchdog):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _texts(self, completions: list) -> list[str]:
+    def _texts(self, result: GenerationResult) -> list[str]:
         """The completions' text: the engine's own detokenization, else decoded here."""
-        texts = list(map(_text, completions))
+        ids, _, _, texts = result.columns()
         if None not in texts:  # (identity first: no Python frame per completion)
             return texts
-        return self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Apply the newest weights the requests may use, then generate on them: one
@@ -276,13 +274,13 @@ class Controller(Evaluation, StallWatchdog):
                 continue
             # One object per group (its completions as columns), not one per completion: the
             # trainer builds the rollouts it trains on, on its own thread.
+            rows, key = self.train_rows, self._prompt_key
             groups = [
-                Group.from_completions(index, epoch, request.prompt_ids, result.version,
-                                       self.train_rows[index][self._prompt_key], self.train_rows[index],
-                                       result.completions, self._texts(result.completions))
+                Group.from_result(index, epoch, request.prompt_ids, rows[index][key], rows[index], result,
+                                  self._texts(result))
                 for (epoch, index), request, result in zip(picks, requests, results)
             ]  # fmt: skip
-            generated = sum(len(result.completions) for result in results)
+            generated = sum(map(len, results))
             self.counters.generated += generated
             self.scoring_rollouts += generated
             task = asyncio.create_task(self._score_and_put_groups(groups))

@@ -56,13 +56,85 @@ class Completion:
     text: str | None = None  # the detokenized completion, when the engine made it (as vLLM does)
 
 
-@dataclass
+_token_ids, _logprobs_of, _finish_reason_of, _text_of = (
+    operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason", "text"))  # fmt: skip
+
+
 class GenerationResult:
-    completions: list[Completion]
-    version: int  # the policy version of the weights that produced every completion
-    weight_apply_s: float = 0.0  # seconds the generator paused to apply updates before this call
-    weight_metrics: dict[str, float] = field(default_factory=dict)  # the generator's weight_sync/*
-    engine_metrics: dict[str, float] = field(default_factory=dict)  # the engine's generation/* totals
+    """One request's completions, made by the weights of policy ``version``.
+
+    An engine gives them as ``Completion`` objects (``GenerationResult(completions,
+    version)``) or as columns, one list per field (``from_columns``: what the HF generator
+    builds, with no object per completion to build, pickle, read and free on the
+    controller's loop); ``completions`` and ``columns()`` read either form."""
+
+    __slots__ = ("version", "weight_apply_s", "weight_metrics", "engine_metrics", "_completions", "_columns")
+
+    def __init__(self, completions: list[Completion] | None = None, version: int = 0, weight_apply_s: float = 0.0,
+                 weight_metrics: dict[str, float] | None = None, engine_metrics: dict[str, float] | None = None,
+                 *, _columns: tuple | None = None) -> None:  # fmt: skip
+        self.version = version  # the policy version of the weights that produced every completion
+        self.weight_apply_s = weight_apply_s  # seconds the generator paused to apply updates before this call
+        self.weight_metrics = {} if weight_metrics is None else weight_metrics  # the generator's weight_sync/*
+        self.engine_metrics = {} if engine_metrics is None else engine_metrics  # the engine's generation/* totals
+        self._completions = [] if completions is None and _columns is None else completions
+        self._columns = _columns
+
+    @classmethod
+    def from_columns(cls, token_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
+                     texts: list[str] | None, version: int) -> GenerationResult:  # fmt: skip
+        """The completions as parallel lists (``texts`` None when the engine does not
+        detokenize)."""
+        if not len(token_ids) == len(logprobs) == len(finish_reasons) == (len(texts) if texts is not None else len(token_ids)):
+            raise ValueError("GenerationResult.from_columns: the columns differ in length")
+        return cls(version=version, _columns=(token_ids, logprobs, finish_reasons, texts))
+
+    @property
+    def completions(self) -> list[Completion]:
+        """As ``Completion`` objects (built once from columns; from then on they are the result)."""
+        if self._completions is None:
+            ids, logprobs, finish, texts = self._columns
+            self._completions = list(map(Completion, ids, logprobs, finish, texts or [None] * len(ids)))
+            self._columns = None
+        return self._completions
+
+    @completions.setter
+    def completions(self, completions: list[Completion]) -> None:
+        self._completions, self._columns = completions, None
+
+    def columns(self) -> tuple[list[list[int]], list[list[float]], list[str], list[str | None]]:
+        """``(token_ids, logprobs, finish_reasons, texts)``, one entry per completion (a
+        text is None where the engine did not detokenize)."""
+        if self._columns is not None:
+            ids, logprobs, finish, texts = self._columns
+            return ids, logprobs, finish, texts if texts is not None else [None] * len(ids)
+        cs = self._completions
+        return (list(map(_token_ids, cs)), list(map(_logprobs_of, cs)), list(map(_finish_reason_of, cs)),
+                list(map(_text_of, cs)))  # fmt: skip
+
+    def __len__(self) -> int:
+        """How many completions."""
+        return len(self._columns[0]) if self._columns is not None else len(self._completions)
+
+    def _key(self) -> tuple:
+        return self.columns(), self.version, self.weight_apply_s, self.weight_metrics, self.engine_metrics
+
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, GenerationResult) else NotImplemented
+
+    __hash__ = None  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        form = f"columns={self._columns!r}" if self._columns is not None else f"completions={self._completions!r}"
+        return f"GenerationResult(version={self.version}, {form})"
+
+    def __reduce__(self):
+        return _generation_result, (self._completions, self.version, self.weight_apply_s, self.weight_metrics,
+                                    self.engine_metrics, self._columns)  # fmt: skip
+
+
+def _generation_result(completions, version, weight_apply_s, weight_metrics, engine_metrics, columns):
+    return GenerationResult(completions, version, weight_apply_s, weight_metrics, engine_metrics, _columns=columns)
 
 
 @dataclass
@@ -133,14 +205,13 @@ class Completions:
                                                                self.texts, self.rewards, self.finish_reasons)]  # fmt: skip
 
 
-_completion_ids, _logprobs, _finish_reason = (operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason"))
 _version, _reward, _loss_mask = (operator.attrgetter(a) for a in ("version", "reward", "loss_mask"))
 
 
 class Group:
     """The G rollouts of one prompt. Advantages are computed within a group.
 
-    Built from a generate call's completions (``from_completions``), a group keeps them as
+    Built from a generate call's completions (``from_result``), a group keeps them as
     columns (``Completions``) until ``rollouts`` is read; reading it builds the rollouts
     once and from then on they are the group (a scorer failure, a filter and any code that
     changes a rollout work on them). What the loop needs every step (``size``,
@@ -158,13 +229,13 @@ class Group:
         self._rollouts, self._columns = rollouts, columns
 
     @classmethod
-    def from_completions(cls, prompt_index: int, epoch: int, prompt_ids: list[int], version: int, prompt: str,
-                         row: dict[str, Any], completions: list[Completion], texts: list[str]) -> Group:  # fmt: skip
-        """A group of one generate call's completions (columns taken at C speed)."""
-        return cls(prompt_index, epoch, columns=Completions(
-            prompt_ids, version, prompt, row, list(map(_completion_ids, completions)),
-            list(map(_logprobs, completions)), texts, list(map(_finish_reason, completions)),
-            [None] * len(completions)))  # fmt: skip
+    def from_result(cls, prompt_index: int, epoch: int, prompt_ids: list[int], prompt: str, row: dict[str, Any],
+                    result: GenerationResult, texts: list[str]) -> Group:  # fmt: skip
+        """A group of one generate call's completions for one prompt (``result``), with
+        their ``texts``: its columns as the result holds them, or taken at C speed."""
+        ids, logprobs, finish, _ = result.columns()
+        return cls(prompt_index, epoch, columns=Completions(prompt_ids, result.version, prompt, row, ids, logprobs,
+                                                           texts, finish, [None] * len(ids)))  # fmt: skip
 
     @property
     def columns(self) -> Completions | None:

@@ -19,7 +19,6 @@ from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
 from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.types import (
-    Completion,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
@@ -149,27 +148,26 @@ class HFGenerator(Generator):
         results: list[GenerationResult | None] = [None] * len(requests)
         for indices in by_params.values():
             sampling = requests[indices[0]].sampling
-            prompts, seeds, owners = [], [], []
+            prompts, seeds = [], []
             for i in indices:
                 for k in range(requests[i].num_samples):
                     prompts.append(requests[i].prompt_ids)
                     seeds.append(requests[i].seed * 1_000_003 + k)
-                    owners.append(i)
-            completions = self._sample(prompts, seeds, sampling)
+            ids, logprobs, finish = self._sample(prompts, seeds, sampling)
             # Detokenized here, as vLLM does, in one call per batch: not on the controller's loop.
-            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            for completion, text in zip(completions, texts):
-                completion.text = text
-            for i in indices:
-                results[i] = GenerationResult([], self.version)
-            for owner, completion in zip(owners, completions):
-                results[owner].completions.append(completion)
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            start = 0
+            for i in indices:  # (each request's samples are consecutive): columns, no object per completion
+                end = start + requests[i].num_samples
+                results[i] = GenerationResult.from_columns(ids[start:end], logprobs[start:end], finish[start:end],
+                                                           texts[start:end], self.version)  # fmt: skip
+                start = end
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
     def _sample(
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
-    ) -> list[Completion]:
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         n = len(prompts)
         # Each sequence's uniforms come from its own seed, drawn once for all steps (one
         # generator, reseeded per sequence: the same numbers as a fresh one, a third cheaper).
@@ -251,16 +249,19 @@ class HFGenerator(Generator):
         )
         return out.logits[:, -1, :].float(), out.past_key_values
 
-    def _completions(self, tokens: list, logprobs: list, live: list) -> list[Completion]:
-        """Per-sequence token lists from per-step tensors, up to and including EOS."""
+    def _completions(self, tokens: list, logprobs: list, live: list) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """Per-sequence token lists, log-probs and finish reasons from per-step tensors, up
+        to and including EOS."""
         lengths = torch.stack(live, dim=1).sum(dim=1).tolist()  # tokens kept per sequence
         all_tokens = torch.stack(tokens, dim=1).tolist()
         all_logprobs = torch.stack(logprobs, dim=1).tolist()
-        result = []
+        ids, lps, finish = [], [], []
         for row_tokens, row_logprobs, length in zip(all_tokens, all_logprobs, lengths):
             t = row_tokens[:length]
-            result.append(Completion(t, row_logprobs[:length], "stop" if t and t[-1] == self.eos_id else "length"))
-        return result
+            ids.append(t)
+            lps.append(row_logprobs[:length])
+            finish.append("stop" if t and t[-1] == self.eos_id else "length")
+        return ids, lps, finish
 
     @staticmethod
     def _pick(
