@@ -46,27 +46,43 @@ class CallTracker:
             return [(i, m, now - t0) for i, (m, t0) in self._running.items()]
 
 
-class SerialWorker:
-    """One thread that runs what it is given, one at a time, in order: an executor's own
-    thread. ``submit`` and ``shutdown`` as ``ThreadPoolExecutor(max_workers=1)``'s, and
-    ``post``, for ``on_thread``: a call with no ``concurrent.futures.Future`` (nor its
-    condition and locks, its done callback, the pool's idle-thread check), so handing a
-    call to the thread is one queue put (each executor call paid ~15 us more on the loop).
-    The thread is a daemon: a call still running at exit does not hold the interpreter."""
+class WorkerThreads:
+    """Threads that run what they are given: an executor's own thread (``max_workers=1``:
+    one call at a time, in order) or the pool of its concurrent endpoints. ``submit`` and
+    ``shutdown`` as ``ThreadPoolExecutor``'s, and ``post``, for ``on_thread``: a call with
+    no ``concurrent.futures.Future`` (nor its condition and locks, its done callback), so
+    handing a call over is one queue put (a ThreadPoolExecutor cost each executor call ~15
+    us more on the controller's loop). Threads start when a call finds none idle, up to
+    ``max_workers``. They are daemons: a call still running at exit does not hold the
+    interpreter."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, max_workers: int = 1) -> None:
+        self.name, self.max_workers = name, max_workers
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # a post and a shutdown do not interleave
+        self._lock = threading.Lock()  # posts, thread starts and a shutdown do not interleave
         self._shut = False
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a call and not yet promised one
+        if max_workers == 1:  # an executor's thread: there from the start
+            self._start_thread()
+            self._idle = 1
+
+    def _start_thread(self) -> None:
+        name = self.name if self.max_workers == 1 else f"{self.name}_{len(self._threads)}"
+        thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def post(self, run: Callable[[], None], on_cancel: Callable[[], None]) -> None:
-        """Run ``run()`` on the thread after what is queued; ``on_cancel()`` instead (on
+        """Run ``run()`` on a thread after what is queued; ``on_cancel()`` instead (on
         the caller's thread) if a ``shutdown(cancel_futures=True)`` drops it unrun."""
         with self._lock:
             if self._shut:
                 raise RuntimeError("cannot schedule new futures after shutdown")
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self.max_workers:
+                self._start_thread()
             self._queue.put((run, on_cancel))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -86,10 +102,12 @@ class SerialWorker:
         while (item := self._queue.get()) is not None:
             item[0]()
             del item  # (its arguments are not kept alive until the next call)
+            with self._lock:
+                self._idle += 1
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """No more calls; with ``cancel_futures`` the queued ones are cancelled; with
-        ``wait`` it returns once the thread ended (after the call it runs, if any)."""
+        ``wait`` it returns once the threads ended (after the calls they run, if any)."""
         with self._lock:
             if not self._shut:
                 self._shut = True
@@ -100,15 +118,18 @@ class SerialWorker:
                             dropped.append(self._queue.get_nowait())
                     except queue.Empty:
                         pass
-                self._queue.put(None)
+                for _ in self._threads:
+                    self._queue.put(None)
                 for item in dropped:
                     if item is not None:
                         item[1]()
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if wait:
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join()
 
 
-def on_thread(loop: asyncio.AbstractEventLoop, pool: SerialWorker | ThreadPoolExecutor,
+def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads | ThreadPoolExecutor,
               on_done: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
               skip_cancelled: bool = False) -> asyncio.Future:  # fmt: skip
     """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
@@ -130,7 +151,7 @@ def on_thread(loop: asyncio.AbstractEventLoop, pool: SerialWorker | ThreadPoolEx
                 ok, value = False, err
         _threadsafe(loop, _deliver, future, ok, value, on_done)
 
-    if type(pool) is SerialWorker:
+    if type(pool) is WorkerThreads:
         pool.post(run, lambda: _threadsafe(loop, future.cancel))
     else:
         pool.submit(run).add_done_callback(lambda item: item.cancelled() and _threadsafe(loop, future.cancel))
@@ -225,6 +246,7 @@ class ExecutorHandle(ABC):
     calls: CallTracker  # what is running there now (the controller's stall watchdog reads it)
     interface: type | None = None
     factory: Callable[[], Any] | None = None  # what built the executor (a restart builds it again)
+    calls_are_futures = False  # ``submit`` returns the call's own future (no task made to run it)
 
     def _bind_interface(self, interface: type | None) -> None:
         """Give this handle the interface's endpoints as methods."""

@@ -13,7 +13,6 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from loomrl.runtime.base import (
@@ -21,7 +20,7 @@ from loomrl.runtime.base import (
     CallTracker,
     ExecutorHandle,
     Runtime,
-    SerialWorker,
+    WorkerThreads,
     on_thread,
 )
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
@@ -30,10 +29,12 @@ CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concur
 
 
 class LocalHandle(ExecutorHandle):
+    calls_are_futures = True  # (``_submit`` is ``on_thread``'s future)
+
     def __init__(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> None:
         self.name, self.factory = name, factory
-        self._pool = SerialWorker(f"loomrl-{name}")
-        self._concurrent_pool: ThreadPoolExecutor | None = None
+        self._pool = WorkerThreads(f"loomrl-{name}")
+        self._concurrent_pool: WorkerThreads | None = None
         self._busy = BusyClock()
         self.calls = CallTracker()
         self.obj = self._pool.submit(factory).result()
@@ -46,11 +47,11 @@ class LocalHandle(ExecutorHandle):
                 raise
         self._bind_interface(interface)
 
-    def _pool_for(self, method: str) -> SerialWorker | ThreadPoolExecutor:
+    def _pool_for(self, method: str) -> WorkerThreads:
         if not self.concurrent.get(method):
             return self._pool
         if self._concurrent_pool is None:
-            self._concurrent_pool = ThreadPoolExecutor(CONCURRENT_WORKERS, thread_name_prefix=f"loomrl-{self.name}-c")
+            self._concurrent_pool = WorkerThreads(f"loomrl-{self.name}-c", CONCURRENT_WORKERS)
         return self._concurrent_pool
 
     def _timed(self, method: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -38,7 +38,7 @@ from loomrl.runtime.base import (
     ExecutorHandle,
     RemoteError,
     Runtime,
-    SerialWorker,
+    WorkerThreads,
     on_thread,
     then,
 )
@@ -168,7 +168,7 @@ class ProcessHandle(ExecutorHandle):
         self.calls = CallTracker()
         self._dead: ExecutorDiedError | None = None
         # One thread talks to the process, so calls are serialized in submission order.
-        self._pool = SerialWorker(f"loomrl-{name}")
+        self._pool = WorkerThreads(f"loomrl-{name}")
         # Building the object (loading a model) runs in the background; the first call
         # waits for it, so executors that must meet (a torch_dist group) start together.
         self._ready = self._pool.submit(self._reply, START_TIMEOUT_S)

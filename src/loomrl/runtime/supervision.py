@@ -192,13 +192,16 @@ class Supervised:
         return call
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        await self._serving.wait()  # a restart in progress: calls wait for the fresh executor
+        if not self._serving.is_set():  # a restart in progress: calls wait for the fresh executor
+            await self._serving.wait()
         if self.lost is not None:  # counted once, when it was lost
             raise type(self.lost)(str(self.lost), self.role, restarted=False)
         handle, incarnation = self.handle, self.incarnation
         self.in_flight += 1
         try:
             if self.deadlines is None:  # (an in-process runtime: nothing to kill, nothing to restart)
+                if handle.calls_are_futures:  # the handle's future itself: two coroutine frames fewer a call
+                    return await handle.submit(method, args, kwargs)
                 return await handle.call(method, *args, **kwargs)
             return await self._call_with_deadline(handle, incarnation, method, args, kwargs)
         finally:

@@ -1,5 +1,5 @@
-"""``SerialWorker``: an executor's own thread, in place of a one-worker ThreadPoolExecutor.
-Calls run one at a time in order, results and exceptions reach the caller, a shutdown that
+"""``WorkerThreads``: an executor's own thread (and its concurrent endpoints' pool), in
+place of ThreadPoolExecutors. On one thread calls run one at a time in order, results and exceptions reach the caller, a shutdown that
 cancels leaves no caller waiting forever, and the loop's futures of ``on_thread`` follow."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from loomrl.runtime.base import SerialWorker, on_thread
+from loomrl.runtime.base import WorkerThreads, on_thread
 
 
 def test_calls_run_on_one_thread_in_order_and_deliver_results_and_errors():
-    worker = SerialWorker("loomrl-test")
+    worker = WorkerThreads("loomrl-test")
     seen: list[tuple[int, str]] = []
     futures = [worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i * i) for i in range(50)]
     assert [f.result(timeout=5) for f in futures] == [i * i for i in range(50)]
@@ -22,13 +22,25 @@ def test_calls_run_on_one_thread_in_order_and_deliver_results_and_errors():
     with pytest.raises(ZeroDivisionError):
         worker.submit(lambda: 1 / 0).result(timeout=5)
     worker.shutdown(wait=True)
-    assert not worker._thread.is_alive()
+    assert not worker._threads[0].is_alive()
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.submit(lambda: None)
 
 
+def test_a_pool_runs_calls_side_by_side_up_to_its_size_and_starts_no_more_threads():
+    pool = WorkerThreads("loomrl-test-c", max_workers=4)
+    assert pool._threads == []  # (started when a call finds none idle)
+    barrier = threading.Barrier(4, timeout=5)  # breaks unless 4 calls run at once
+    assert sorted(f.result(timeout=10) for f in [pool.submit(barrier.wait) for _ in range(4)]) == [0, 1, 2, 3]
+    for _ in range(3):
+        assert sorted(f.result(timeout=5) for f in [pool.submit(lambda i=i: i) for i in range(20)]) == list(range(20))
+    assert len(pool._threads) == 4 and {t.name for t in pool._threads} == {f"loomrl-test-c_{i}" for i in range(4)}
+    pool.shutdown(wait=True)
+    assert not any(t.is_alive() for t in pool._threads)
+
+
 def test_a_cancelling_shutdown_cancels_what_is_queued_and_lets_the_running_call_finish():
-    worker = SerialWorker("loomrl-test")
+    worker = WorkerThreads("loomrl-test")
     started, release = threading.Event(), threading.Event()
     running = worker.submit(lambda: (started.set(), release.wait(5), "done")[2])
     started.wait(5)
@@ -42,7 +54,7 @@ def test_a_cancelling_shutdown_cancels_what_is_queued_and_lets_the_running_call_
 
 
 def test_a_shutdown_without_cancel_runs_what_is_queued():
-    worker = SerialWorker("loomrl-test")
+    worker = WorkerThreads("loomrl-test")
     futures = [worker.submit(lambda i=i: i) for i in range(5)]
     worker.shutdown(wait=False)
     assert [f.result(timeout=5) for f in futures] == list(range(5))
@@ -50,7 +62,7 @@ def test_a_shutdown_without_cancel_runs_what_is_queued():
 
 def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_future():
     async def main() -> None:
-        worker = SerialWorker("loomrl-test")
+        worker = WorkerThreads("loomrl-test")
         loop = asyncio.get_running_loop()
         done: list[str] = []
         assert await on_thread(loop, worker, lambda: done.append("on_done"), lambda x: x + 1, 41) == 42
@@ -75,7 +87,7 @@ def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_fu
         await blocker
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(dropped, 5)
-        worker._thread.join(5)
-        assert ran == [] and not worker._thread.is_alive()
+        worker._threads[0].join(5)
+        assert ran == [] and not worker._threads[0].is_alive()
 
     asyncio.run(main())
