@@ -67,6 +67,9 @@ def test_run_writes_run_folder_and_final_model_loads_with_transformers(tiny_job)
                 "train/entropy", "train/clip_fraction", "weight_sync/bytes_sent", "eval/mean_reward",
                 "generation/traced_forwards", "train/traced_forwards"):  # traces: 'auto' is on for local
         assert key in keys, key
+    # The generator's side of weight sync, renamed, with what it applied by the last step.
+    applied = [r["weight_sync/generator_num_applied"] for r in records if "weight_sync/generator_num_applied" in r]
+    assert applied and applied[-1] >= 1
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run / "final")

@@ -126,6 +126,8 @@ class Controller(Evaluation, StallWatchdog):
         self.eval_history: list[dict[str, Any]] = []
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
+        self._renamed_source: dict[str, float] = {}  # what _renamed_generator_weight_metrics last renamed
+        self._renamed: dict[str, float] = {}
         self._engine_metrics: dict[int, dict[str, float]] = {}  # id(generator handle) -> its engine's totals
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
         self._held: dict[int, int] = {}  # id(generator handle) -> the version it last reported holding
@@ -415,8 +417,7 @@ class Controller(Evaluation, StallWatchdog):
                 "rollout/staleness_max": max(batch.staleness),
                 "rollout/completion_len_mean": completion_tokens / num_rollouts,
                 "timing/wait_for_batch_s": wait_s,
-                **{k.replace("weight_sync/", "weight_sync/generator_"): v
-                   for k, v in self._generator_weight_metrics.items()},
+                **self._renamed_generator_weight_metrics(),
                 "weight_sync/apply_s": apply_s,
                 **_summed(self._engine_metrics.values()),
                 "throughput/tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
@@ -434,6 +435,15 @@ class Controller(Evaluation, StallWatchdog):
             }
         )
         return metrics
+
+    def _renamed_generator_weight_metrics(self) -> dict[str, float]:
+        """The generators' latest ``weight_sync/*`` as ``weight_sync/generator_*`` (renamed
+        again only when they changed: one comparison at C speed a step)."""
+        source = self._generator_weight_metrics
+        if source != self._renamed_source:
+            self._renamed_source = dict(source)
+            self._renamed = {k.replace("weight_sync/", "weight_sync/generator_"): v for k, v in source.items()}
+        return self._renamed
 
     def _count_step(self, batch, num_rollouts: int) -> None:
         """The trainer took one step on ``batch`` (``num_rollouts`` rollouts): account for it."""
