@@ -80,19 +80,28 @@ def test_metrics_are_written_off_the_caller_flush_waits_for_them_and_a_failed_wr
 def test_a_record_reaches_metrics_jsonl_without_a_flush_and_an_owned_one_is_not_copied(tmp_path):
     """The writer is not woken per record: it drains the queue every WRITE_EVERY_S, so a
     record is on disk within that even if nothing flushes (a job that hangs later)."""
+    import queue
     import time
 
     from loomrl.telemetry.metrics import WRITE_EVERY_S, MetricsLogger
 
+    queued: list = []
+
+    class Spy(queue.SimpleQueue):
+        def put(self, item, *args, **kwargs):
+            queued.append(item)
+            super().put(item, *args, **kwargs)
+
     metrics = MetricsLogger(tmp_path, tensorboard=False)
+    metrics._queue = Spy()  # (before anything is queued; the writer reads the attribute)
     record = {"step": 1, "train/loss": 0.5}
     metrics.log(record, step=1, owned=True)
-    assert metrics._queue.get_nowait()[0] is record  # handed over, not copied
-    metrics.log(record, step=1, owned=True)
+    metrics.log(dict(record), step=1)
+    assert queued[0][0] is record and queued[1][0] is not record  # handed over, not copied; else a snapshot
     deadline = time.monotonic() + 20 * WRITE_EVERY_S
-    while not read_metrics(tmp_path) and time.monotonic() < deadline:
+    while len(read_metrics(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(WRITE_EVERY_S / 4)
-    assert read_metrics(tmp_path) == [record]
+    assert read_metrics(tmp_path) == [record, record]
     metrics.close()
 
 

@@ -79,9 +79,10 @@ def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_fu
         await blocker
         # Dropped unrun by a cancelling shutdown: the loop's future is cancelled, not left pending.
         gate.clear()
-        blocker = on_thread(loop, worker, None, gate.wait, 5)
+        started = threading.Event()
+        blocker = on_thread(loop, worker, None, lambda: (started.set(), gate.wait(5)))
         dropped = on_thread(loop, worker, None, ran.append, 2)
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(started.wait, 5)  # the thread holds the blocker, not ``dropped``
         worker.shutdown(wait=False, cancel_futures=True)  # (``dropped`` is still queued: the thread waits on the gate)
         gate.set()
         await blocker
