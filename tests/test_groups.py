@@ -22,9 +22,13 @@ def _completions() -> list[Completion]:
             Completion([8, 9, 4], [-0.1, -0.2, -0.3], "length", "x")]  # fmt: skip
 
 
+def _no_decode(ids):
+    raise AssertionError("these completions carry their texts")
+
+
 def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
     cs = _completions()
-    return Group.from_result(index, epoch, [1, 2], ROW["prompt"], ROW, GenerationResult(cs, version), [c.text for c in cs])
+    return Group.from_result(index, epoch, [1, 2], ROW["prompt"], ROW, GenerationResult(cs, version), _no_decode)
 
 
 def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
@@ -113,8 +117,8 @@ def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
         [[5, 2], [7], [8, 9, 4]], [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]], ["length", "stop", "length"], ["3", "4", "x"])
     for back in (pickle.loads(pickle.dumps(as_columns)), copy.deepcopy(as_columns)):
         assert back == as_columns and back._columns is not None  # (still columns: nothing built to pickle)
-    group_a = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_objects, as_objects.columns()[3])
-    group_b = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_columns, as_columns.columns()[3])
+    group_a = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_objects, _no_decode)
+    group_b = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_columns, _no_decode)
     assert group_a == group_b == Group(7, 1, _one_by_one())
     assert as_columns.completions == cs and as_columns._columns is None  # built once, then the result's own
     as_columns.completions.append(Completion([3], [-0.2], "stop"))

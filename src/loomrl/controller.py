@@ -210,11 +210,8 @@ class Controller(Evaluation, StallWatchdog):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _texts(self, result: GenerationResult) -> list[str]:
-        """The completions' text: the engine's own detokenization, else decoded here."""
-        ids, _, _, texts = result.columns()
-        if None not in texts:  # (identity first: no Python frame per completion)
-            return texts
+    def _decode_batch(self, ids: list[list[int]]) -> list[str]:
+        """Completions' text, for an engine that did not detokenize them."""
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -279,7 +276,7 @@ class Controller(Evaluation, StallWatchdog):
             rows, key = self.train_rows, self._prompt_key
             groups = [
                 Group.from_result(index, epoch, request.prompt_ids, rows[index][key], rows[index], result,
-                                  self._texts(result))
+                                  self._decode_batch)
                 for (epoch, index), request, result in zip(picks, requests, results)
             ]  # fmt: skip
             generated = sum(map(len, results))

@@ -7,6 +7,7 @@ actors without a rewrite.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -230,10 +231,13 @@ class Group:
 
     @classmethod
     def from_result(cls, prompt_index: int, epoch: int, prompt_ids: list[int], prompt: str, row: dict[str, Any],
-                    result: GenerationResult, texts: list[str]) -> Group:  # fmt: skip
-        """A group of one generate call's completions for one prompt (``result``), with
-        their ``texts``: its columns as the result holds them, or taken at C speed."""
-        ids, logprobs, finish, _ = result.columns()
+                    result: GenerationResult, decode: Callable[[list[list[int]]], list[str]]) -> Group:  # fmt: skip
+        """A group of one generate call's completions for one prompt (``result``): its
+        columns as the result holds them (or taken at C speed), with the engine's own texts
+        or, where it gave none, ``decode(token_ids)``."""
+        ids, logprobs, finish, texts = result.columns()
+        if None in texts:  # (identity first: no Python frame per completion)
+            texts = decode(ids)
         return cls(prompt_index, epoch, columns=Completions(prompt_ids, result.version, prompt, row, ids, logprobs,
                                                            texts, finish, [None] * len(ids)))  # fmt: skip
 

@@ -35,6 +35,11 @@ SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer
 ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
 
 
+def _items_of(rollouts: list[Rollout]):
+    """The rollouts' ``(prompt, completion, row)`` score items, at C speed."""
+    return zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts))
+
+
 def reward_outcomes(done: list[tuple[Any, float]]) -> list[ScoreOutcome]:
     """``call_reward_batch``'s (value or RewardFailure, seconds) as outcomes; without a
     failure (the common case) at C speed, with no Python frame per item."""
@@ -154,8 +159,7 @@ class Scorer:
         if self.fn is None:
             return
         t0 = time.perf_counter()
-        items = list(zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts)))  # (C speed)
-        self._apply(rollouts, await self._outcomes(items))
+        self._apply(rollouts, await self._outcomes(list(_items_of(rollouts))))
         self.busy_s += time.perf_counter() - t0
 
     async def score_groups(self, groups: list[Group]) -> None:
@@ -171,8 +175,7 @@ class Scorer:
             if columns is not None:
                 items += zip(repeat(columns.prompt), columns.texts, repeat(columns.row))
             else:
-                rollouts = group.rollouts
-                items += zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts))
+                items += _items_of(group.rollouts)
         outcomes = await self._outcomes(items)
         start = 0
         for group in groups:

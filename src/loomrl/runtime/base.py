@@ -10,7 +10,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -129,7 +129,7 @@ class WorkerThreads:
                     thread.join()
 
 
-def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads | ThreadPoolExecutor,
+def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads,
               on_done: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
               skip_cancelled: bool = False) -> asyncio.Future:  # fmt: skip
     """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
@@ -151,10 +151,7 @@ def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads | ThreadPoolE
                 ok, value = False, err
         _threadsafe(loop, _deliver, future, ok, value, on_done)
 
-    if type(pool) is WorkerThreads:
-        pool.post(run, lambda: _threadsafe(loop, future.cancel))
-    else:
-        pool.submit(run).add_done_callback(lambda item: item.cancelled() and _threadsafe(loop, future.cancel))
+    pool.post(run, lambda: _threadsafe(loop, future.cancel))
     return future
 
 
