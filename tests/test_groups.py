@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from loomrl.config import TaskConfig
-from loomrl.envs.scorer import Scorer
+from loomrl.envs.scorer import RewardExecutor, Scorer, per_group_outcomes
 from loomrl.types import Completion, GenerationResult, Group, Rollout
 
 ROW = {"prompt": "1+2=", "answer": "3"}
@@ -105,6 +105,46 @@ def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollout
     rollouts += _one_by_one(index=2)
     asyncio.run(twin.score(rollouts))
     assert [r.reward for r in rollouts] == clean.rewards + faulty.rewards
+
+
+class _Slot:
+    """A scorer executor as the Scorer sees one (a ``Supervised`` slot): called by name."""
+
+    def __init__(self, executor) -> None:
+        self.executor, self.in_flight, self.name, self.methods = executor, 0, "scorer0", []
+
+    async def call(self, method, *args):
+        self.methods.append(method)
+        return getattr(self.executor, method)(*args)
+
+
+def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with_scoring_here():
+    task = TaskConfig(reward="tests.test_groups:picky_reward")
+    executor = RewardExecutor(task)
+    try:
+        remote = Scorer(task)
+        slot = _Slot(executor)
+        remote.attach([slot], fault_stats=None)
+        local = Scorer(task)
+        groups = {}
+        for scorer in (remote, local):
+            clean, faulty = _columnar(index=1), _columnar(index=2)
+            clean.columns.texts = ["3", "4", "3"]
+            asyncio.run(scorer.score_groups([clean, faulty]))
+            groups[id(scorer)] = (clean, faulty)
+        assert slot.methods == ["score_groups"]  # one call for both groups, no ScoreItem built here
+        (rc, rf), (lc, lf) = groups[id(remote)], groups[id(local)]
+        assert rc.columns is not None and rc.rewards == lc.rewards == [1.0, 0.0, 1.0]
+        assert rf.columns is None and [r.status for r in rf.rollouts] == ["ok", "ok", "failed"] and rf == lf
+        assert remote.failures_by_reason == local.failures_by_reason and sum(remote.failures_by_reason.values()) == 1
+    finally:
+        executor.close()
+
+
+def test_per_group_outcomes_split_at_the_group_sizes():
+    outcomes = [("ok", 1.0, 0.0), ("ok", 0.0, 0.0), ("timeout", "slow", 1.0), ("ok", 1.0, 0.0)]
+    assert per_group_outcomes(outcomes, [2, 2, 0]) == [
+        ("ok", [1.0, 0.0]), ("outcomes", outcomes[2:]), ("ok", [])]
 
 
 def test_a_generation_result_reads_the_same_as_columns_or_as_completions():

@@ -23,7 +23,7 @@ from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer, lost_by_scorer
 from loomrl.evaluation import Evaluation
 from loomrl.prompt_fit import encode_texts, truncate_ids
-from loomrl.runtime.base import ExecutorHandle
+from loomrl.runtime.base import ExecutorHandle, release_later
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import PublishAfterStepError
@@ -110,6 +110,7 @@ class Controller(Evaluation, StallWatchdog):
             # The whole dataset in one batch now (as a trainer tokenizes its dataset before it
             # starts), not a few prompts per request on the loop while the executors run.
             self._encode_train_prompts(range(len(train_rows)))
+        self._all_prompts_encoded = len(self._prompt_ids) == len(train_rows)  # (then the loop never looks)
         self._init_run_state(version, history)
 
     def _init_pipeline(self, version: int, counters: Counters | None) -> None:
@@ -260,7 +261,8 @@ class Controller(Evaluation, StallWatchdog):
                 for epoch, index in picks:
                     self._watch(asyncio.create_task(self._episode_group(generator, epoch, index)))
                 continue
-            self._encode_train_prompts([i for _, i in picks])
+            if not self._all_prompts_encoded:
+                self._encode_train_prompts([i for _, i in picks])
             seed, min_version, prompt_ids = self.cfg.seed, self._min_version(), self._prompt_ids
             requests = [
                 GenerationRequest(prompt_ids[i], group_size, self._sampling, sample_seed(seed, epoch, i), min_version)
@@ -282,7 +284,7 @@ class Controller(Evaluation, StallWatchdog):
             generated = sum(map(len, results))
             self.counters.generated += generated
             self.scoring_rollouts += generated
-            task = asyncio.create_task(self._score_and_put_groups(groups))
+            task = asyncio.create_task(self._score_and_put_groups(groups, generated))
             self.scoring.add(task)
             self._watch(task)
 
@@ -315,10 +317,12 @@ class Controller(Evaluation, StallWatchdog):
     async def _score_and_put(self, group: Group) -> None:
         await self._score_and_put_groups([group])
 
-    async def _score_and_put_groups(self, groups: list[Group]) -> None:
+    async def _score_and_put_groups(self, groups: list[Group], count: int | None = None) -> None:
         """Score the groups of one request together (one reward batch), then put them
-        together (one wake-up of the gate and the trainer per request, not per group)."""
-        count = sum(group.size for group in groups)
+        together (one wake-up of the gate and the trainer per request, not per group);
+        ``count``: their rollouts, if the caller counted them."""
+        if count is None:
+            count = sum(group.size for group in groups)
         try:
             await self.scorer.score_groups(groups)
         finally:  # they leave "scoring" just as they enter the buffer (or fail)
@@ -389,9 +393,11 @@ class Controller(Evaluation, StallWatchdog):
         fused = publish and self.leases is None
         # What the step's record needs from the batch, read before the trainer has it (the
         # batch is not the controller's to read while it trains on it).
-        num_rollouts = sum(g.size for g in batch.groups)
-        reward_sum = sum(chain.from_iterable(g.rewards for g in batch.groups))  # (in the order summed before)
-        completion_tokens = sum(g.completion_tokens for g in batch.groups)
+        num_rollouts = completion_tokens = 0
+        for g in batch.groups:  # (one pass, not one generator each)
+            num_rollouts += g.size
+            completion_tokens += g.completion_tokens
+        reward_sum = sum(chain.from_iterable([g.rewards for g in batch.groups]))  # (in the order summed before)
         try:
             metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
         except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
@@ -431,6 +437,7 @@ class Controller(Evaluation, StallWatchdog):
                 **self.accounting(),
             }
         )
+        release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
 
     def _renamed_generator_weight_metrics(self) -> dict[str, float]:

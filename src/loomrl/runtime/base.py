@@ -129,6 +129,50 @@ class WorkerThreads:
                     thread.join()
 
 
+class _Releaser:
+    """Drops what the controller's loop is done with on a thread of its own, a few times a
+    second: freeing a trained batch (its groups' id, log-prob and text lists, a thousand
+    objects a step, made on other threads) cost the loop ~30 us a step, 5% of its turn.
+    ``release`` is one queue put that wakes nobody (the thread sleeps between drains)."""
+
+    every_s = 0.2
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def release(self, obj: Any) -> None:
+        """Let the releaser's thread hold (and so free) ``obj`` once its caller dropped it."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._drain, name="loomrl-release", daemon=True)
+                    self._thread.start()
+        self._queue.put(obj)
+
+    def _drain(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            try:
+                while True:
+                    self._queue.get_nowait()  # (dropped here: the last reference, once its caller is done)
+            except queue.Empty:
+                pass
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+
+_RELEASER = _Releaser()
+
+
+def release_later(obj: Any) -> None:
+    """Free ``obj`` off the caller's thread (the controller's loop), within ~0.2 s; the
+    caller must drop its own references soon (the last one is then the releaser's)."""
+    _RELEASER.release(obj)
+
+
 def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads,
               on_done: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
               skip_cancelled: bool = False) -> asyncio.Future:  # fmt: skip
