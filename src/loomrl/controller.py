@@ -219,6 +219,8 @@ class Controller(Evaluation, StallWatchdog):
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
         and no swap comes between applying the weights and using them)."""
+        if self.leases is None:  # (no lease: one coroutine and a lambda fewer a call)
+            return await self._apply_and_generate(generator, requests)
         return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
 
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -287,6 +289,8 @@ class Controller(Evaluation, StallWatchdog):
             task = asyncio.create_task(self._score_and_put_groups(groups, generated))
             self.scoring.add(task)
             self._watch(task)
+            release_later((requests, results))  # (the groups hold what they need of them)
+            del requests, results
 
     async def _episode_group(self, generator: ExecutorHandle, epoch: int, index: int) -> None:
         """One group of multi-turn episodes (environment tasks): generated and scored together."""
@@ -399,7 +403,10 @@ class Controller(Evaluation, StallWatchdog):
             completion_tokens += g.completion_tokens
         reward_sum = sum(chain.from_iterable([g.rewards for g in batch.groups]))  # (in the order summed before)
         try:
-            metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
+            if self.leases is None:
+                metrics = await self.trainer.train_step(batch.groups, publish=fused)
+            else:
+                metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
         except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
             self._count_step(batch, num_rollouts)
             raise

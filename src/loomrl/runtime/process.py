@@ -172,6 +172,7 @@ class ProcessHandle(ExecutorHandle):
         # Building the object (loading a model) runs in the background; the first call
         # waits for it, so executors that must meet (a torch_dist group) start together.
         self._ready = self._pool.submit(self._reply, START_TIMEOUT_S)
+        self._started = False  # _ready is done and succeeded (set by _check_started)
 
     def _died(self) -> ExecutorDiedError:
         if self._dead is None:
@@ -210,6 +211,12 @@ class ProcessHandle(ExecutorHandle):
                 raise self._died() from err
             return self._reply()
 
+    def _check_started(self) -> bool:
+        """Whether the executor was built (checked on the future until it was: each look
+        takes its lock; from then on a flag)."""
+        self._started = self._ready.done() and self._ready.exception() is None
+        return self._started
+
     @property
     def concurrent(self) -> dict[str, bool]:
         """``{endpoint: concurrent}`` as the executor declared it (after it started)."""
@@ -227,7 +234,7 @@ class ProcessHandle(ExecutorHandle):
 
     def _submit(self, method: str, args: tuple, kwargs: dict,
                 on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
-        if not self._ready.done() or self._ready.exception() is not None:
+        if not self._started and not self._check_started():
             return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)  # waits, or raises the start's error
         loop = asyncio.get_running_loop()
         try:
