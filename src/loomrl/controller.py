@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from itertools import chain
 from types import MappingProxyType
@@ -168,12 +168,13 @@ class Controller(Evaluation, StallWatchdog):
             "rollout/prompts_trained_twice": self.stream.trained_twice,
         }
 
-    async def on_device(self, phase: str, call: Callable[[], Any]) -> Any:
-        """Run ``call()`` as a device phase: in a scheduler lease when the job shares its
-        devices (``scheduler.url``), else just awaited."""
+    def on_device(self, phase: str, call: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+        """``call()`` as a device phase, to await: in a scheduler lease when the job shares
+        its devices (``scheduler.url``), else ``call()`` itself (no coroutine of its own
+        around every executor call)."""
         if self.leases is None:
-            return await call()
-        return await self.leases.run(phase, call)
+            return call()
+        return self.leases.run(phase, call)
 
     # -- generation ----------------------------------------------------------------------
 
@@ -219,8 +220,6 @@ class Controller(Evaluation, StallWatchdog):
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
         and no swap comes between applying the weights and using them)."""
-        if self.leases is None:  # (no lease: one coroutine and a lambda fewer a call)
-            return await self._apply_and_generate(generator, requests)
         return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
 
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -403,10 +402,7 @@ class Controller(Evaluation, StallWatchdog):
             completion_tokens += g.completion_tokens
         reward_sum = sum(chain.from_iterable([g.rewards for g in batch.groups]))  # (in the order summed before)
         try:
-            if self.leases is None:
-                metrics = await self.trainer.train_step(batch.groups, publish=fused)
-            else:
-                metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
+            metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
         except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
             self._count_step(batch, num_rollouts)
             raise

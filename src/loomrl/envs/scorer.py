@@ -197,10 +197,12 @@ class Scorer:
             return
         t0 = time.perf_counter()
         if self.executors and all(group.columns is not None for group in groups):  # the common case
-            payload = [(c.prompt, c.texts, c.row) for c in map(_columns, groups)]
-            sizes = [len(c.texts) for c in map(_columns, groups)]
-            lost = lambda message: per_group_outcomes([("scorer_lost", message, 0.0)] * sum(sizes), sizes)  # noqa: E731
-            for group, (kind, value) in zip(groups, await self._score_remote("score_groups", payload, sum(sizes), lost)):
+            columns = list(map(_columns, groups))
+            sizes = [len(c.texts) for c in columns]
+            count = sum(sizes)
+            lost = lambda message: per_group_outcomes([("scorer_lost", message, 0.0)] * count, sizes)  # noqa: E731
+            payload = [(c.prompt, c.texts, c.row) for c in columns]
+            for group, (kind, value) in zip(groups, await self._score_remote("score_groups", payload, count, lost)):
                 if kind == "ok":
                     group.columns.rewards = value
                 else:

@@ -160,9 +160,6 @@ class _Releaser:
             except queue.Empty:
                 pass
 
-    def pending(self) -> int:
-        return self._queue.qsize()
-
 
 _RELEASER = _Releaser()
 
