@@ -335,6 +335,51 @@ def test_prompts_handed_out_and_marked_in_batches_follow_one_at_a_time():
         assert one._outstanding == many._outstanding and list(one._pending) == list(many._pending)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=12), st.lists(st.integers(0, 5), max_size=4))
+def test_marking_a_steps_prompts_at_once_counts_as_marking_them_one_by_one(picks, before):
+    """``mark_trained_many`` (sets at C speed) against the rule it stands for, applied one
+    pick at a time: a pick of another epoch is ignored; an index trained before in this
+    epoch, or earlier in the same call, counts as trained twice."""
+    stream = PromptStream(6, seed=1)
+    stream.epoch = 1
+    stream.trained, stream._trained_set, stream._outstanding = list(before), set(before), {0, 2, 4}
+    trained, seen, twice, outstanding = list(before), set(before), 0, {0, 2, 4}
+    for epoch, index in picks:
+        if epoch == 1:
+            outstanding.discard(index)
+            twice += index in seen
+            seen.add(index)
+            trained.append(index)
+    stream.mark_trained_many(picks)
+    assert (stream.trained, stream._trained_set, stream.trained_twice, stream._outstanding) == (
+        trained, seen, twice, outstanding)
+
+
+def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
+    """``num_rollouts`` is kept as groups come and go (no pass over the buffer a step), and
+    a batch carries its groups' sizes in its own (sorted) order."""
+    def group(index, version, size):
+        return Group(index, 0, [Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0) for _ in range(size)])
+
+    async def scenario():
+        buf = RolloutBuffer(max_staleness=1)
+        counts = []
+        for i, (v, n) in enumerate([(2, 3), (0, 2), (3, 1), (2, 4), (3, 5)]):
+            await buf.put_many([group(i, v, n)])
+            counts.append(buf.num_rollouts)
+        batch = await buf.take(2, version=3, on_drop=lambda g: asyncio.sleep(0))  # drops the version-0 group
+        counts.append(buf.num_rollouts)
+        rest = await buf.take(2, version=3, on_drop=None)
+        return counts, batch, rest, buf.num_rollouts
+
+    counts, batch, rest, left = asyncio.run(scenario())
+    assert counts == [3, 5, 6, 10, 15, 15 - 2 - 3 - 1]
+    assert [g.prompt_index for g in batch.groups] == [0, 2] and batch.sizes == [3, 1]
+    assert [g.prompt_index for g in rest.groups] == [3, 4] and rest.sizes == [4, 5] and left == 0
+    assert all(g.size == n for b in (batch, rest) for g, n in zip(b.groups, b.sizes))
+
+
 @pytest.mark.parametrize("reward,reason", [("raising_reward", "raised"), ("nan_reward", "invalid")])
 def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(tiny_job, tmp_path, reward, reason):
     cfg = tiny_job(task={"reward": f"test_controller:{reward}", "max_failure_rate": 0.5})

@@ -26,9 +26,13 @@ def _no_decode(ids):
     raise AssertionError("these completions carry their texts")
 
 
+def _from_result(index: int, epoch: int, result: GenerationResult, decode=_no_decode) -> Group:
+    """The group of one result, for prompt ``[1, 2]`` of row ``index`` (``ROW``)."""
+    return Group.from_results([(epoch, index)], [[1, 2]], {index: ROW}, "prompt", [result], decode)[0]
+
+
 def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
-    cs = _completions()
-    return Group.from_result(index, epoch, [1, 2], ROW["prompt"], ROW, GenerationResult(cs, version), _no_decode)
+    return _from_result(index, epoch, GenerationResult(_completions(), version))
 
 
 def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
@@ -147,6 +151,31 @@ def test_per_group_outcomes_split_at_the_group_sizes():
         ("ok", [1.0, 0.0]), ("outcomes", outcomes[2:]), ("ok", [])]
 
 
+def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
+    """``Group.from_results``: group i is result i's completions, for pick i's row and epoch
+    and request i's prompt; a result without texts is decoded, alone."""
+    cs = _completions()
+    rows = {3: {"prompt": "2+2=", "answer": "4"}, 7: ROW}
+    decoded = []
+
+    def decode(ids):
+        decoded.append(ids)
+        return [f"d{len(i)}" for i in ids]
+
+    results = [GenerationResult(cs, 3),
+               GenerationResult.from_columns([[4, 4]], [[-0.3, -0.6]], ["stop"], None, 2),
+               GenerationResult.from_columns([c.token_ids for c in cs[:2]], [c.logprobs for c in cs[:2]],
+                                             ["stop", "length"], ["a", "b"], 1)]  # fmt: skip
+    groups = Group.from_results([(1, 7), (0, 3), (2, 7)], [[1, 2], [9], [1, 2]], rows, "prompt", results, decode)
+    assert decoded == [[[4, 4]]]  # only the result without texts
+    assert [(g.epoch, g.prompt_index, g.size, g.min_version) for g in groups] == [(1, 7, 3, 3), (0, 3, 1, 2), (2, 7, 2, 1)]
+    assert groups[0] == Group(7, 1, _one_by_one())
+    assert groups[1].rollouts == [Rollout(3, [9], [4, 4], [-0.3, -0.6], [1, 1], 2, "2+2=", "d2", rows[3], None, "ok",
+                                          None, "stop")]  # fmt: skip
+    assert [r.completion for r in groups[2].rollouts] == ["a", "b"] and groups[2].rollouts[1].finish_reason == "length"
+    assert all(g.rewards == [None] * g.size for g in groups[:1])
+
+
 def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
     cs = _completions()
     as_objects = GenerationResult(cs, 3)
@@ -157,8 +186,7 @@ def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
         [[5, 2], [7], [8, 9, 4]], [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]], ["length", "stop", "length"], ["3", "4", "x"])
     for back in (pickle.loads(pickle.dumps(as_columns)), copy.deepcopy(as_columns)):
         assert back == as_columns and back._columns is not None  # (still columns: nothing built to pickle)
-    group_a = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_objects, _no_decode)
-    group_b = Group.from_result(7, 1, [1, 2], ROW["prompt"], ROW, as_columns, _no_decode)
+    group_a, group_b = _from_result(7, 1, as_objects), _from_result(7, 1, as_columns)
     assert group_a == group_b == Group(7, 1, _one_by_one())
     assert as_columns.completions == cs and as_columns._columns is None  # built once, then the result's own
     as_columns.completions.append(Completion([3], [-0.2], "stop"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 from dataclasses import dataclass, field
 
 from loomrl.types import Group
@@ -89,10 +90,15 @@ class StalenessGate:
             self._waiters.wake()
 
 
+_size, _min_version, _epoch_and_index = (operator.attrgetter(*a) for a in (("size",), ("min_version",),
+                                                                        ("epoch", "prompt_index")))  # fmt: skip
+
+
 @dataclass
 class Batch:
     groups: list[Group]
     staleness: list[int] = field(default_factory=list)  # per trained group: version - min_version
+    sizes: list[int] = field(default_factory=list)  # per trained group: its rollouts, as it arrived
 
 
 class RolloutBuffer:
@@ -101,21 +107,24 @@ class RolloutBuffer:
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
         self.groups: list[Group] = []
-        self._min_versions: list[int] = []  # each group's min_version, taken once when it arrives
+        # Each group's min_version and size, taken once when it arrives (nothing changes a
+        # group in the buffer), and their rollouts in all: no pass over the groups a step.
+        self._min_versions: list[int] = []
+        self._sizes: list[int] = []
+        self.num_rollouts = 0
         self._waiters = _Waiters()
         self._interrupted = False
-
-    @property
-    def num_rollouts(self) -> int:
-        return sum(g.size for g in self.groups)
 
     async def put(self, group: Group) -> None:
         await self.put_many([group])
 
     async def put_many(self, groups: list[Group]) -> None:
         """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
+        sizes = list(map(_size, groups))
         self.groups.extend(groups)
-        self._min_versions.extend(g.min_version for g in groups)
+        self._min_versions.extend(map(_min_version, groups))
+        self._sizes.extend(sizes)
+        self.num_rollouts += sum(sizes)
         self._waiters.wake()
 
     def interrupt(self) -> None:
@@ -134,9 +143,11 @@ class RolloutBuffer:
         while True:
             oldest = version - self.max_staleness
             if self._min_versions and min(self._min_versions) < oldest:
-                stale = [g for g, v in zip(self.groups, self._min_versions) if v < oldest]
-                kept = [(g, v) for g, v in zip(self.groups, self._min_versions) if v >= oldest]
-                self.groups, self._min_versions = [g for g, _ in kept], [v for _, v in kept]
+                entries = list(zip(self.groups, self._min_versions, self._sizes))
+                stale = [g for g, v, _ in entries if v < oldest]
+                kept = [e for e in entries if e[1] >= oldest]
+                self.groups, self._min_versions, self._sizes = [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept]
+                self.num_rollouts = sum(self._sizes)
                 for g in stale:
                     await on_drop(g)
                 continue  # (on_drop awaited: look again before taking)
@@ -147,5 +158,8 @@ class RolloutBuffer:
             await self._waiters.wait()
         chosen, self.groups = self.groups[:count], self.groups[count:]
         versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
-        order = sorted(range(len(chosen)), key=lambda i: (chosen[i].epoch, chosen[i].prompt_index))
-        return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order])
+        sizes, self._sizes = self._sizes[:count], self._sizes[count:]
+        self.num_rollouts -= sum(sizes)
+        order = sorted(range(len(chosen)), key=list(map(_epoch_and_index, chosen)).__getitem__)
+        return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order],
+                     sizes=[sizes[i] for i in order])  # fmt: skip

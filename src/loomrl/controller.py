@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -44,6 +45,12 @@ class Counters:
     dropped_stale: int = 0
     failed: int = 0
     lost_on_resume: int = 0  # in flight at the checkpoint a run resumed from (regenerated)
+
+
+_weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _completion_tokens = (
+    operator.attrgetter(a) for a in ("weight_apply_s", "weight_metrics", "engine_metrics", "version", "prompt_ids",
+                                     "completion_tokens"))  # fmt: skip
+_epoch_and_index, _all_ok = operator.attrgetter("epoch", "prompt_index"), operator.attrgetter("all_ok")
 
 
 def sample_seed(job_seed: int, epoch: int, index: int) -> int:
@@ -216,24 +223,25 @@ class Controller(Evaluation, StallWatchdog):
         """Completions' text, for an engine that did not detokenize them."""
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    async def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> Awaitable[list[GenerationResult]]:
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
-        and no swap comes between applying the weights and using them)."""
-        return await self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
+        and no swap comes between applying the weights and using them). To await."""
+        return self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
 
     async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
         # A generator behind the newest published version applies it first, in the same
         # call (one round trip); one that holds it is not asked to look.
-        behind = self._held.get(id(generator), -1) < self.published_version
+        key = id(generator)
+        behind = self._held.get(key, -1) < self.published_version
         results = await generator.generate(requests, apply_newest=behind)
-        for r in results:
-            self._apply_s += r.weight_apply_s  # generate's own catch-up, if any
-            if r.weight_metrics:
-                self._generator_weight_metrics = r.weight_metrics
-            if r.engine_metrics:
-                self._engine_metrics[id(generator)] = r.engine_metrics
-            self._held[id(generator)] = max(self._held.get(id(generator), -1), r.version)
+        # What the results report, read at C speed (an engine puts it on one of them).
+        self._apply_s += sum(map(_weight_apply_s, results))  # generate's own catch-up, if any
+        for metrics in filter(None, map(_weight_metrics, results)):
+            self._generator_weight_metrics = metrics
+        for metrics in filter(None, map(_engine_metrics, results)):
+            self._engine_metrics[key] = metrics
+        self._held[key] = max(self._held.get(key, -1), max(map(_version, results), default=-1))
         return results
 
     async def _refresh_restarted_generator(self, generator: ExecutorHandle) -> None:
@@ -276,12 +284,8 @@ class Controller(Evaluation, StallWatchdog):
                 continue
             # One object per group (its completions as columns), not one per completion: the
             # trainer builds the rollouts it trains on, on its own thread.
-            rows, key = self.train_rows, self._prompt_key
-            groups = [
-                Group.from_result(index, epoch, request.prompt_ids, rows[index][key], rows[index], result,
-                                  self._decode_batch)
-                for (epoch, index), request, result in zip(picks, requests, results)
-            ]  # fmt: skip
+            groups = Group.from_results(picks, list(map(_prompt_ids, requests)), self.train_rows, self._prompt_key,
+                                        results, self._decode_batch)  # fmt: skip
             generated = sum(map(len, results))
             self.counters.generated += generated
             self.scoring_rollouts += generated
@@ -334,7 +338,7 @@ class Controller(Evaluation, StallWatchdog):
 
     async def _put_scored(self, groups: list[Group], count: int) -> None:
         """Put ``groups`` (``count`` rollouts) in the buffer, less their failed rollouts."""
-        if all(group.all_ok for group in groups):  # the common case: nothing to look at per rollout
+        if all(map(_all_ok, groups)):  # the common case: nothing to look at per rollout
             kept, outcomes = groups, None
         else:
             kept, outcomes = self._drop_failed(groups)
@@ -396,10 +400,8 @@ class Controller(Evaluation, StallWatchdog):
         fused = publish and self.leases is None
         # What the step's record needs from the batch, read before the trainer has it (the
         # batch is not the controller's to read while it trains on it).
-        num_rollouts = completion_tokens = 0
-        for g in batch.groups:  # (one pass, not one generator each)
-            num_rollouts += g.size
-            completion_tokens += g.completion_tokens
+        num_rollouts = sum(batch.sizes)
+        completion_tokens = sum(map(_completion_tokens, batch.groups))
         reward_sum = sum(chain.from_iterable([g.rewards for g in batch.groups]))  # (in the order summed before)
         try:
             metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
@@ -455,7 +457,7 @@ class Controller(Evaluation, StallWatchdog):
     def _count_step(self, batch, num_rollouts: int) -> None:
         """The trainer took one step on ``batch`` (``num_rollouts`` rollouts): account for it."""
         self.counters.trained += num_rollouts
-        self.stream.mark_trained_many([(g.epoch, g.prompt_index) for g in batch.groups])
+        self.stream.mark_trained_many(list(map(_epoch_and_index, batch.groups)))
         self.version += 1
         self._last_step_at, self._drops_since_step = time.monotonic(), 0
 

@@ -121,13 +121,14 @@ class PromptStream:
 
     def mark_trained_many(self, picks: list[tuple[int, int]]) -> None:
         """``mark_trained`` for each ``(epoch, index)``: one call a step."""
-        for epoch, index in picks:
-            if epoch == self.epoch:
-                self._outstanding.discard(index)
-                if index in self._trained_set:
-                    self.trained_twice += 1
-                self._trained_set.add(index)
-                self.trained.append(index)
+        epoch = self.epoch
+        indices = [index for e, index in picks if e == epoch]
+        self._outstanding.difference_update(indices)
+        before = len(self._trained_set)
+        self._trained_set.update(indices)
+        # Each index trained before (in this epoch, or earlier in ``picks``) counts once more.
+        self.trained_twice += len(indices) - (len(self._trained_set) - before)
+        self.trained += indices
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "trained": list(self.trained), "seed": self.seed}

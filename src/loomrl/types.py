@@ -212,7 +212,7 @@ _version, _reward, _loss_mask = (operator.attrgetter(a) for a in ("version", "re
 class Group:
     """The G rollouts of one prompt. Advantages are computed within a group.
 
-    Built from a generate call's completions (``from_result``), a group keeps them as
+    Built from a generate call's completions (``from_results``), a group keeps them as
     columns (``Completions``) until ``rollouts`` is read; reading it builds the rollouts
     once and from then on they are the group (a scorer failure, a filter and any code that
     changes a rollout work on them). What the loop needs every step (``size``,
@@ -230,16 +230,28 @@ class Group:
         self._rollouts, self._columns = rollouts, columns
 
     @classmethod
-    def from_result(cls, prompt_index: int, epoch: int, prompt_ids: list[int], prompt: str, row: dict[str, Any],
-                    result: GenerationResult, decode: Callable[[list[list[int]]], list[str]]) -> Group:  # fmt: skip
-        """A group of one generate call's completions for one prompt (``result``): its
-        columns as the result holds them (or taken at C speed), with the engine's own texts
-        or, where it gave none, ``decode(token_ids)``."""
-        ids, logprobs, finish, texts = result.columns()
-        if None in texts:  # (identity first: no Python frame per completion)
-            texts = decode(ids)
-        return cls(prompt_index, epoch, columns=Completions(prompt_ids, result.version, prompt, row, ids, logprobs,
-                                                           texts, finish, [None] * len(ids)))  # fmt: skip
+    def from_results(cls, picks: list[tuple[int, int]], prompt_ids: list[list[int]], rows: list[dict[str, Any]],
+                     prompt_key: str, results: list[GenerationResult],
+                     decode: Callable[[list[list[int]]], list[str]]) -> list[Group]:  # fmt: skip
+        """The groups of one generate call's results, one per result: ``picks[i]`` is the
+        ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
+        text ``rows[index][prompt_key]``). Each keeps its completions as columns, as the
+        result holds them (or taken at C speed), with the engine's own texts or, where it
+        gave none, ``decode(token_ids)``. One call a request, with no frame of its own per
+        group (16 a step on the controller's loop)."""
+        groups = []
+        for (epoch, index), ids_of_prompt, result in zip(picks, prompt_ids, results):
+            columns = result._columns
+            if columns is None or columns[3] is None:
+                ids, logprobs, finish, texts = result.columns()
+            else:
+                ids, logprobs, finish, texts = columns
+            if None in texts:  # (identity first: no Python frame per completion)
+                texts = decode(ids)
+            row = rows[index]
+            groups.append(cls(index, epoch, None, Completions(ids_of_prompt, result.version, row[prompt_key], row, ids,
+                                                              logprobs, texts, finish, [None] * len(ids))))
+        return groups
 
     @property
     def columns(self) -> Completions | None:

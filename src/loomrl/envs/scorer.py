@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
 _prompt, _completion, _row, _status = (operator.attrgetter(a) for a in ("prompt", "completion", "row", "status"))
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
-_columns, _in_flight = operator.attrgetter("columns"), operator.attrgetter("in_flight")
+_columns, _in_flight, _texts = (operator.attrgetter(a) for a in ("columns", "in_flight", "texts"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
 GroupItems = tuple[str, list[str], dict[str, Any]]  # one group's (prompt, completions, row)
@@ -196,15 +196,17 @@ class Scorer:
         if self.fn is None:
             return
         t0 = time.perf_counter()
-        if self.executors and all(group.columns is not None for group in groups):  # the common case
-            columns = list(map(_columns, groups))
-            sizes = [len(c.texts) for c in columns]
+        columns = list(map(_columns, groups))
+        if self.executors and None not in columns:  # the common case (read at C speed, no frame per group)
+            texts = list(map(_texts, columns))
+            sizes = list(map(len, texts))
             count = sum(sizes)
             lost = lambda message: per_group_outcomes([("scorer_lost", message, 0.0)] * count, sizes)  # noqa: E731
-            payload = [(c.prompt, c.texts, c.row) for c in columns]
-            for group, (kind, value) in zip(groups, await self._score_remote("score_groups", payload, count, lost)):
+            payload = list(zip(map(_prompt, columns), texts, map(_row, columns)))
+            outcomes = await self._score_remote("score_groups", payload, count, lost)
+            for group, group_columns, (kind, value) in zip(groups, columns, outcomes):
                 if kind == "ok":
-                    group.columns.rewards = value
+                    group_columns.rewards = value
                 else:
                     self._apply(group.rollouts, value)
             self.busy_s += time.perf_counter() - t0

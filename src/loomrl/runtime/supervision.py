@@ -184,8 +184,8 @@ class Supervised:
         if method.startswith("_"):
             raise AttributeError(method)
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await self.call(method, *args, **kwargs)
+        def call(*args: Any, **kwargs: Any) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
+            return self.call(method, *args, **kwargs)
 
         call.__name__ = method
         self.__dict__[method] = call  # built once per endpoint: later lookups skip __getattr__
