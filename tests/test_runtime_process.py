@@ -244,3 +244,46 @@ def test_a_generator_killed_mid_job_is_reported_and_the_job_resumes(tiny_job, tm
     records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     assert records[-1]["step"] == 6
     assert result.summary["trained"] == 6 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
+
+
+def _tagged(loop_thread: int, calls: list[str]) -> tuple[list[str], bool]:
+    """A ``post``: the result, and whether it ran off the loop's thread."""
+    if calls[-1] == "boom":
+        raise ValueError("post failed")
+    return calls + ["posted"], threading.get_ident() != loop_thread
+
+
+@pytest.mark.parametrize("runtime_name", ["local", "process"])
+@pytest.mark.parametrize("supervised", [False, True])
+def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is_the_calls(runtime_name, supervised):
+    """``post`` (what the controller makes of a result: groups from a generate call,
+    rewards into them from a score call) runs on the executor's or the transport's
+    thread, not the loop's; the caller gets its value, or its error. A call made before
+    the executor was built gets them too (its ``post`` may run on the loop); a call
+    without one gets the result."""
+    from loomrl.runtime.local import LocalRuntime
+    from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised
+
+    runtime = LocalRuntime() if runtime_name == "local" else ProcessRuntime()
+    try:
+        handle = runtime.start("worker0", Worker)
+        stats = FaultStats()
+        target = Supervised(runtime, handle, Deadlines(), stats) if supervised else handle
+
+        async def main():
+            post = partial(_tagged, threading.get_ident())
+            fresh = runtime.start("worker1", Worker)  # calls that go out before it is built
+            assert (await fresh.call_then(post, "record", "x"))[0] == ["x", "posted"]
+            with pytest.raises(ValueError, match="post failed"):
+                await runtime.start("worker2", Worker).call_then(post, "record", "boom")
+            await handle.ready()
+            assert await target.call_then(post, "record", "a") == (["a", "posted"], True)
+            assert await target.call_then(None, "record", "b") == ["a", "b"]
+            with pytest.raises(ValueError, match="post failed"):
+                await target.call_then(post, "record", "boom")
+            assert await target.call("record", "c") == ["a", "b", "boom", "c"]  # the executor lives on
+            assert not stats.failures and not stats.restarts  # (a post's error is no executor's loss)
+
+        run(main())
+    finally:
+        runtime.shutdown()

@@ -172,14 +172,15 @@ def release_later(obj: Any) -> None:
 
 def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads,
               on_done: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
-              skip_cancelled: bool = False) -> asyncio.Future:  # fmt: skip
+              skip_cancelled: bool = False, post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
     """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
     with one ``call_soon_threadsafe``, in which ``on_done()`` runs too (a done callback
     would take a turn of the loop of its own). (``run_in_executor`` chains a concurrent
     future to an asyncio one: two futures, their callbacks and a state copy on the loop,
     every call.) ``skip_cancelled``: a call whose caller cancelled it before it started does
-    not run (as with ``run_in_executor``). An item the pool drops unrun (a shutdown with
-    ``cancel_futures``) cancels the future."""
+    not run (as with ``run_in_executor``). ``post``: the future resolves with
+    ``post(fn(*args))``, run on that thread too (an exception from either is the future's).
+    An item the pool drops unrun (a shutdown with ``cancel_futures``) cancels the future."""
     future = loop.create_future()
 
     def run() -> None:
@@ -188,6 +189,8 @@ def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads,
         else:
             try:
                 ok, value = True, fn(*args)
+                if post is not None:
+                    value = post(value)
             except BaseException as err:  # noqa: BLE001 - delivered to the caller, as run_in_executor does
                 ok, value = False, err
         _threadsafe(loop, _deliver, future, ok, value, on_done)
@@ -209,6 +212,10 @@ def _deliver(future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[],
         future.set_result(value) if ok else future.set_exception(value)
     if on_done is not None:
         on_done()
+
+
+async def _posted(call: Awaitable[Any], post: Callable[[Any], Any]) -> Any:
+    return post(await call)
 
 
 def then(future: asyncio.Future, on_done: Callable[[], None] | None) -> asyncio.Future:
@@ -317,15 +324,27 @@ class ExecutorHandle(ABC):
         self._check(method, args, kwargs)
         return await self._invoke(method, args, kwargs)
 
-    def submit(self, method: str, args: tuple, kwargs: dict,
-               on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
+    async def call_then(self, post: Callable[[Any], Any], method: str, *args: Any, **kwargs: Any) -> Any:
+        """``call``, resolving with ``post(result)`` run where the call ended (see ``submit``)."""
+        self._check(method, args, kwargs)
+        return await self._submit(method, args, kwargs, None, post)
+
+    def submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
+               post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
         """``call`` as a future (checked the same way, at once), for a caller that watches
         the call rather than awaits it (``Supervised``): on runtimes whose calls already
         are futures (threads, processes), no task is made to run it. ``on_done()`` runs on
         the loop when the call ends, just after the future is resolved (on ``process`` in
-        the same callback: no turn of the loop of its own)."""
+        the same callback: no turn of the loop of its own).
+
+        ``post``: the future resolves with ``post(result)`` instead, run where the call
+        ended, before the loop hears of it: on ``local`` the executor's thread, on
+        ``process`` the handle's transport thread (where the result was unpickled), so that
+        what the caller makes of a result costs the controller's loop nothing; on a runtime
+        with no such thread, on the loop. It must not touch what the loop owns (it may run
+        alongside it); what it raises is the call's error."""
         self._check(method, args, kwargs)
-        return self._submit(method, args, kwargs, on_done)
+        return self._submit(method, args, kwargs, on_done, post)
 
     def _check(self, method: str, args: tuple, kwargs: dict) -> None:
         if self.interface is not None:
@@ -337,10 +356,12 @@ class ExecutorHandle(ABC):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``method(*args, **kwargs)`` on the executor and return its result."""
 
-    def _submit(self, method: str, args: tuple, kwargs: dict,
-                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
-        """``_invoke`` as a future; a runtime whose calls are futures returns them as they are."""
-        return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)
+    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
+                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+        """``_invoke`` as a future (with ``post`` on the loop); a runtime whose calls are
+        futures returns them as they are."""
+        call = self._invoke(method, args, kwargs)
+        return then(asyncio.ensure_future(call if post is None else _posted(call, post)), on_done)
 
     @property
     @abstractmethod

@@ -65,11 +65,11 @@ class LocalHandle(ExecutorHandle):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict,
-                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
-        fn = getattr(self.obj, method)
+    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
+                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+        fn = getattr(self.obj, method)  # (``post`` runs after the call's busy time, on its thread)
         return on_thread(asyncio.get_running_loop(), self._pool_for(method), on_done, self._timed, method, fn, args,
-                         kwargs, skip_cancelled=True)  # fmt: skip
+                         kwargs, skip_cancelled=True, post=post)  # fmt: skip
 
     @property
     def where(self) -> str:

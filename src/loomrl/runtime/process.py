@@ -232,13 +232,13 @@ class ProcessHandle(ExecutorHandle):
             await asyncio.wrap_future(self._ready)
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict,
-                on_done: Callable[[], None] | None = None) -> asyncio.Future:  # fmt: skip
-        if not self._started and not self._check_started():
-            return then(asyncio.ensure_future(self._invoke(method, args, kwargs)), on_done)  # waits, or raises the start's error
+    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
+                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+        if not self._started and not self._check_started():  # waits, or raises the start's error
+            return super()._submit(method, args, kwargs, on_done, post)
         loop = asyncio.get_running_loop()
-        try:
-            return on_thread(loop, self._pool, on_done, self._call, method, args, kwargs)
+        try:  # (``post`` runs on the transport thread, once the result is unpickled)
+            return on_thread(loop, self._pool, on_done, self._call, method, args, kwargs, post=post)
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise

@@ -185,13 +185,19 @@ class Supervised:
             raise AttributeError(method)
 
         def call(*args: Any, **kwargs: Any) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
-            return self.call(method, *args, **kwargs)
+            return self.call_then(None, method, *args, **kwargs)
 
         call.__name__ = method
         self.__dict__[method] = call  # built once per endpoint: later lookups skip __getattr__
         return call
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """``method(*args, **kwargs)`` on the executor, watched and healed (to await)."""
+        return self.call_then(None, method, *args, **kwargs)
+
+    async def call_then(self, post: Callable[[Any], Any] | None, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``call``, resolving with ``post(result)`` run where the call ended, off the
+        controller's loop (``ExecutorHandle.submit``); ``post`` None: the result itself."""
         if not self._serving.is_set():  # a restart in progress: calls wait for the fresh executor
             await self._serving.wait()
         if self.lost is not None:  # counted once, when it was lost
@@ -201,14 +207,16 @@ class Supervised:
         try:
             if self.deadlines is None:  # (an in-process runtime: nothing to kill, nothing to restart)
                 if handle.calls_are_futures:  # the handle's future itself: two coroutine frames fewer a call
-                    return await handle.submit(method, args, kwargs)
-                return await handle.call(method, *args, **kwargs)
-            return await self._call_with_deadline(handle, incarnation, method, args, kwargs)
+                    return await handle.submit(method, args, kwargs, None, post)
+                if post is None:
+                    return await handle.call(method, *args, **kwargs)
+                return await handle.call_then(post, method, *args, **kwargs)
+            return await self._call_with_deadline(handle, incarnation, method, args, kwargs, post)
         finally:
             self.in_flight -= 1
 
     async def _call_with_deadline(self, handle: ExecutorHandle, incarnation: int, method: str, args: tuple,
-                                  kwargs: dict) -> Any:  # fmt: skip
+                                  kwargs: dict, post: Callable[[Any], Any] | None = None) -> Any:  # fmt: skip
         """The call, watched: it is hung when it has *run* (not waited behind the calls
         before it: an executor runs its calls one at a time, in order) past its deadline."""
         key = call_key(method, args)
@@ -218,7 +226,7 @@ class Supervised:
             call.started = time.monotonic()
         self._queue.append(call)
         try:
-            inner = handle.submit(method, args, kwargs, lambda: self._finished(call))  # a future: no task of its own
+            inner = handle.submit(method, args, kwargs, lambda: self._finished(call), post)  # a future: no task of its own
         except BaseException:
             self._finished(call)
             raise
