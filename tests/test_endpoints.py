@@ -121,7 +121,8 @@ def test_controller_and_session_call_only_declared_endpoints():
     """Every ``<handle>.<method>(`` the controller and session await is an endpoint, so a
     typo in them fails this test (and at once at run time), not deep in a job. Calls made
     inside a scheduler lease are passed as ``lambda: handle.method(...)`` or as the bound
-    method itself (``on_device("weight_sync", trainer.publish)``): those count too."""
+    method itself (``on_device("weight_sync", trainer.publish)``): those count too, and so
+    does the method named in ``handle.call_then(post, "method", ...)``."""
     import ast
 
     from conftest import ROOT
@@ -134,19 +135,24 @@ def test_controller_and_session_call_only_declared_endpoints():
         for node in ast.walk(tree):
             funcs = []
             if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
-                funcs.append(node.value.func)
+                funcs.append((node.value.func, node.value))
             elif isinstance(node, ast.Lambda) and isinstance(node.body, ast.Call):
-                funcs.append(node.body.func)
+                funcs.append((node.body.func, node.body))
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "on_device":
-                funcs += [a for a in node.args if isinstance(a, ast.Attribute)]
-            for func in funcs:
+                funcs += [(a, None) for a in node.args if isinstance(a, ast.Attribute)]
+            for func, call in funcs:
                 if isinstance(func, ast.Attribute):
                     owner = func.value
                     if isinstance(owner, ast.Subscript):
                         owner = owner.value
                     owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
                     if owner_name in handles:
-                        called.add(func.attr)
+                        if func.attr in ("call", "call_then") and call is not None:
+                            names = [a.value for a in call.args if isinstance(a, ast.Constant)]
+                            assert len(names) == 1, ast.unparse(node)  # the method, by name
+                            called.add(names[0])
+                        else:
+                            called.add(func.attr)
     assert called and called <= declared, called - declared
     assert {"train_step", "publish", "generate"} <= called
 

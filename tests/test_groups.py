@@ -121,6 +121,10 @@ class _Slot:
         self.methods.append(method)
         return getattr(self.executor, method)(*args)
 
+    async def call_then(self, post, method, *args):
+        result = await self.call(method, *args)
+        return result if post is None else post(result)
+
 
 def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with_scoring_here():
     task = TaskConfig(reward="tests.test_groups:picky_reward")
@@ -143,6 +147,33 @@ def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with
         assert remote.failures_by_reason == local.failures_by_reason and sum(remote.failures_by_reason.values()) == 1
     finally:
         executor.close()
+
+
+class _LostSlot(_Slot):
+    """A scorer executor lost with every call (as one killed, restarted and killed again)."""
+
+    async def call(self, method, *args):
+        from loomrl.runtime.supervision import ExecutorLostError
+
+        self.methods.append(method)
+        raise ExecutorLostError("executor 'scorer0' (pid 1) killed by SIGKILL", "scorer", restarted=True)
+
+
+def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
+    """A group call lost on its retry too: every rollout fails as ``scorer_lost`` (its
+    prompt goes out again in the controller), counted as re-scored, then lost."""
+    from loomrl.envs.scorer import lost_by_scorer
+    from loomrl.runtime.supervision import FaultStats
+
+    task = TaskConfig(reward="tests.test_groups:picky_reward")
+    scorer, slot, stats = Scorer(task), _LostSlot(None), FaultStats()
+    scorer.attach([slot], fault_stats=stats)
+    groups = [_columnar(index=1), _columnar(index=2)]
+    asyncio.run(scorer.score_groups(groups))
+    assert slot.methods == ["score_groups", "score_groups"]
+    assert stats.rescored_rollouts == stats.lost_rollouts == 6
+    assert all(g.columns is None and g.num_failed == 3 and all(map(lost_by_scorer, g.rollouts)) for g in groups)
+    assert "SIGKILL" in groups[0].rollouts[0].error
 
 
 def test_per_group_outcomes_split_at_the_group_sizes():
@@ -174,6 +205,11 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
                                           None, "stop")]  # fmt: skip
     assert [r.completion for r in groups[2].rollouts] == ["a", "b"] and groups[2].rollouts[1].finish_reason == "length"
     assert all(g.rewards == [None] * g.size for g in groups[:1])
+    # Without a decode (built off the loop, where the tokenizer is not to be used): None
+    # for a call with a result to decode, the same groups for one without.
+    assert Group.from_results([(1, 7), (0, 3)], [[1, 2], [9]], rows, "prompt", results[:2], None) is None
+    assert Group.from_results([(1, 7), (2, 7)], [[1, 2], [1, 2]], rows, "prompt", results[::2], None) == [
+        groups[0], groups[2]]
 
 
 def test_a_generation_result_reads_the_same_as_columns_or_as_completions():

@@ -14,6 +14,7 @@ import operator
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from itertools import chain
 from types import MappingProxyType
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from loomrl.buffer import RolloutBuffer, StalenessGate
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import JobFailedError, Scorer, lost_by_scorer
+from loomrl.envs.scorer import JobFailedError, Scorer, group_payload, lost_by_scorer
 from loomrl.evaluation import Evaluation
 from loomrl.prompt_fit import encode_texts, truncate_ids
 from loomrl.runtime.base import ExecutorHandle, release_later
@@ -51,6 +52,25 @@ _weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _compl
     operator.attrgetter(a) for a in ("weight_apply_s", "weight_metrics", "engine_metrics", "version", "prompt_ids",
                                      "completion_tokens"))  # fmt: skip
 _epoch_and_index, _all_ok = operator.attrgetter("epoch", "prompt_index"), operator.attrgetter("all_ok")
+
+
+def _read_reports(then: Callable[[list[GenerationResult]], Any] | None, results: list[GenerationResult]) -> tuple:
+    """Off the loop, where a generate call ended: what its results report (an engine puts
+    it on one of them), read at C speed, and ``then(results)`` (the results themselves
+    when there is no ``then``)."""
+    weight = [m for m in map(_weight_metrics, results) if m]
+    engine = [m for m in map(_engine_metrics, results) if m]
+    return (sum(map(_weight_apply_s, results)), weight[-1] if weight else None, engine[-1] if engine else None,
+            max(map(_version, results), default=-1), results if then is None else then(results))  # fmt: skip
+
+
+def _groups_of(picks: list[tuple[int, int]], requests: list[GenerationRequest], rows: list[dict[str, Any]],
+               prompt_key: str, results: list[GenerationResult]) -> tuple:  # fmt: skip
+    """Off the loop, where a training request's generate call ended: the results, their
+    groups (None when an engine left the texts to decode: the tokenizer is the loop's),
+    how many completions they hold and what a scorer executor takes for them."""
+    groups = Group.from_results(picks, list(map(_prompt_ids, requests)), rows, prompt_key, results, None)
+    return results, groups, sum(map(len, results)), None if groups is None else group_payload(groups)
 
 
 def sample_seed(job_seed: int, epoch: int, index: int) -> int:
@@ -223,26 +243,31 @@ class Controller(Evaluation, StallWatchdog):
         """Completions' text, for an engine that did not detokenize them."""
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> Awaitable[list[GenerationResult]]:
+    def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest],
+                  then: Callable[[list[GenerationResult]], Any] | None = None) -> Awaitable[Any]:  # fmt: skip
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
-        and no swap comes between applying the weights and using them). To await."""
-        return self.on_device("generate", lambda: self._apply_and_generate(generator, requests))
+        and no swap comes between applying the weights and using them). To await: the
+        results, or ``then(results)``, which runs off the loop where the call ended (it
+        must read nothing the loop changes)."""
+        return self.on_device("generate", lambda: self._apply_and_generate(generator, requests, then))
 
-    async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest],
+                                  then: Callable[[list[GenerationResult]], Any] | None) -> Any:  # fmt: skip
         # A generator behind the newest published version applies it first, in the same
         # call (one round trip); one that holds it is not asked to look.
         key = id(generator)
         behind = self._held.get(key, -1) < self.published_version
-        results = await generator.generate(requests, apply_newest=behind)
-        # What the results report, read at C speed (an engine puts it on one of them).
-        self._apply_s += sum(map(_weight_apply_s, results))  # generate's own catch-up, if any
-        for metrics in filter(None, map(_weight_metrics, results)):
-            self._generator_weight_metrics = metrics
-        for metrics in filter(None, map(_engine_metrics, results)):
-            self._engine_metrics[key] = metrics
-        self._held[key] = max(self._held.get(key, -1), max(map(_version, results), default=-1))
-        return results
+        apply_s, weight_metrics, engine_metrics, version, value = await generator.call_then(
+            partial(_read_reports, then), "generate", requests, apply_newest=behind)  # fmt: skip
+        self._apply_s += apply_s  # generate's own catch-up, if any
+        if weight_metrics is not None:
+            self._generator_weight_metrics = weight_metrics
+        if engine_metrics is not None:
+            self._engine_metrics[key] = engine_metrics
+        if version > self._held.get(key, -1):
+            self._held[key] = version
+        return value
 
     async def _refresh_restarted_generator(self, generator: ExecutorHandle) -> None:
         """A fresh generator has no weights but the model's own: publish a full snapshot of
@@ -277,19 +302,21 @@ class Controller(Evaluation, StallWatchdog):
                 GenerationRequest(prompt_ids[i], group_size, self._sampling, sample_seed(seed, epoch, i), min_version)
                 for epoch, i in picks
             ]
+            # One object per group (its completions as columns), not one per completion (the
+            # trainer builds the rollouts it trains on, on its own thread), built where the
+            # call ended, off the loop.
+            build = partial(_groups_of, picks, requests, self.train_rows, self._prompt_key)
             try:
-                results = await self._generate(generator, requests)
+                results, groups, generated, payload = await self._generate(generator, requests, build)
             except ExecutorLostError as err:
                 await self._requeue_lost(picks, err)
                 continue
-            # One object per group (its completions as columns), not one per completion: the
-            # trainer builds the rollouts it trains on, on its own thread.
-            groups = Group.from_results(picks, list(map(_prompt_ids, requests)), self.train_rows, self._prompt_key,
-                                        results, self._decode_batch)  # fmt: skip
-            generated = sum(map(len, results))
+            if groups is None:  # texts to decode, with the loop's tokenizer
+                groups = Group.from_results(picks, list(map(_prompt_ids, requests)), self.train_rows,
+                                            self._prompt_key, results, self._decode_batch)  # fmt: skip
             self.counters.generated += generated
             self.scoring_rollouts += generated
-            task = asyncio.create_task(self._score_and_put_groups(groups, generated))
+            task = asyncio.create_task(self._score_and_put_groups(groups, generated, payload))
             self.scoring.add(task)
             self._watch(task)
             release_later((requests, results))  # (the groups hold what they need of them)
@@ -324,14 +351,15 @@ class Controller(Evaluation, StallWatchdog):
     async def _score_and_put(self, group: Group) -> None:
         await self._score_and_put_groups([group])
 
-    async def _score_and_put_groups(self, groups: list[Group], count: int | None = None) -> None:
+    async def _score_and_put_groups(self, groups: list[Group], count: int | None = None,
+                                    payload: tuple | None = None) -> None:  # fmt: skip
         """Score the groups of one request together (one reward batch), then put them
         together (one wake-up of the gate and the trainer per request, not per group);
-        ``count``: their rollouts, if the caller counted them."""
+        ``count``: their rollouts, ``payload`` their ``group_payload``, if the caller has them."""
         if count is None:
             count = sum(group.size for group in groups)
         try:
-            await self.scorer.score_groups(groups)
+            await self.scorer.score_groups(groups, payload)
         finally:  # they leave "scoring" just as they enter the buffer (or fail)
             self.scoring_rollouts -= count
         await self._put_scored(groups, count)

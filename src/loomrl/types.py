@@ -232,13 +232,14 @@ class Group:
     @classmethod
     def from_results(cls, picks: list[tuple[int, int]], prompt_ids: list[list[int]], rows: list[dict[str, Any]],
                      prompt_key: str, results: list[GenerationResult],
-                     decode: Callable[[list[list[int]]], list[str]]) -> list[Group]:  # fmt: skip
+                     decode: Callable[[list[list[int]]], list[str]] | None) -> list[Group] | None:  # fmt: skip
         """The groups of one generate call's results, one per result: ``picks[i]`` is the
         ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
         text ``rows[index][prompt_key]``). Each keeps its completions as columns, as the
         result holds them (or taken at C speed), with the engine's own texts or, where it
-        gave none, ``decode(token_ids)``. One call a request, with no frame of its own per
-        group (16 a step on the controller's loop)."""
+        gave none, ``decode(token_ids)`` (``decode`` None: then None, for the caller to
+        build them where it may decode). One call a request, with no frame of its own per
+        group; it reads nothing but its arguments (the controller runs it off its loop)."""
         groups = []
         for (epoch, index), ids_of_prompt, result in zip(picks, prompt_ids, results):
             columns = result._columns
@@ -247,6 +248,8 @@ class Group:
             else:
                 ids, logprobs, finish, texts = columns
             if None in texts:  # (identity first: no Python frame per completion)
+                if decode is None:
+                    return None
                 texts = decode(ids)
             row = rows[index]
             groups.append(cls(index, epoch, None, Completions(ids_of_prompt, result.version, row[prompt_key], row, ids,

@@ -19,13 +19,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable
+from functools import partial
 from itertools import repeat
 from typing import Any
 
 from loomrl.config import SandboxConfig, TaskConfig
 from loomrl.envs.reward import RewardFailure, call_reward_batch, load_object
 from loomrl.runtime.endpoints import endpoint
-from loomrl.types import Group, Rollout
+from loomrl.types import Completions, Group, Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,31 @@ class RewardEndpoints(ABC):
             items += zip(repeat(prompt), texts, repeat(row))
         outcomes, metrics = self.score(items)
         return per_group_outcomes(outcomes, [len(texts) for _, texts, _ in groups]), metrics
+
+
+def group_payload(groups: list[Group]) -> tuple[list[tuple[str, list[str], dict]], list[int]] | None:
+    """What a scorer executor's ``score_groups`` takes for ``groups`` (each one's prompt,
+    completion texts and row) and their sizes; None when a group's rollouts were built
+    (those are scored per rollout). It reads only the groups (the controller builds it off
+    its loop, with the groups)."""
+    columns = list(map(_columns, groups))
+    if None in columns:  # (read at C speed, no frame per group)
+        return None
+    texts = list(map(_texts, columns))
+    return list(zip(map(_prompt, columns), texts, map(_row, columns))), list(map(len, texts))
+
+
+def _set_rewards(columns: list[Completions], reply: tuple[list[GroupOutcome], Any]) -> tuple[list, Any]:
+    """Where a ``score_groups`` call ended, off the loop: every scored group's rewards into
+    its columns; the others' ``(position, outcomes)``, for the loop to mark, and the
+    executor's pool metrics."""
+    failed = []
+    for i, (group_columns, (kind, value)) in enumerate(zip(columns, reply[0])):
+        if kind == "ok":
+            group_columns.rewards = value
+        else:
+            failed.append((i, value))
+    return failed, reply[1]
 
 
 def per_group_outcomes(outcomes: list[ScoreOutcome], sizes: list[int]) -> list[GroupOutcome]:
@@ -189,26 +215,23 @@ class Scorer:
         self._apply(rollouts, await self._outcomes(list(_items_of(rollouts))))
         self.busy_s += time.perf_counter() - t0
 
-    async def score_groups(self, groups: list[Group]) -> None:
+    async def score_groups(self, groups: list[Group], payload: tuple | None = None) -> None:
         """``score`` every rollout of ``groups`` as one batch. A group still in columns
         gets its rewards as one list (no rollout built); with any failure, the failed
-        groups' rollouts are built and marked, as ``score`` marks them."""
+        groups' rollouts are built and marked, as ``score`` marks them. ``payload``: the
+        groups' ``group_payload``, if the caller built it."""
         if self.fn is None:
             return
         t0 = time.perf_counter()
-        columns = list(map(_columns, groups))
-        if self.executors and None not in columns:  # the common case (read at C speed, no frame per group)
-            texts = list(map(_texts, columns))
-            sizes = list(map(len, texts))
+        if self.executors and (payload is not None or (payload := group_payload(groups)) is not None):
+            # The common case: the rewards go into the groups where the call ended, off the loop.
+            items, sizes = payload
             count = sum(sizes)
             lost = lambda message: per_group_outcomes([("scorer_lost", message, 0.0)] * count, sizes)  # noqa: E731
-            payload = list(zip(map(_prompt, columns), texts, map(_row, columns)))
-            outcomes = await self._score_remote("score_groups", payload, count, lost)
-            for group, group_columns, (kind, value) in zip(groups, columns, outcomes):
-                if kind == "ok":
-                    group_columns.rewards = value
-                else:
-                    self._apply(group.rollouts, value)
+            failed = await self._score_remote("score_groups", items, count, lost,
+                                              partial(_set_rewards, list(map(_columns, groups))))  # fmt: skip
+            for i, outcomes in failed:
+                self._apply(groups[i].rollouts, outcomes)
             self.busy_s += time.perf_counter() - t0
             return
         items: list[ScoreItem] = []
@@ -246,22 +269,25 @@ class Scorer:
             else:
                 self.record_failure(rollout, status, value)
 
-    async def _score_remote(self, method: str, payload: list, count: int, lost: Callable[[str], list]) -> list:
+    async def _score_remote(self, method: str, payload: list, count: int, lost: Callable[[str], list],
+                            post: Callable[[tuple], tuple] | None = None) -> list:  # fmt: skip
         """``method(payload)`` (``count`` rollouts) on the least busy scorer; once more if
         that scorer is lost (it is restarted), then they count as failed: ``lost(message)``
-        (``scorer_lost``)."""
+        (``scorer_lost``). ``post``: what the reply ``(outcomes, pool metrics)`` becomes,
+        made where the call ended (and here from ``lost``'s outcomes)."""
         from loomrl.runtime.supervision import ExecutorLostError
 
         for attempt in range(2):
             slot = min(self.executors, key=_in_flight)
             try:
-                outcomes, pool_metrics = await slot.call(method, payload)
+                outcomes, pool_metrics = await slot.call_then(post, method, payload)
             except ExecutorLostError as err:
                 if attempt == 0:
                     self.fault_stats.rescored_rollouts += count
                     continue
                 self.fault_stats.lost_rollouts += count
-                return lost(f"{SCORER_LOST}: {err}")
+                outcomes = lost(f"{SCORER_LOST}: {err}")
+                return outcomes if post is None else post((outcomes, None))[0]
             if self._pool_metrics.get(slot.name) != pool_metrics:
                 self._pool_metrics[slot.name], self._merged_pool_metrics = pool_metrics, None
             return outcomes
