@@ -398,6 +398,13 @@ def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_
     assert 0 < ctl.counters.trained < 3 * 4 * 4  # groups lose their timed-out rollouts
     c = ctl.counters
     assert c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    seen = [r.get("rollout/failed_timeout", 0) for r in records]
+    assert seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed  # (counted before the step that lost them)
+    # The step record's failures by reason are cached: a new count or reason shows at once.
+    ctl.scorer.failures_by_reason["timeout"] += 2
+    ctl.scorer.failures_by_reason["raised"] += 1
+    assert ctl._failed_metrics() == {"rollout/failed_timeout": ctl.counters.failed + 2, "rollout/failed_raised": 1}
 
 
 def test_async_reward_functions_are_awaited(tiny_job, tmp_path):

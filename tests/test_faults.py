@@ -213,6 +213,27 @@ def test_restarts_stop_at_the_limit():
     assert stats.restarts["generator"] == 1 and stats.failures["generator"] == 2
 
 
+def test_fault_metrics_show_every_change_though_they_are_cached():
+    stats = FaultStats()
+    first = stats.metrics()
+    assert first["executor/restarts"] == 0 and first["executor/trainer_failures"] == 0
+    first["executor/restarts"] = 99  # (a copy: the caller may change it)
+    assert stats.metrics()["executor/restarts"] == 0
+    for change, key, value in [
+        (lambda: stats.failures.update(["scorer"]), "executor/scorer_failures", 1),
+        (lambda: stats.restarts.update(["scorer"]), "executor/restarts", 1),
+        (lambda: stats.restarts.update(["judge"]), "executor/judge_restarts", 1),
+        (lambda: setattr(stats, "hung_kills", 2), "executor/hung_kills", 2),
+        (lambda: setattr(stats, "requeued_prompts", 3), "executor/requeued_prompts", 3),
+        (lambda: setattr(stats, "rescored_rollouts", 4), "executor/rescored_rollouts", 4),
+        (lambda: setattr(stats, "lost_rollouts", 5), "executor/lost_rollouts", 5),
+        (lambda: setattr(stats, "trainer_restarts", 6), "executor/trainer_restarts", 6),
+    ]:
+        change()
+        assert stats.metrics()[key] == value, key
+    assert stats.metrics()["executor/restarts"] == 2 and stats.metrics() == stats._build_metrics()
+
+
 def test_a_lost_trainer_is_not_restarted_in_place():
     runtime = FakeRuntime()
     stats = FaultStats()

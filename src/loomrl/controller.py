@@ -155,6 +155,7 @@ class Controller(Evaluation, StallWatchdog):
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
         self._renamed_source: dict[str, float] = {}  # what _renamed_generator_weight_metrics last renamed
+        self._failed_key: tuple | None = None  # the scorer's failures _failed_metrics last named
         self._renamed: dict[str, float] = {}
         self._engine_metrics: dict[int, dict[str, float]] = {}  # id(generator handle) -> its engine's totals
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
@@ -464,7 +465,7 @@ class Controller(Evaluation, StallWatchdog):
                 "executor/trainer_busy_frac": self.trainer.busy_s / max(elapsed, 1e-9),
                 "executor/stall_warnings": self.stall_warnings,
                 "executor/no_step_warnings": self.no_step_warnings,
-                **{f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()},
+                **self._failed_metrics(),
                 **self.faults.metrics(),
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
@@ -481,6 +482,14 @@ class Controller(Evaluation, StallWatchdog):
             self._renamed_source = dict(source)
             self._renamed = {k.replace("weight_sync/", "weight_sync/generator_"): v for k, v in source.items()}
         return self._renamed
+
+    def _failed_metrics(self) -> dict[str, int]:
+        """The scorer's failures by reason as ``rollout/failed_*`` (built again only when
+        a count changed: one tuple comparison a step)."""
+        key = tuple(self.scorer.failures_by_reason.items())
+        if key != self._failed_key:
+            self._failed_key, self._failed = key, {f"rollout/failed_{k}": v for k, v in key}
+        return self._failed
 
     def _count_step(self, batch, num_rollouts: int) -> None:
         """The trainer took one step on ``batch`` (``num_rollouts`` rollouts): account for it."""

@@ -196,6 +196,7 @@ class Completions:
     texts: list[str]
     finish_reasons: list[str]
     rewards: list[float | None]  # set by the scorer
+    num_tokens: int | None = None  # sum of the completions' lengths, counted where they were made (None: count them)
 
     def build(self, prompt_index: int) -> list[Rollout]:
         """The rollouts, as the controller built them from the completions (a loss mask of
@@ -253,7 +254,8 @@ class Group:
                 texts = decode(ids)
             row = rows[index]
             groups.append(cls(index, epoch, None, Completions(ids_of_prompt, result.version, row[prompt_key], row, ids,
-                                                              logprobs, texts, finish, [None] * len(ids))))
+                                                              logprobs, texts, finish, [None] * len(ids),
+                                                              sum(map(len, ids)))))
         return groups
 
     @property
@@ -295,8 +297,9 @@ class Group:
     @property
     def completion_tokens(self) -> int:
         """Tokens to train on (the loss mask's ones)."""
-        if self._columns is not None:
-            return sum(map(len, self._columns.completion_ids))
+        columns = self._columns
+        if columns is not None:
+            return columns.num_tokens if columns.num_tokens is not None else sum(map(len, columns.completion_ids))
         return sum(map(sum, map(_loss_mask, self._rollouts)))
 
     @property

@@ -103,12 +103,23 @@ class FaultStats:
         self.lost_rollouts = 0  # rollouts whose second score call was lost too (counted as failed)
         self.trainer_restarts = 0  # job restarts from a checkpoint (set by the session)
         self.last_error: str | None = None
+        self._metrics_key: tuple | None = None
+        self._metrics: dict[str, float] = {}
 
     @property
     def total_restarts(self) -> int:
         return sum(self.restarts.values())
 
     def metrics(self) -> dict[str, float]:
+        """The counts as metrics (a copy: built again only when a count changed, which
+        is rare, so the step record costs one tuple comparison at C speed)."""
+        key = (self.hung_kills, self.requeued_prompts, self.rescored_rollouts, self.lost_rollouts,
+               self.trainer_restarts, tuple(self.failures.items()), tuple(self.restarts.items()))  # fmt: skip
+        if key != self._metrics_key:
+            self._metrics_key, self._metrics = key, self._build_metrics()
+        return dict(self._metrics)
+
+    def _build_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {
             "executor/restarts": self.total_restarts,
             "executor/hung_kills": self.hung_kills,
