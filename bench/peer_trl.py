@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", default=".cache/arithmetic-warmstart",
                         help="warm-started model folder (python -m examples.arithmetic.warmstart builds it)")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="also write {\"results\": per system, \"matmul_rates\": per repeat}")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
@@ -243,7 +243,10 @@ def main() -> None:
     if not Path(args.model, "config.json").is_file():
         parser.error(f"no model at {args.model}; build it with: python -m examples.arithmetic.warmstart")
     results: dict[str, list[dict]] = {s: [] for s in systems}
+    rates: list[float] = []  # the matmul rate, probed once a repeat (between systems, like them)
     for rep in range(args.repeats):  # interleaved, so the machine's noise hits every system
+        rates.append(matmul_rate(Path(args.model), rows=args.groups_per_step * 8 * 11, threads=args.threads))
+        print(f"repeat {rep} fp32 matmul rate at the model's shapes: {rates[-1] / 1e9:.1f} GFLOP/s", flush=True)
         for system in systems:
             cmd = [sys.executable, __file__, "--child", system, "--steps", str(args.steps), "--threads",
                    str(args.threads), "--seed", str(args.seed), "--groups-per-step", str(args.groups_per_step),
@@ -257,17 +260,20 @@ def main() -> None:
                   f"({r['completions'] / r['wall_s']:.0f} with start-up), "
                   f"accuracy {r['accuracy']:.1%}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    report(results, args)
+        args.json.write_text(json.dumps({"results": results, "matmul_rates": rates}, indent=2))
+    report(results, args, rates)
 
 
-def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list[float]) -> None:
+    """The tables. MFU is against the fastest matmul rate probed in the run: a probe that
+    ran at a slow moment of the machine would otherwise overstate it (over 100% once, when
+    a single probe at the end read 90 GFLOP/s on a machine that ran 152 minutes before)."""
     from rich.console import Console
     from rich.table import Table
 
     prompt_len = statistics.mean(len(r["prompt"]) + 1 for r in _rows("train.jsonl"))  # + BOS
     flops = model_flops_per_completion(Path(args.model), round(prompt_len), 4)
-    rate = matmul_rate(Path(args.model), rows=args.groups_per_step * 8 * 11, threads=args.threads)
+    rate = max(rates)
 
     def med(system: str, key) -> float:
         return statistics.median(key(r) for r in results[system])
@@ -303,8 +309,13 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
             console.print(f"{s}: controller loop overhead {med(s, lambda r: r['controller_overhead']):.1%} of wall; "
                           "peak RSS MB " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items()))
     console.print(f"model FLOPs per completion {flops / 1e6:.1f} M; fp32 matmul rate at the model's shapes "
-                  f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads; machine limit "
+                  f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads (the fastest of {len(rates)} probes, one a "
+                  f"repeat: {', '.join(f'{r / 1e9:.1f}' for r in rates)}); machine limit "
                   f"~{rate / flops:.0f} completions/s")
+    over = [s for s in results if cps[s] * flops > rate]
+    if over:
+        console.print(f"[yellow]warning: MFU over 100% for {', '.join(over)}: every matmul probe ran slower than "
+                      "the systems did (a noisy machine); rerun with more repeats[/yellow]")
 
 
 if __name__ == "__main__":
