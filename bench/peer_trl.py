@@ -9,7 +9,8 @@ bench prints completions/s and completion tokens/s (training loop wall time, inc
 system's own start-up of workers), held-out greedy accuracy of the final model on
 ``examples/arithmetic/eval.jsonl`` (the same function for both), peak resident memory, and
 model-FLOPs utilisation (MFU): the model's own FLOPs per second over the fp32 matmul rate
-this bench measures on this machine at the model's shapes.
+this bench measures on this machine at the model's shapes (once a repeat, between the
+systems; MFU is against the fastest of those probes).
 
     python bench/peer_trl.py --steps 150 --repeats 2
     python bench/peer_trl.py --systems trl,async-process --steps 60 --repeats 3
