@@ -268,7 +268,7 @@ def main() -> None:
 def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list[float]) -> None:
     """The tables. MFU is against the fastest matmul rate probed in the run: a probe that
     ran at a slow moment of the machine would otherwise overstate it (over 100% once, when
-    a single probe at the end read 90 GFLOP/s on a machine that ran 152 minutes before)."""
+    a single probe at the end read 90 GFLOP/s on a machine that read 152 GFLOP/s minutes before)."""
     from rich.console import Console
     from rich.table import Table
 
