@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The GPU check anyone can run: one script, one GPU, nothing to download. Prints one table.
+#
+#   OUT=/some/empty/folder bash bench/gpu_check.sh          # on a machine with one CUDA GPU
+#   OUT=/tmp/gpu_dry bash bench/gpu_check.sh --dry          # a CPU dry run of every step
+#
+# Python packages the GPU machine lacks travel as wheels in .whl/ at the repository's root
+# (made on a machine with PyPI by `bash bench/gpu/fetch_wheels.sh`); they are installed into
+# /tmp/site first. Steps, each capped so the whole script ends inside its limit:
+#   1. the default pytest suite on CUDA (model.device=auto), under pytest-xdist;
+#   2. the side-by-side with TRL's GRPOTrainer on a 362M Qwen2 built from a config
+#      (bench/gpu/side_by_side.py): TRL's default precision and TRL with bf16 weights as the
+#      baselines, loomrl async on `local` and `process` with its CUDA defaults;
+#   3. the HF engine's variants (bench/hf_engine.py) and the weight lanes (bench/weight_sync.py)
+#      on the same model size;
+#   4. vLLM, where it is installed ("skipped: vllm not installed" where not).
+# Writes $OUT/summary.md (the table), $OUT/full.log (the console) and per-step JSON; prints the
+# table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 420),
+# PYTEST_WORKERS (default 12), GPU_SYSTEMS (the side-by-side's systems, in order).
+set -u
+[ "${1:-}" = "--dry" ] && export GPU_DRY=1
+: "${OUT:?set OUT to an empty output folder}"
+mkdir -p "$OUT"
+SCRIPT_LIMIT=${GPU_LIMIT:-$([ "${GPU_DRY:-0}" = 1 ] && echo 900 || echo 420)}
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# A dry run on the CPU uses a venv with the bench extra (trl, datasets) and pytest-xdist:
+# GPU_VENV, default the project's .venv (`make install` and `.venv/bin/pip install -c
+# constraints-cpu.txt -e '.[bench]' pytest-xdist`).
+VENV=${GPU_VENV:-$HERE/../.venv}
+if [ "${GPU_DRY:-0}" = 1 ] && [ -x "$VENV/bin/python" ]; then
+  export PATH="$VENV/bin:$PATH"
+fi
+
+main() {
+source "$HERE/gpu/common.sh"
+cd "$ROOT" || exit 1
+L=/tmp/gpu_check_logs; RES=/tmp/gpu_check_res; M=/tmp/gpu_check_model
+rm -rf "$L" "$RES" "$M"; mkdir -p "$L" "$RES"
+FAILS=()
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu; WORKERS=${PYTEST_WORKERS:-2}; SIZE=dry; BUILD_ARGS=--dry
+  PYTEST_SEL=${GPU_PYTEST_SEL:-tests/test_generation.py tests/test_config.py tests/test_sandbox_hostile.py}
+  CAP_PYTEST=300; CAP_SYS=150; CAP_BENCH=120
+  SYSTEMS=${GPU_SYSTEMS:-trl-bf16 loomrl-local loomrl-process}
+else
+  DEVICE=cuda; WORKERS=${PYTEST_WORKERS:-12}; SIZE=full; BUILD_ARGS=
+  PYTEST_SEL=${GPU_PYTEST_SEL:-}
+  CAP_PYTEST=140; CAP_SYS=50; CAP_BENCH=45
+  SYSTEMS=${GPU_SYSTEMS:-trl-bf16 loomrl-local trl-bf16w loomrl-process}
+fi
+
+# -- 1. the default suite on the device ----------------------------------------------------
+if [ -z "$PYTEST_SEL" ]; then
+  # the files that put models and tensors on the device first, the sandbox files (CPU) last
+  ORDER=()
+  for f in generation generation_static precision chunked_logprobs shared_prefix trainer_metrics controller job \
+           runtime_process checkpoints weights_transports weights_publisher weights_shm_files golden_sync \
+           sync_versions faults; do
+    [ -f "tests/test_$f.py" ] && ORDER+=("tests/test_$f.py")
+  done
+  for f in tests/test_*.py; do
+    case " ${ORDER[*]} " in *" $f "*) continue ;; esac
+    case $f in tests/test_sandbox_*) continue ;; esac
+    ORDER+=("$f")
+  done
+  for f in tests/test_sandbox_*.py; do ORDER+=("$f"); done
+  PYTEST_SEL="${ORDER[*]}"
+fi
+(cd "$ROOT" && python3 -c 'import xdist' 2>/dev/null) && XDIST=(-n "$WORKERS") || XDIST=()
+cap=$(budget "$CAP_PYTEST" 200)
+section "pytest ${XDIST[*]} on $DEVICE (cap ${cap}s): $(echo $PYTEST_SEL | wc -w) files"
+t0=$(date +%s)
+SMP=$(gpu_sampler "$L/gpu_pytest.csv")
+# shellcheck disable=SC2086
+OMP_NUM_THREADS=2 timeout -s INT -k 20 "$cap" python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+  --timeout=90 -rfE --junitxml="$OUT/junit.xml" $PYTEST_SEL >"$L/pytest.log" 2>&1
+rc=$?
+stop_pid "$SMP"
+dt=$(( $(date +%s) - t0 ))
+tail -n 15 "$L/pytest.log"
+PYRES=$(python3 "$HERE/gpu/junit_summary.py" "$OUT/junit.xml" "$L/pytest.log")
+res=$(echo "$PYRES" | grep '^RESULT' | cut -c8-)
+row "pytest ${XDIST[*]} on $DEVICE ($(echo $PYTEST_SEL | wc -w) files)" "$res" "$dt" \
+  "exit $rc$( { [ "$rc" = 124 ] || [ "$rc" = 130 ]; } && echo ' (stopped at the cap)'); GPU $(gpu_peak "$L/gpu_pytest.csv")"
+while IFS= read -r f; do [ -n "$f" ] && FAILS+=("- ${f#FAIL }"); done < <(echo "$PYRES" | grep '^FAIL')
+cp "$L/pytest.log" "$OUT/pytest.log" 2>/dev/null
+
+# -- 2. the side-by-side with TRL ------------------------------------------------------------
+B="python3 $HERE/gpu/side_by_side.py"
+section "build the 362M model, tokenizer and prompts"
+t0=$(date +%s)
+timeout -k 5 "$(budget 60 150)" $B build --out "$M" $BUILD_ARGS >"$L/build.log" 2>&1
+rc=$?
+tail -n 3 "$L/build.log"
+row "build the model (random weights) + BPE tokenizer + prompts" "exit $rc" "$(( $(date +%s) - t0 ))" \
+  "$(grep '^built' "$L/build.log" | cut -c1-200)"
+if [ "$rc" = 0 ]; then
+  for SYS in $SYSTEMS; do
+    cap=$(budget "$CAP_SYS" 110)
+    if (( cap < 25 )); then row "$SYS" "skipped" "" "${cap}s left in the script's budget"; continue; fi
+    section "$SYS (cap ${cap}s)"
+    case $SYS in
+      trl-bf16)  CMD=($B trl --model "$M" --precision bf16 --name "$SYS" --res-dir "$RES") ;;
+      trl-bf16w) CMD=($B trl --model "$M" --precision bf16w --name "$SYS" --res-dir "$RES") ;;
+      trl-fp32)  CMD=($B trl --model "$M" --precision fp32 --name "$SYS" --res-dir "$RES") ;;
+      loomrl-local)   CMD=($B loomrl --model "$M" --runtime local --name "$SYS" --res-dir "$RES") ;;
+      loomrl-process) CMD=($B loomrl --model "$M" --runtime process --name "$SYS" --res-dir "$RES") ;;
+      loomrl-local-fp32) CMD=($B loomrl --model "$M" --runtime local --name "$SYS" --res-dir "$RES"
+                              model.dtype=float32 trainer.precision=fp32) ;;
+      *) row "$SYS" "unknown system" "" ""; continue ;;
+    esac
+    t0=$(date +%s)
+    SMP=$(gpu_sampler "$RES/$SYS.gpu.csv")
+    sleep 0.6   # one sample of the idle GPU first: the memory rise is measured from it
+    timeout -s INT -k 10 "$cap" "${CMD[@]}" >"$L/$SYS.log" 2>&1
+    rc=$?
+    stop_pid "$SMP"
+    dt=$(( $(date +%s) - t0 ))
+    grep '\[bench\]' "$L/$SYS.log" | tail -n 6
+    err=""
+    [ "$rc" != 0 ] && err="last lines: $(grep -v '^\s*$' "$L/$SYS.log" | grep -v '\[bench\]' | tail -n 3 | cut -c1-250 | tr '\n' ' ')"
+    row "$SYS" "exit $rc$( { [ "$rc" = 124 ] || [ "$rc" = 130 ]; } && echo ' (stopped at the cap)')" "$dt" "$err"
+    cp "$L/$SYS.log" "$OUT/$SYS.log" 2>/dev/null
+  done
+  TABLE=$(timeout -k 5 30 $B report --res-dir "$RES" --model "$M" 2>&1)
+  cat "$RES"/*.json >"$OUT/side_by_side.json" 2>/dev/null
+else
+  TABLE="(no side-by-side: the build failed: $(tail -n 3 "$L/build.log" | tr '\n' ' ' | cut -c1-400))"
+fi
+
+# -- 3. the engine and the weight lanes on their own -----------------------------------------
+for BENCH in hf_engine weight_sync; do
+  cap=$(budget "$CAP_BENCH" 15)
+  if [ ! -f "bench/$BENCH.py" ] || (( cap < 15 )); then row "bench/$BENCH.py" "skipped" "" "missing or ${cap}s left"; continue; fi
+  section "bench/$BENCH.py --size $SIZE --device $DEVICE (cap ${cap}s)"
+  t0=$(date +%s)
+  timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" --size "$SIZE" --device "$DEVICE" --json "$OUT/$BENCH.json" \
+    >"$L/$BENCH.log" 2>&1
+  rc=$?
+  tail -n 14 "$L/$BENCH.log"
+  cp "$L/$BENCH.log" "$OUT/$BENCH.log" 2>/dev/null
+  row "bench/$BENCH.py --size $SIZE" "exit $rc" "$(( $(date +%s) - t0 ))" "table in $BENCH.log"
+done
+
+# -- 4. vLLM ----------------------------------------------------------------------------------
+if python3 -c 'import vllm' >/dev/null 2>&1; then
+  row "vLLM engine" "installed: no vLLM check is written yet (issue 36)" "" ""
+else
+  row "vLLM engine" "skipped: vllm not installed" "" ""
+fi
+
+FAILS_TEXT=""
+if [ ${#FAILS[@]} -gt 0 ]; then
+  FAILS_TEXT=$(printf '### failed tests (first lines; all of them in junit.xml and pytest.log)\n\n'; printf '%s\n' "${FAILS[@]}" | head -20 | cut -c1-300)
+fi
+for BENCH in hf_engine weight_sync; do
+  [ -f "$L/$BENCH.log" ] && FAILS_TEXT+=$'\n\n'"### bench/$BENCH.py"$'\n\n'"$(grep '^|' "$L/$BENCH.log" | tail -n 12)"
+done
+FAILS_TEXT+=$'\n\n'"### side by side with TRL"$'\n\n'"$TABLE"
+print_summary "$OUT/summary.md" "GPU check: loomrl on $DEVICE" "$FAILS_TEXT"
+}
+main 2>&1 | tee "$OUT/full.log" | grep -v '^\[bench\]'
