@@ -7,7 +7,8 @@
 # Python packages the GPU machine lacks travel as wheels in .whl/ at the repository's root
 # (made on a machine with PyPI by `bash bench/gpu/fetch_wheels.sh`); they are installed into
 # /tmp/site first. Steps, each capped so the whole script ends inside its limit:
-#   1. the default pytest suite on CUDA (model.device=auto), under pytest-xdist;
+#   1. the default pytest suite on CUDA (model.device=auto), under pytest-xdist, while the
+#      arithmetic demo's warm-start trains on the CPU beside it; then the demo on CUDA;
 #   2. the side-by-side with TRL's GRPOTrainer on a 362M Qwen2 built from a config
 #      (bench/gpu/side_by_side.py): TRL's default precision and TRL with bf16 weights as the
 #      baselines, loomrl async on `local` and `process` with its CUDA defaults;
@@ -15,13 +16,13 @@
 #      on the same model size;
 #   4. vLLM, where it is installed ("skipped: vllm not installed" where not).
 # Writes $OUT/summary.md (the table), $OUT/full.log (the console) and per-step JSON; prints the
-# table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 420),
+# table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 470),
 # PYTEST_WORKERS (default 12), GPU_SYSTEMS (the side-by-side's systems, in order).
 set -u
 [ "${1:-}" = "--dry" ] && export GPU_DRY=1
 : "${OUT:?set OUT to an empty output folder}"
 mkdir -p "$OUT"
-SCRIPT_LIMIT=${GPU_LIMIT:-$([ "${GPU_DRY:-0}" = 1 ] && echo 900 || echo 420)}
+SCRIPT_LIMIT=${GPU_LIMIT:-$([ "${GPU_DRY:-0}" = 1 ] && echo 900 || echo 470)}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # A dry run on the CPU uses a venv with the bench extra (trl, datasets) and pytest-xdist:
 # GPU_VENV, default the project's .venv (`make install` and `.venv/bin/pip install -c
@@ -40,12 +41,12 @@ FAILS=()
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu; WORKERS=${PYTEST_WORKERS:-2}; SIZE=dry; BUILD_ARGS=--dry
   PYTEST_SEL=${GPU_PYTEST_SEL:-tests/test_generation.py tests/test_config.py tests/test_sandbox_hostile.py}
-  CAP_PYTEST=300; CAP_SYS=150; CAP_BENCH=120
+  CAP_PYTEST=300; CAP_SYS=150; CAP_BENCH=120; CAP_DEMO=120; DEMO_STEPS=10; WS_ARGS="--steps 10 --target-accuracy 0"
   SYSTEMS=${GPU_SYSTEMS:-trl-bf16 loomrl-local loomrl-process}
 else
   DEVICE=cuda; WORKERS=${PYTEST_WORKERS:-12}; SIZE=full; BUILD_ARGS=
   PYTEST_SEL=${GPU_PYTEST_SEL:-}
-  CAP_PYTEST=140; CAP_SYS=50; CAP_BENCH=45
+  CAP_PYTEST=130; CAP_SYS=45; CAP_BENCH=40; CAP_DEMO=35; DEMO_STEPS=300; WS_ARGS=""
   SYSTEMS=${GPU_SYSTEMS:-trl-bf16 loomrl-local trl-bf16w loomrl-process}
 fi
 
@@ -66,6 +67,13 @@ if [ -z "$PYTEST_SEL" ]; then
   for f in tests/test_sandbox_*.py; do ORDER+=("$f"); done
   PYTEST_SEL="${ORDER[*]}"
 fi
+# The demo's warm-start (supervised, CPU only) trains beside the suite; a copy made on another
+# machine in .cache/arithmetic-warmstart (carried) is the fallback.
+WS=/tmp/gpu_check_ws
+# shellcheck disable=SC2086
+( OMP_NUM_THREADS=2 timeout -k 5 "$(budget 125 250)" python3 -m examples.arithmetic.warmstart --out "$WS" $WS_ARGS \
+    >"$L/warmstart.log" 2>&1; echo $? >"$L/warmstart.rc" ) &
+WS_PID=$!
 (cd "$ROOT" && python3 -c 'import xdist' 2>/dev/null) && XDIST=(-n "$WORKERS") || XDIST=()
 cap=$(budget "$CAP_PYTEST" 200)
 section "pytest ${XDIST[*]} on $DEVICE (cap ${cap}s): $(echo $PYTEST_SEL | wc -w) files"
@@ -84,6 +92,29 @@ row "pytest ${XDIST[*]} on $DEVICE ($(echo $PYTEST_SEL | wc -w) files)" "$res" "
   "exit $rc$( { [ "$rc" = 124 ] || [ "$rc" = 130 ]; } && echo ' (stopped at the cap)'); GPU $(gpu_peak "$L/gpu_pytest.csv")"
 while IFS= read -r f; do [ -n "$f" ] && FAILS+=("- ${f#FAIL }"); done < <(echo "$PYRES" | grep '^FAIL')
 cp "$L/pytest.log" "$OUT/pytest.log" 2>/dev/null
+
+# -- the arithmetic demo on the device -----------------------------------------------------
+wait "$WS_PID" 2>/dev/null
+if [ -f "$WS/config.json" ]; then WS_USE=$WS; ws_note="warm-start built here ($(grep -o '[0-9.]*% on held-out' "$L/warmstart.log" | tail -1))"
+elif [ -f .cache/arithmetic-warmstart/config.json ]; then WS_USE=.cache/arithmetic-warmstart; ws_note="the carried warm-start (.cache)"
+else WS_USE=""; ws_note="no warm-start (exit $(cat "$L/warmstart.rc" 2>/dev/null)): demo skipped"; fi
+if [ -n "$WS_USE" ]; then
+  cap=$(budget "$CAP_DEMO" 190)
+  section "demo: examples/arithmetic/job.toml on $DEVICE, $DEMO_STEPS steps (cap ${cap}s)"
+  t0=$(date +%s)
+  SMP=$(gpu_sampler "$L/gpu_demo.csv")
+  COLUMNS=160 timeout -s INT -k 10 "$cap" python3 -m loomrl.cli run examples/arithmetic/job.toml "model.path=$WS_USE" \
+    "model.device=$DEVICE" "trainer.num_steps=$DEMO_STEPS" "eval.every_steps=$(( DEMO_STEPS / 3 > 0 ? DEMO_STEPS / 3 : 1 ))" \
+    --output-dir /tmp/gpu_check_demo >"$L/demo.log" 2>&1
+  rc=$?
+  stop_pid "$SMP"
+  tail -n 6 "$L/demo.log"
+  row "demo (arithmetic, async, local) on $DEVICE" "exit $rc$( { [ "$rc" = 124 ] || [ "$rc" = 130 ]; } && echo ' (stopped at the cap)')" \
+    "$(( $(date +%s) - t0 ))" "$ws_note; $(python3 "$HERE/gpu/demo_summary.py" /tmp/gpu_check_demo 2>&1 | tail -1); GPU $(gpu_peak "$L/gpu_demo.csv")"
+  cp "$L/demo.log" "$OUT/demo.log" 2>/dev/null
+else
+  row "demo (arithmetic) on $DEVICE" "skipped" "" "$ws_note"
+fi
 
 # -- 2. the side-by-side with TRL ------------------------------------------------------------
 B="python3 $HERE/gpu/side_by_side.py"
