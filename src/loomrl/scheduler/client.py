@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loomrl.scheduler.model import (
+    MAX_BODY_BYTES,
     AcquireTimeout,
     BadRequest,
     Forbidden,
@@ -56,6 +57,8 @@ class Offloadable(Protocol):
 
 def post(url: str, route: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
     data = json.dumps(body).encode()
+    if len(data) > MAX_BODY_BYTES:  # the daemon would refuse it unread (413)
+        raise BadRequest(f"{route}: a body of {len(data)} bytes is over the scheduler's limit of {MAX_BODY_BYTES}")
     req = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from loomrl.scheduler.model import (
+    MAX_BODY_BYTES,
     AcquireTimeout,
     BadRequest,
     Forbidden,
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 ERROR_STATUS = {BadRequest: 400, Unauthorized: 401, Forbidden: 403, UnknownJob: 404, AcquireTimeout: 408,
                 LeaseLost: 410}  # fmt: skip
-MAX_BODY_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 10.0
 RESERVED_FDS = 64  # the store, logs, pipes and the listening socket
 

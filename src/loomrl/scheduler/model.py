@@ -20,6 +20,7 @@ MAX_DURATION_S = 7 * 86400.0  # expected_s, timeout_s, restore_s, offload_s, exp
 MAX_POLL_S = 60.0
 MAX_NAME_CHARS = 128  # job names, phases, device names
 MAX_DEVICES = 64  # per request
+MAX_BODY_BYTES = 64 * 1024  # a request body; a larger one gets a 413 before it is read
 
 
 class SchedulerError(RuntimeError):

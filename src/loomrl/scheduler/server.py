@@ -33,6 +33,7 @@ it waited) or ``poll_s``; with no deadline the client polls again with ``/v1/wai
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -122,6 +123,9 @@ class SchedulerDaemon:
         return self
 
     def serve_forever(self) -> None:
+        """Serve until Ctrl-C or SIGTERM (then stop cleanly: the token file goes too)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         self.start()
         try:
             while not self._stop.wait(1.0):
