@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -144,6 +145,7 @@ def make_handler(daemon: Any, *, idle_timeout_s: float = IDLE_TIMEOUT_S,
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "loomrl-scheduler"
+        default_request_version = "HTTP/1.0"  # answers to a garbage request line get a status line
         timeout = idle_timeout_s  # on every read and write of the socket
 
         def log_message(self, fmt: str, *args: Any) -> None:
@@ -164,6 +166,15 @@ def make_handler(daemon: Any, *, idle_timeout_s: float = IDLE_TIMEOUT_S,
 
         def _error(self, status: int, message: str, kind: str) -> None:
             self._json(status, {"error": message, "type": kind})
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The stdlib's answers to a request it cannot parse (a bad request line, a
+            header too long, an unknown method), as JSON like every other error."""
+            self.close_connection = True
+            try:
+                self._error(code, message or HTTPStatus(code).phrase, "BadRequest")
+            except OSError:
+                pass
 
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             self.server.mark(self.connection, True)
