@@ -138,139 +138,145 @@ class _Refused(Exception):
         self.status = status
 
 
+class Handler(BaseHTTPRequestHandler):
+    """Answers the daemon's API (``daemon.call``, ``status``, ``health``, ``metrics_text``);
+    ``make_handler`` binds it to a daemon and its limits."""
+
+    daemon: Any = None  # the SchedulerDaemon
+    max_body_bytes = MAX_BODY_BYTES
+    protocol_version = "HTTP/1.1"
+    server_version = "loomrl-scheduler"
+    default_request_version = "HTTP/1.0"  # answers to a garbage request line get a status line
+    timeout = IDLE_TIMEOUT_S  # on every read and write of the socket
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        logger.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, status: int, payload: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Cache-Control", "no-store")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _error(self, status: int, message: str, kind: str) -> None:
+        self._json(status, {"error": message, "type": kind})
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's answers to a request it cannot parse (a bad request line, a
+        header too long, an unknown method), as JSON like every other error."""
+        self.close_connection = True
+        try:
+            self._error(code, message or HTTPStatus(code).phrase, "BadRequest")
+        except OSError:
+            pass
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self.server.mark(self.connection, True)
+        try:
+            self._answer_get(self.path.split("?", 1)[0])
+        finally:
+            self.server.mark(self.connection, False)
+
+    def _answer_get(self, path: str) -> None:
+        try:
+            if path == "/metrics":
+                from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+                self._send(200, self.daemon.metrics_text(), CONTENT_TYPE_LATEST)
+            elif path in ("/", "/dashboard"):
+                from loomrl.scheduler.dashboard import DASHBOARD_HTML
+
+                self._send(200, DASHBOARD_HTML.encode(), "text/html; charset=utf-8")
+            elif path == "/healthz":
+                health = self.daemon.health()
+                self._json(200 if health["ok"] else 503, health)
+            elif path == "/api/status":
+                self._json(200, self.daemon.status())
+            else:
+                self._error(404, f"no such page {path[:100]!r}", "NotFound")
+        except Exception as err:  # an answer, never a dropped connection
+            logger.exception("scheduler: GET %s failed", path[:100])
+            self._error(500, f"GET {path[:100]}: internal error: {type(err).__name__}: {err}", "InternalError")
+
+    def do_POST(self) -> None:  # noqa: N802
+        route = self.path.split("?", 1)[0][:100]
+        try:
+            body = self._read_body()
+        except _Refused as err:
+            self.close_connection = True  # the body was not read: the stream is out of step
+            self._error(err.status, f"{route}: {err}", "BadRequest")
+            self._linger()
+            return
+        if body is None:  # the client went away mid-body
+            self.close_connection = True
+            return
+        self.server.mark(self.connection, True)
+        try:
+            self._answer_post(route, body)
+        finally:
+            self.server.mark(self.connection, False)
+
+    def _linger(self, timeout_s: float = 1.0, max_bytes: int = 2**20) -> None:
+        """Let the answer reach a client still sending its body: stop writing, read and
+        drop what comes for a moment, then close (closing on unread data would reset
+        the connection and could lose the answer)."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            end, dropped = time.monotonic() + timeout_s, 0
+            while dropped < max_bytes and time.monotonic() < end:
+                self.connection.settimeout(max(0.01, end - time.monotonic()))
+                chunk = self.connection.recv(65536)
+                if not chunk:
+                    break
+                dropped += len(chunk)
+        except OSError:
+            pass
+
+    def _read_body(self) -> bytes | None:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise _Refused(411, "chunked bodies are not taken: send a Content-Length")
+        raw = self.headers.get("Content-Length") or "0"
+        try:
+            length = int(raw)
+        except ValueError:
+            raise _Refused(400, f"Content-Length must be a number of bytes, got {raw[:40]!r}") from None
+        if length < 0:
+            raise _Refused(400, f"Content-Length must be >= 0, got {length}")
+        if length > self.max_body_bytes:
+            raise _Refused(413, f"a body of {length} bytes is over the limit of {self.max_body_bytes} bytes")
+        data = self.rfile.read(length)
+        return data if len(data) == length else None
+
+    def _answer_post(self, route: str, raw: bytes) -> None:
+        try:
+            try:
+                body = json.loads(raw or b"{}")
+            except (ValueError, RecursionError) as err:
+                raise BadRequest(f"{route}: the body is not JSON: {str(err)[:200]}") from None
+            self._json(200, self.daemon.call(route, body))
+        except KeyError as err:
+            if err.args and err.args[0] == route:
+                self._error(404, f"no such route {route!r}", "NotFound")
+            else:
+                logger.exception("scheduler: POST %s failed", route)
+                self._error(500, f"{route}: internal error: KeyError: {err}", "InternalError")
+        except SchedulerError as err:
+            self._error(ERROR_STATUS.get(type(err), 409), str(err), type(err).__name__)
+        except Exception as err:
+            logger.exception("scheduler: POST %s failed", route)
+            self._error(500, f"{route}: internal error: {type(err).__name__}: {err}", "InternalError")
+
+
 def make_handler(daemon: Any, *, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  max_body_bytes: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:  # fmt: skip
     """The request handler for ``daemon`` (a ``SchedulerDaemon``)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "loomrl-scheduler"
-        default_request_version = "HTTP/1.0"  # answers to a garbage request line get a status line
-        timeout = idle_timeout_s  # on every read and write of the socket
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, status: int, payload: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(payload)))
-            self.send_header("Cache-Control", "no-store")
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def _json(self, status: int, obj: Any) -> None:
-            self._send(status, json.dumps(obj).encode(), "application/json")
-
-        def _error(self, status: int, message: str, kind: str) -> None:
-            self._json(status, {"error": message, "type": kind})
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """The stdlib's answers to a request it cannot parse (a bad request line, a
-            header too long, an unknown method), as JSON like every other error."""
-            self.close_connection = True
-            try:
-                self._error(code, message or HTTPStatus(code).phrase, "BadRequest")
-            except OSError:
-                pass
-
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            self.server.mark(self.connection, True)
-            try:
-                self._answer_get(self.path.split("?", 1)[0])
-            finally:
-                self.server.mark(self.connection, False)
-
-        def _answer_get(self, path: str) -> None:
-            try:
-                if path == "/metrics":
-                    from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-                    self._send(200, daemon.metrics_text(), CONTENT_TYPE_LATEST)
-                elif path in ("/", "/dashboard"):
-                    from loomrl.scheduler.dashboard import DASHBOARD_HTML
-
-                    self._send(200, DASHBOARD_HTML.encode(), "text/html; charset=utf-8")
-                elif path == "/healthz":
-                    health = daemon.health()
-                    self._json(200 if health["ok"] else 503, health)
-                elif path == "/api/status":
-                    self._json(200, daemon.status())
-                else:
-                    self._error(404, f"no such page {path[:100]!r}", "NotFound")
-            except Exception as err:  # an answer, never a dropped connection
-                logger.exception("scheduler: GET %s failed", path[:100])
-                self._error(500, f"GET {path[:100]}: internal error: {type(err).__name__}: {err}", "InternalError")
-
-        def do_POST(self) -> None:  # noqa: N802
-            route = self.path.split("?", 1)[0][:100]
-            try:
-                body = self._read_body()
-            except _Refused as err:
-                self.close_connection = True  # the body was not read: the stream is out of step
-                self._error(err.status, f"{route}: {err}", "BadRequest")
-                self._linger()
-                return
-            if body is None:  # the client went away mid-body
-                self.close_connection = True
-                return
-            self.server.mark(self.connection, True)
-            try:
-                self._answer_post(route, body)
-            finally:
-                self.server.mark(self.connection, False)
-
-        def _linger(self, timeout_s: float = 1.0, max_bytes: int = 2**20) -> None:
-            """Let the answer reach a client still sending its body: stop writing, read and
-            drop what comes for a moment, then close (closing on unread data would reset
-            the connection and could lose the answer)."""
-            try:
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_WR)
-                end, dropped = time.monotonic() + timeout_s, 0
-                while dropped < max_bytes and time.monotonic() < end:
-                    self.connection.settimeout(max(0.01, end - time.monotonic()))
-                    chunk = self.connection.recv(65536)
-                    if not chunk:
-                        break
-                    dropped += len(chunk)
-            except OSError:
-                pass
-
-        def _read_body(self) -> bytes | None:
-            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                raise _Refused(411, "chunked bodies are not taken: send a Content-Length")
-            raw = self.headers.get("Content-Length") or "0"
-            try:
-                length = int(raw)
-            except ValueError:
-                raise _Refused(400, f"Content-Length must be a number of bytes, got {raw[:40]!r}") from None
-            if length < 0:
-                raise _Refused(400, f"Content-Length must be >= 0, got {length}")
-            if length > max_body_bytes:
-                raise _Refused(413, f"a body of {length} bytes is over the limit of {max_body_bytes} bytes")
-            data = self.rfile.read(length)
-            return data if len(data) == length else None
-
-        def _answer_post(self, route: str, raw: bytes) -> None:
-            try:
-                try:
-                    body = json.loads(raw or b"{}")
-                except (ValueError, RecursionError) as err:
-                    raise BadRequest(f"{route}: the body is not JSON: {str(err)[:200]}") from None
-                self._json(200, daemon.call(route, body))
-            except KeyError as err:
-                if err.args and err.args[0] == route:
-                    self._error(404, f"no such route {route!r}", "NotFound")
-                else:
-                    logger.exception("scheduler: POST %s failed", route)
-                    self._error(500, f"{route}: internal error: KeyError: {err}", "InternalError")
-            except SchedulerError as err:
-                self._error(ERROR_STATUS.get(type(err), 409), str(err), type(err).__name__)
-            except Exception as err:
-                logger.exception("scheduler: POST %s failed", route)
-                self._error(500, f"{route}: internal error: {type(err).__name__}: {err}", "InternalError")
-
-    return Handler
+    attrs = {"daemon": daemon, "timeout": idle_timeout_s, "max_body_bytes": max_body_bytes}
+    return type("SchedulerHandler", (Handler,), attrs)
