@@ -293,14 +293,16 @@ def _limit_fds() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
 
-def test_idle_connections_do_not_starve_an_honest_job(tmp_path):
+def test_idle_connections_do_not_starve_an_honest_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOMRL_SCHEDULER_TOKEN_FILE", str(tmp_path / "daemon.token"))  # killed: it stays here
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "loomrl.cli", "scheduler", "serve", "--port", str(port), "--db",
            str(tmp_path / "s.db"), "--device", "cpu0=0"]  # fmt: skip
-    daemon = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    env = {**ENV, "LOOMRL_SCHEDULER_TOKEN_FILE": str(tmp_path / "daemon.token")}
+    daemon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               preexec_fn=_limit_fds)  # fmt: skip
     idle: list[socket.socket] = []
     try:
