@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loomrl.scheduler.auth import read_token
 from loomrl.scheduler.client import SchedulerClient, get_json, post
-from loomrl.scheduler.model import AcquireTimeout
+from loomrl.scheduler.model import AcquireTimeout, Unauthorized
 from loomrl.scheduler.server import SchedulerDaemon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,9 +141,11 @@ def test_restarted_daemon_keeps_its_queue(tmp_path):
     proc = serve(port, db)
     try:
         wait_up(url)
-        ids = {n: post(url, "/v1/register", {"name": n, "heartbeat_timeout_s": 30})["job_id"] for n in "abc"}
-        held = post(url, "/v1/acquire", {"job_id": ids["a"], "devices": ["cpu0"], "phase": "train", "poll_s": 0.1})
-        pending = {n: post(url, "/v1/acquire", {"job_id": ids[n], "devices": ["cpu0"], "phase": "gen",
+        token = read_token(url)  # the daemon's token file, 0600, of this user
+        jobs = {n: post(url, "/v1/register", {"name": n, "heartbeat_timeout_s": 30, "token": token}) for n in "abc"}
+        ids = {n: {"job_id": out["job_id"], "secret": out["secret"]} for n, out in jobs.items()}
+        held = post(url, "/v1/acquire", {**ids["a"], "devices": ["cpu0"], "phase": "train", "poll_s": 0.1})
+        pending = {n: post(url, "/v1/acquire", {**ids[n], "devices": ["cpu0"], "phase": "gen",
                                                 "poll_s": 0.1})["pending"] for n in "bc"}  # fmt: skip
         stop(proc, signal.SIGKILL)  # a crash, not a clean shutdown
         proc = serve(port, db)
@@ -150,9 +153,13 @@ def test_restarted_daemon_keeps_its_queue(tmp_path):
         snap = get_json(url, "/api/status")
         assert [q["job"] for q in snap["queue"]] == ["b", "c"]
         assert snap["devices"][0]["holder"]["job"] == "a"
-        post(url, "/v1/release", {"job_id": ids["a"], "lease_id": held["lease_id"]})
-        post(url, "/v1/evicted", {"job_id": ids["a"], "devices": ["cpu0"]})
-        got = post(url, "/v1/wait", {"job_id": ids["b"], "request_id": pending["b"], "poll_s": 5})
+        # the jobs' secrets outlive the restart (their digests are in the state); the new
+        # daemon has a new token, and the old one no longer registers anyone
+        with pytest.raises(Unauthorized):
+            post(url, "/v1/register", {"name": "late", "token": token})
+        post(url, "/v1/release", {**ids["a"], "lease_id": held["lease_id"]})
+        post(url, "/v1/evicted", {**ids["a"], "devices": ["cpu0"]})
+        got = post(url, "/v1/wait", {**ids["b"], "request_id": pending["b"], "poll_s": 5})
         assert got["devices"] == ["cpu0"] and "lease_id" in got
         status = subprocess.run([sys.executable, "-m", "loomrl.cli", "scheduler", "status", "--url", url],
                                 env={**ENV, "COLUMNS": "200"}, capture_output=True, text=True, timeout=30)  # fmt: skip

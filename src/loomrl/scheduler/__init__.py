@@ -5,7 +5,9 @@
   lazy eviction, one lock order for multi-device leases.
 - ``policies``: fifo, priority with backfill, weighted fair share (deficit round robin).
 - ``store``: SQLite state and event log, so a restarted daemon keeps its queue.
-- ``server``: the HTTP daemon (loopback), Prometheus ``/metrics`` and the dashboard.
+- ``server``: the HTTP daemon (loopback), Prometheus ``/metrics`` and the dashboard;
+  ``api`` (the bodies it takes, bounded), ``auth`` (daemon token, per-job secrets),
+  ``httpd`` (capped connections, every request answered).
 - ``client``: the job side: register, heartbeat, ``with client.lease(...)``.
 - ``offload``: move a module's (and optimizer's) tensors off the device and back.
 - ``simulate``: a discrete-event model of jobs under each policy.

@@ -26,6 +26,14 @@ def add_scheduler_commands(sub: Any) -> None:
                        help="hand a device over only when the holder's expected idle gap exceeds this "
                        "multiple of its swap cost (0: always)")  # fmt: skip
     serve.add_argument("--quantum-s", type=float, default=1.0, help="fair policy: credit per round, device-seconds")
+    serve.add_argument("--token-file", help="where to write the token jobs register with (0600; default "
+                       "~/.cache/loomrl/scheduler/port-PORT.token, or $LOOMRL_SCHEDULER_TOKEN_FILE)")  # fmt: skip
+    serve.add_argument("--max-connections", type=int, help="open connections at most (default: half the "
+                       "file-descriptor limit, at most 512); at the cap the oldest idle one is closed")  # fmt: skip
+    serve.add_argument("--max-connections-per-client", type=int, help="open connections per client address at "
+                       "most (default: --max-connections)")  # fmt: skip
+    serve.add_argument("--idle-timeout-s", type=float, default=10.0,
+                       help="close a connection whose read or write stalls this long")  # fmt: skip
     serve.set_defaults(fn=cmd_serve)
     status = cmds.add_parser("status", help="devices, leases, the queue and jobs of a running daemon")
     status.add_argument("--url", default=DEFAULT_URL)
@@ -51,12 +59,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         devices = parse_devices(args.devices or ["cpu0=0"])
         daemon = SchedulerDaemon(devices, policy=args.policy, db_path=args.db, host=args.host, port=args.port,
                                  max_hold_s=args.max_hold_s, switch_cost_multiple=args.switch_cost_multiple,
-                                 quantum_s=args.quantum_s)  # fmt: skip
+                                 quantum_s=args.quantum_s, token_file=args.token_file,
+                                 max_connections=args.max_connections,
+                                 max_connections_per_client=args.max_connections_per_client,
+                                 idle_timeout_s=args.idle_timeout_s)  # fmt: skip
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"scheduler on {daemon.url} (policy {args.policy}; devices {', '.join(devices)}; state in {args.db}); "
-          f"dashboard at {daemon.url}/", flush=True)  # fmt: skip
+          f"dashboard at {daemon.url}/; jobs register with the token in {daemon.token_file}", flush=True)  # fmt: skip
     daemon.serve_forever()
     return 0
 

@@ -6,6 +6,10 @@
         train_step()                               # pinned to cpu0's cores meanwhile
     client.close()
 
+Registering needs the daemon's token: the client reads it from ``LOOMRL_SCHEDULER_TOKEN``
+or the daemon's token file for the URL's port (``auth.read_token``), or takes ``token=``.
+The job's secret that registration returns goes with every later call, unseen by callers.
+
 Eviction is lazy: after a phase the job's state stays on the device unless another job is
 waiting; then the client offloads before the device changes hands, and restores at the
 start of its next lease. A background thread heartbeats and offloads when the scheduler
@@ -27,10 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loomrl.scheduler.model import (
+    MAX_BODY_BYTES,
     AcquireTimeout,
+    BadRequest,
+    Forbidden,
     LeaseLost,
     LockOrderError,
     SchedulerError,
+    Unauthorized,
     UnknownJob,
 )
 
@@ -38,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 ERRORS: dict[str, type[SchedulerError]] = {
     "AcquireTimeout": AcquireTimeout, "LeaseLost": LeaseLost, "LockOrderError": LockOrderError,
-    "UnknownJob": UnknownJob,
+    "UnknownJob": UnknownJob, "BadRequest": BadRequest, "Unauthorized": Unauthorized, "Forbidden": Forbidden,
 }  # fmt: skip
 
 
@@ -49,6 +57,8 @@ class Offloadable(Protocol):
 
 def post(url: str, route: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
     data = json.dumps(body).encode()
+    if len(data) > MAX_BODY_BYTES:  # the daemon would refuse it unread (413)
+        raise BadRequest(f"{route}: a body of {len(data)} bytes is over the scheduler's limit of {MAX_BODY_BYTES}")
     req = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -93,11 +103,15 @@ class Lease:
 class SchedulerClient:
     def __init__(self, url: str, name: str, *, priority: int = 0, weight: float = 1.0,
                  heartbeat_timeout_s: float = 10.0, heartbeat_interval_s: float | None = None,
-                 pin: bool = True, poll_s: float = 20.0) -> None:  # fmt: skip
+                 pin: bool = True, poll_s: float = 20.0, token: str | None = None) -> None:  # fmt: skip
+        from loomrl.scheduler.auth import read_token
+
         self.url, self.name, self.pin, self.poll_s = url, name, pin, poll_s
         out = post(url, "/v1/register", {"name": name, "priority": priority, "weight": weight,
-                                         "heartbeat_timeout_s": heartbeat_timeout_s})  # fmt: skip
+                                         "heartbeat_timeout_s": heartbeat_timeout_s,
+                                         "token": token or read_token(url)})  # fmt: skip
         self.job_id: str = out["job_id"]
+        self.job_secret: str = out["secret"]  # proves every later call is this job's
         self.state: list[Offloadable] = []
         self.offloaded = False
         self.lost: str | None = None
@@ -119,7 +133,7 @@ class SchedulerClient:
     def _post(self, route: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
         if self.lost:
             raise LeaseLost(self.lost)
-        return post(self.url, route, {"job_id": self.job_id, **body}, timeout_s)
+        return post(self.url, route, {"job_id": self.job_id, "secret": self.job_secret, **body}, timeout_s)
 
     # -- leases --------------------------------------------------------------------------
 
@@ -199,7 +213,7 @@ class SchedulerClient:
         while not self._stop.wait(interval_s):
             try:
                 out = self._post("/v1/heartbeat", {}, timeout_s=max(interval_s, 5.0))
-            except (LeaseLost, UnknownJob) as err:
+            except (LeaseLost, UnknownJob, Forbidden) as err:
                 self.lost = str(err)
                 logger.error("scheduler: %s", err)
                 return

@@ -25,10 +25,13 @@ run the same rules:
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from typing import Any
 
 from loomrl.scheduler.model import (
+    MAX_WEIGHT,
+    MIN_WEIGHT,
     Device,
     Job,
     Lease,
@@ -38,6 +41,7 @@ from loomrl.scheduler.model import (
     Request,
     SchedulerError,
     UnknownJob,
+    check_number,
 )
 from loomrl.scheduler.policies import Policy, make_policy
 
@@ -102,10 +106,11 @@ class Scheduler:
             self.store.save(record)
 
     def _new_id(self, prefix: str) -> str:
+        """In creation order (the counter); unguessable (the random tail)."""
         self._counter += 1
         if self.store is not None:
             self.store.set_meta("counter", self._counter)
-        return f"{prefix}{self._counter:06d}"
+        return f"{prefix}{self._counter:06d}-{secrets.token_hex(8)}"
 
     def event(self, now: float, kind: str, job: str | None = None, device: str | None = None, **data: Any) -> None:
         name = self.jobs[job].name if job in self.jobs else job
@@ -117,14 +122,12 @@ class Scheduler:
     # -- jobs ----------------------------------------------------------------------------
 
     def register(self, name: str, now: float, *, priority: int = 0, weight: float = 1.0,
-                 heartbeat_timeout_s: float = 10.0) -> Job:  # fmt: skip
-        if weight <= 0:
-            raise SchedulerError(f"weight must be > 0, got {weight}")
-        if heartbeat_timeout_s <= 0:
-            raise SchedulerError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+                 heartbeat_timeout_s: float = 10.0, secret_sha256: str | None = None) -> Job:  # fmt: skip
+        weight = check_number("weight", weight, MIN_WEIGHT, MAX_WEIGHT)
+        heartbeat_timeout_s = check_number("heartbeat_timeout_s", heartbeat_timeout_s, 1e-9)
         job = Job(id=self._new_id("j"), name=name, priority=priority, weight=weight,
                   heartbeat_timeout_s=heartbeat_timeout_s, registered_at=now, last_heartbeat=now,
-                  seq=self._counter)  # fmt: skip
+                  seq=self._counter, secret_sha256=secret_sha256)  # fmt: skip
         self.jobs[job.id] = job
         self.save(job)
         self.event(now, "register", job.id, priority=priority, weight=weight)
@@ -178,6 +181,10 @@ class Scheduler:
     def request(self, job_id: str, devices: list[str], phase: str, now: float, *,
                 expected_s: float | None = None, timeout_s: float | None = None) -> Request:  # fmt: skip
         job = self.job(job_id)
+        if expected_s is not None:
+            expected_s = check_number("expected_s", expected_s)
+        if timeout_s is not None:
+            timeout_s = check_number("timeout_s", timeout_s)
         if not devices:
             raise SchedulerError("an acquire needs at least one device")
         unknown = [d for d in devices if d not in self.devices]
@@ -360,6 +367,9 @@ class Scheduler:
         """End a phase. Returns ``{"evict": True}`` when another job waits for these devices
         and should get them: the caller then offloads and calls ``evicted``. Otherwise the
         job's state stays resident (lazy eviction) and the devices are free."""
+        restore_s = check_number("restore_s", restore_s)
+        if expected_idle_s is not None:
+            expected_idle_s = check_number("expected_idle_s", expected_idle_s)
         lease = self.lease(lease_id, job_id)
         if lease.state != "held":
             raise SchedulerError(f"lease {lease_id} is {lease.state}, not held")
@@ -436,6 +446,7 @@ class Scheduler:
     def evicted(self, job_id: str, devices: list[str], now: float, *, offload_s: float = 0.0) -> None:
         """The job's state has left ``devices``; the offload is charged to the job it made
         room for (and counts as one swap of that job)."""
+        offload_s = check_number("offload_s", offload_s)
         job = self.job(job_id)
         if offload_s > 0:
             job.offload_ema_s = offload_s if job.offload_ema_s is None else (1 - EMA) * job.offload_ema_s + EMA * offload_s

@@ -39,6 +39,27 @@ class _SnapshotCollector:
             alive.add_metric([j["name"]], 1.0 if j["state"] == "alive" else 0.0)
         yield from fams.values()
         yield alive
+        yield from _daemon_families(snap.get("daemon"))
+
+
+def _daemon_families(daemon: dict[str, Any] | None):
+    """The daemon's own health: tick failures, tick age, connections."""
+    if daemon is None:
+        return
+    specs = [
+        (CounterMetricFamily, "tick_errors", "Scheduling passes that raised (logged; the loop went on).", "tick_errors"),
+        (GaugeMetricFamily, "tick_age_seconds", "Seconds since the last scheduling pass completed.", "tick_age_s"),
+        (GaugeMetricFamily, "healthy", "1 while /healthz is ok (the tick loop runs and completes).", "ok"),
+        (GaugeMetricFamily, "connections", "Open client connections.", "connections"),
+        (CounterMetricFamily, "connections_evicted", "Idle connections closed to make room at the cap.",
+         "connections_evicted"),
+        (CounterMetricFamily, "connections_refused", "Connections refused (503) at the cap, every one busy.",
+         "connections_refused"),
+    ]  # fmt: skip
+    for cls, name, doc, key in specs:
+        fam = cls(f"loomrl_scheduler_{name}", doc)
+        fam.add_metric([], float(daemon[key]))
+        yield fam
 
 
 def render(snap: dict[str, Any]) -> bytes:

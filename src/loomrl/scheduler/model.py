@@ -7,8 +7,20 @@ daemon, so a restart keeps deadlines; simulated time in the simulator).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+# Bounds on what a job may ask for: the API refuses values outside them (and non-finite
+# ones), the core checks them again, so no number can stop the scheduling pass.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3  # fair share
+MAX_PRIORITY = 1_000_000  # |priority|
+MIN_HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_TIMEOUT_S = 0.05, 3600.0  # an hour: no job holds a device forever unheard
+MAX_DURATION_S = 7 * 86400.0  # expected_s, timeout_s, restore_s, offload_s, expected_idle_s
+MAX_POLL_S = 60.0
+MAX_NAME_CHARS = 128  # job names, phases, device names
+MAX_DEVICES = 64  # per request
+MAX_BODY_BYTES = 64 * 1024  # a request body; a larger one gets a 413 before it is read
 
 
 class SchedulerError(RuntimeError):
@@ -29,6 +41,27 @@ class LockOrderError(SchedulerError):
 
 class UnknownJob(SchedulerError):
     """A job id the scheduler does not know (never registered, or declared dead)."""
+
+
+class BadRequest(SchedulerError):
+    """A request the API refuses as written: a missing field, a number out of range or
+    not finite, a name too long. The message names the field and the bound."""
+
+
+class Unauthorized(SchedulerError):
+    """Registering without the daemon's token (or with a wrong one)."""
+
+
+class Forbidden(SchedulerError):
+    """A call for a job without that job's secret."""
+
+
+def check_number(name: str, value: float, lo: float = 0.0, hi: float = math.inf) -> float:
+    """``value`` if it is a finite number in [lo, hi], else ``BadRequest`` naming it: one
+    NaN or infinity in a job's accounts would stop every scheduling pass after it."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
+        raise BadRequest(f"{name} must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -64,6 +97,7 @@ class Job(Record):
     offload_ema_s: float | None = None  # moving averages of its reported offload/restore times
     restore_ema_s: float | None = None
     ended_at: float | None = None
+    secret_sha256: str | None = None  # the job's secret, hashed: every call of the job proves it
 
     @property
     def swap_cost_s(self) -> float:

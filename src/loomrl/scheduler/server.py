@@ -1,21 +1,30 @@
 """The scheduler daemon: the core behind an HTTP API on loopback, with SQLite state,
 Prometheus ``/metrics`` and a dashboard page.
 
-API (JSON bodies; errors come back as ``{"error": message, "type": name}``):
+API (JSON bodies; errors come back as ``{"error": message, "type": name}``; the bodies
+and their bounds are ``api.py``'s models; who may call what is ``auth.py``):
 
-    POST /v1/register   {name, priority?, weight?, heartbeat_timeout_s?} -> {job_id}
-    POST /v1/heartbeat  {job_id} -> {evict: [device], yield: [lease]}
-    POST /v1/acquire    {job_id, devices, phase, expected_s?, timeout_s?, poll_s?}
+    POST /v1/register   {name, token, priority?, weight?, heartbeat_timeout_s?}
+                        -> {job_id, secret, heartbeat_timeout_s}
+    POST /v1/heartbeat  {job_id, secret} -> {evict: [device], yield: [lease]}
+    POST /v1/acquire    {job_id, secret, devices, phase, expected_s?, timeout_s?, poll_s?}
                         -> {lease_id, devices, cores, waited_s} | {pending: request_id}
-    POST /v1/wait       {job_id, request_id, poll_s?} -> as acquire
-    POST /v1/release    {job_id, lease_id, restore_s?, expected_idle_s?} -> {evict: bool}
-    POST /v1/evicted    {job_id, devices, offload_s?}
-    POST /v1/boundary   {job_id, lease_id} -> {yield: bool, waiting: int}
-    POST /v1/cancel     {job_id, request_id}
-    POST /v1/unregister {job_id}
-    GET  /api/status    the snapshot (``status.snapshot``)
+    POST /v1/wait       {job_id, secret, request_id, poll_s?} -> as acquire
+    POST /v1/release    {job_id, secret, lease_id, restore_s?, expected_idle_s?} -> {evict: bool}
+    POST /v1/evicted    {job_id, secret, devices, offload_s?}
+    POST /v1/boundary   {job_id, secret, lease_id} -> {yield: bool, waiting: int}
+    POST /v1/cancel     {job_id, secret, request_id}
+    POST /v1/unregister {job_id, secret}
+    GET  /api/status    the snapshot (``status.snapshot``), no job ids or secrets in it
     GET  /metrics       Prometheus text format
+    GET  /healthz       200 {ok: true, ...}; 503 with ``why`` when the tick loop is dead
+                        or has not completed a pass for ``stall_s``
     GET  /              the dashboard
+
+Status codes: 400 a bad body (the field and bound named), 401 no or a wrong daemon token,
+403 a job call without that job's secret, 404 an unknown job or route, 408 an acquire past
+its deadline, 410 a lease lost, 413 a body over 64 KiB, 409 another refusal, 500 a
+failure inside the daemon (logged), 503 no free connection.
 
 An acquire blocks (long poll) until granted, past its deadline (HTTP 408 with the reason
 it waited) or ``poll_s``; with no deadline the client polls again with ``/v1/wait``.
@@ -23,22 +32,29 @@ it waited) or ``poll_s``; with no deadline the client polls again with ``/v1/wai
 
 from __future__ import annotations
 
-import json
 import logging
+import signal
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+from loomrl.scheduler import api, auth
 from loomrl.scheduler.core import Scheduler
-from loomrl.scheduler.model import AcquireTimeout, LeaseLost, SchedulerError, UnknownJob
+from loomrl.scheduler.httpd import IDLE_TIMEOUT_S, CappedHTTPServer, make_handler
+from loomrl.scheduler.model import (
+    AcquireTimeout,
+    Forbidden,
+    LeaseLost,
+    SchedulerError,
+    Unauthorized,
+    UnknownJob,
+)
 from loomrl.scheduler.status import snapshot
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATUS = {AcquireTimeout: 408, UnknownJob: 404, LeaseLost: 410}
-DEFAULT_POLL_S = 20.0
+TICK_ERROR_LOG_EVERY_S = 10.0  # a failing tick is logged at most this often (and counted always)
 
 
 def parse_devices(specs: list[str]) -> dict[str, list[int] | None]:
@@ -65,7 +81,9 @@ def parse_devices(specs: list[str]) -> dict[str, list[int] | None]:
 class SchedulerDaemon:
     def __init__(self, devices: dict[str, list[int] | None], *, policy: str = "fair", db_path: str = ":memory:",
                  host: str = "127.0.0.1", port: int = 0, tick_s: float = 0.05, max_hold_s: float | None = None,
-                 switch_cost_multiple: float = 0.0, quantum_s: float = 1.0) -> None:  # fmt: skip
+                 switch_cost_multiple: float = 0.0, quantum_s: float = 1.0, token_file: str | Path | None = None,
+                 max_connections: int | None = None, max_connections_per_client: int | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, stall_s: float | None = None) -> None:  # fmt: skip
         from loomrl.scheduler.store import SqliteStore
 
         self.store = SqliteStore(db_path)
@@ -73,8 +91,20 @@ class SchedulerDaemon:
         self.core = Scheduler(devices, policy, max_hold_s=max_hold_s, switch_cost_multiple=switch_cost_multiple,
                               quantum_s=quantum_s, store=self.store, now=time.time())  # fmt: skip
         self.tick_s = tick_s
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.stall_s = stall_s if stall_s is not None else max(2.0, 50 * tick_s)
+        self.httpd = CappedHTTPServer((host, port), make_handler(self, idle_timeout_s=idle_timeout_s),
+                                      max_connections=max_connections,
+                                      max_per_client=max_connections_per_client)  # fmt: skip
+        self.token_file = Path(token_file) if token_file else auth.default_token_file(self.httpd.server_address[1])
+        try:
+            self.token = auth.write_token_file(self.token_file)
+        except OSError:
+            self.httpd.server_close()
+            raise
+        self.tick_errors = 0
+        self.last_tick_ok = time.time()
+        self.last_tick_error: str | None = None
+        self._last_error_logged = 0.0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -88,11 +118,14 @@ class SchedulerDaemon:
             thread = threading.Thread(target=target, daemon=True, name=f"scheduler-{target.__name__}")
             thread.start()
             self._threads.append(thread)
-        logger.info("scheduler listening on %s (policy %s, devices %s)", self.url, self.core.policy.name,
-                    sorted(self.core.devices))  # fmt: skip
+        logger.info("scheduler listening on %s (policy %s, devices %s; token in %s)", self.url,
+                    self.core.policy.name, sorted(self.core.devices), self.token_file)  # fmt: skip
         return self
 
     def serve_forever(self) -> None:
+        """Serve until Ctrl-C or SIGTERM (then stop cleanly: the token file goes too)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         self.start()
         try:
             while not self._stop.wait(1.0):
@@ -108,70 +141,120 @@ class SchedulerDaemon:
         self.httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=5)
+        auth.remove_token_file(self.token_file, self.token)
         with self.lock:
             self.store.close()
 
+    # -- the tick loop and its health ----------------------------------------------------
+
     def _tick_loop(self) -> None:
+        """Deadlines and grants every ``tick_s``. An exception in a pass is logged and
+        counted, and the next pass runs: one bad pass never stops reaping and granting."""
         while not self._stop.wait(self.tick_s):
-            with self.lock:
-                self.core.tick(time.time())
-                self.lock.notify_all()
+            try:
+                with self.lock:
+                    self.core.tick(time.time())
+                    self.lock.notify_all()
+            except Exception as err:
+                self._tick_failed(err)
+            else:
+                self.last_tick_ok = time.time()
+
+    def _tick_failed(self, err: Exception) -> None:
+        self.tick_errors += 1
+        self.last_tick_error = f"{type(err).__name__}: {err}"
+        now = time.time()
+        if now - self._last_error_logged >= TICK_ERROR_LOG_EVERY_S:
+            self._last_error_logged = now
+            logger.error("scheduler: a scheduling pass failed (%d so far); the loop goes on", self.tick_errors,
+                         exc_info=err)  # fmt: skip
+
+    def health(self) -> dict[str, Any]:
+        """Not ok when the tick thread has ended or no pass completed for ``stall_s``
+        (each one failing, or one stuck). Reads no lock: it answers while the core is stuck."""
+        age = time.time() - self.last_tick_ok
+        thread = self._threads[1] if len(self._threads) > 1 else None
+        why = None
+        if thread is None or not thread.is_alive():
+            why = "the tick loop is not running"
+        elif age > self.stall_s:
+            why = f"no scheduling pass completed for {age:.1f} s (limit {self.stall_s:g} s)"
+            if self.last_tick_error:
+                why += f"; the last one failed: {self.last_tick_error}"
+        return {"ok": why is None, "why": why, "tick_age_s": round(age, 3), "tick_errors": self.tick_errors}
 
     # -- the API, under the lock ---------------------------------------------------------
 
-    def call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        if route in ("/v1/acquire", "/v1/wait"):
-            return self._acquire(route, body)
+    def call(self, route: str, body: Any) -> dict[str, Any]:
+        """Answer ``POST route`` with ``body`` (decoded JSON): checked (``api.parse``),
+        authenticated (the daemon token to register, the job's secret for the rest), done."""
+        req = api.parse(route, body)
+        if isinstance(req, (api.Acquire, api.Wait)):
+            return self._acquire(req)
         with self.lock:
             now = time.time()
-            core = self.core
-            out: dict[str, Any]
-            if route == "/v1/register":
-                job = core.register(str(body["name"]), now, priority=int(body.get("priority", 0)),
-                                    weight=float(body.get("weight", 1.0)),
-                                    heartbeat_timeout_s=float(body.get("heartbeat_timeout_s", 10.0)))  # fmt: skip
-                out = {"job_id": job.id, "heartbeat_timeout_s": job.heartbeat_timeout_s}
-            elif route == "/v1/heartbeat":
-                out = core.heartbeat(body["job_id"], now)
-            elif route == "/v1/release":
-                out = core.release(body["lease_id"], body["job_id"], now, restore_s=float(body.get("restore_s", 0.0)),
-                                   expected_idle_s=body.get("expected_idle_s"))  # fmt: skip
-            elif route == "/v1/evicted":
-                core.evicted(body["job_id"], list(body["devices"]), now, offload_s=float(body.get("offload_s", 0.0)))
-                out = {}
-            elif route == "/v1/boundary":
-                lease = core.lease(body["lease_id"], body["job_id"])
-                waiting = sum(1 for r in core.requests.values()
-                              if r.job_id != lease.job_id and set(r.devices) & set(lease.devices))  # fmt: skip
-                out = {"yield": lease.yield_requested, "waiting": waiting}
-            elif route == "/v1/cancel":
-                core.job(body["job_id"])
-                core.cancel(body["request_id"], now)
-                out = {}
-            elif route == "/v1/unregister":
-                core.unregister(body["job_id"], now)
-                out = {}
-            elif route == "/api/status":
-                out = snapshot(core, now)
+            if isinstance(req, api.Register):
+                out = self._register(req, now)
             else:
-                raise KeyError(route)
+                self._authorize(req)
+                out = self._job_call(req, now)
             self.lock.notify_all()
             return out
 
-    def _acquire(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        poll_s = float(body.get("poll_s", DEFAULT_POLL_S))
+    def _register(self, req: api.Register, now: float) -> dict[str, Any]:
+        if not auth.same(req.token, self.token):
+            raise Unauthorized(f"registering needs the daemon's token ({'a wrong one was given' if req.token else 'none given'}): "
+                               f"a job of the daemon's user reads it from {self.token_file}; others get it from "
+                               f"the daemon's owner and set {auth.TOKEN_ENV}")  # fmt: skip
+        secret, secret_sha256 = auth.new_secret()
+        job = self.core.register(req.name, now, priority=req.priority, weight=req.weight,
+                                 heartbeat_timeout_s=req.heartbeat_timeout_s, secret_sha256=secret_sha256)  # fmt: skip
+        return {"job_id": job.id, "secret": secret, "heartbeat_timeout_s": job.heartbeat_timeout_s}
+
+    def _authorize(self, req: api.JobCall) -> None:
+        job = self.core.jobs.get(req.job_id)
+        if job is None:
+            raise UnknownJob(f"unknown job id {req.job_id!r}: register first")
+        if job.secret_sha256 is None or not auth.same(auth.digest(req.secret or ""), job.secret_sha256):
+            raise Forbidden(f"a call for job {job.name!r} needs that job's secret (returned when it registered)")
+
+    def _job_call(self, req: api.JobCall, now: float) -> dict[str, Any]:
+        core = self.core
+        if isinstance(req, api.Heartbeat):
+            return core.heartbeat(req.job_id, now)
+        if isinstance(req, api.Release):
+            return core.release(req.lease_id, req.job_id, now, restore_s=req.restore_s,
+                                expected_idle_s=req.expected_idle_s)  # fmt: skip
+        if isinstance(req, api.Evicted):
+            core.evicted(req.job_id, list(req.devices), now, offload_s=req.offload_s)
+        elif isinstance(req, api.Boundary):
+            lease = core.lease(req.lease_id, req.job_id)
+            waiting = sum(1 for r in core.requests.values()
+                          if r.job_id != lease.job_id and set(r.devices) & set(lease.devices))  # fmt: skip
+            return {"yield": lease.yield_requested, "waiting": waiting}
+        elif isinstance(req, api.Cancel):
+            core.job(req.job_id)
+            request = core.requests.get(req.request_id)
+            if request is not None and request.job_id == req.job_id:
+                core.cancel(req.request_id, now)
+        elif isinstance(req, api.Unregister):
+            core.unregister(req.job_id, now)
+        return {}
+
+    def _acquire(self, req: api.Acquire | api.Wait) -> dict[str, Any]:
         with self.lock:
+            self._authorize(req)
             now = time.time()
-            if route == "/v1/acquire":
-                request = self.core.request(body["job_id"], list(body["devices"]), str(body.get("phase", "")), now,
-                                            expected_s=body.get("expected_s"), timeout_s=body.get("timeout_s"))  # fmt: skip
+            if isinstance(req, api.Acquire):
+                request = self.core.request(req.job_id, list(req.devices), req.phase, now, expected_s=req.expected_s,
+                                            timeout_s=req.timeout_s)  # fmt: skip
                 self.lock.notify_all()
             else:
-                self.core.job(body["job_id"])
-                request = self.core.lookup(body["request_id"])
-                if request is None or request.job_id != body["job_id"]:
-                    raise SchedulerError(f"unknown request {body['request_id']!r} for job {body['job_id']!r}")
-            poll_end = now + poll_s
+                self.core.job(req.job_id)
+                request = self.core.lookup(req.request_id)
+                if request is None or request.job_id != req.job_id:
+                    raise SchedulerError(f"unknown request {req.request_id!r} for job {req.job_id!r}")
+            poll_end = now + req.poll_s
             while request.state == "waiting":
                 now = time.time()
                 limit = poll_end if request.deadline_at is None else min(poll_end, request.deadline_at + self.tick_s)
@@ -191,60 +274,17 @@ class SchedulerDaemon:
                 raise AcquireTimeout(request.error or "acquire timed out")
             raise SchedulerError(request.error or f"request {request.id} was {request.state}")
 
+    # -- what anyone may read ------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return snapshot(self.core, time.time())
+
     def metrics_text(self) -> bytes:
         from loomrl.scheduler.metrics import render
 
-        with self.lock:
-            snap = snapshot(self.core, time.time())
+        snap = self.status()
+        snap["daemon"] = {**self.health(), "connections": self.httpd.num_connections(),
+                          "connections_evicted": self.httpd.counts["evicted"],
+                          "connections_refused": self.httpd.counts["refused"]}  # fmt: skip
         return render(snap)
-
-
-def _handler(daemon: SchedulerDaemon) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, status: int, payload: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(payload)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def _json(self, status: int, obj: Any) -> None:
-            self._send(status, json.dumps(obj).encode(), "application/json")
-
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-                self._send(200, daemon.metrics_text(), CONTENT_TYPE_LATEST)
-            elif path in ("/", "/dashboard"):
-                from loomrl.scheduler.dashboard import DASHBOARD_HTML
-
-                self._send(200, DASHBOARD_HTML.encode(), "text/html; charset=utf-8")
-            elif path == "/healthz":
-                self._json(200, {"ok": True})
-            elif path == "/api/status":
-                self._json(200, daemon.call("/api/status", {}))
-            else:
-                self._json(404, {"error": f"no such page {path!r}", "type": "NotFound"})
-
-        def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length") or 0)
-            try:
-                body = json.loads(self.rfile.read(length) or b"{}")
-                self._json(200, daemon.call(self.path, body))
-            except KeyError as err:
-                status = 404 if err.args and err.args[0] == self.path else 400
-                self._json(status, {"error": f"{self.path}: missing or unknown {err}", "type": "BadRequest"})
-            except (ValueError, TypeError) as err:
-                self._json(400, {"error": f"{self.path}: {err}", "type": "BadRequest"})
-            except SchedulerError as err:
-                self._json(ERROR_STATUS.get(type(err), HTTPStatus.CONFLICT), {"error": str(err), "type": type(err).__name__})
-
-    return Handler

@@ -1,6 +1,8 @@
 """One snapshot of the scheduler for the API, the dashboard and ``loomrl scheduler status``:
 devices (holder, utilisation), the queue with each job's wait and why, jobs with their
-device-seconds, swap time and slowdown, and the recent lease timeline."""
+device-seconds, swap time and slowdown, and the recent lease timeline. Anyone who can reach
+the daemon may read it, so it names jobs but never shows a job's id or secret (a job's
+calls need its secret; its id alone is no use, but stays private all the same)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
         waiting_now = sum(now - r.requested_at for r in sched.requests.values() if r.job_id == j.id)
         wait = j.wait_s + waiting_now
         jobs.append({
-            "id": j.id, "name": j.name, "state": j.state, "priority": j.priority, "weight": j.weight,
+            "name": j.name, "state": j.state, "priority": j.priority, "weight": j.weight,
             "device_s": j.device_s, "swap_s": j.swap_s, "wait_s": wait, "grants": j.num_grants,
             "swaps": j.num_swaps, "deficit_s": j.deficit_s, "elapsed_s": elapsed,
             # what waiting for devices stretched its run by: elapsed / (elapsed - wait)
