@@ -251,10 +251,16 @@ class SchedulerConfig(_Section):
         "runs in a lease. None: this job has its devices to itself.",
     )
     device: str = Field("cpu0", description="The scheduler's name of the device this job's phases run on.")
-    priority: int = Field(0, description="Priority under the scheduler's 'priority' policy (higher first).")
-    weight: float = Field(1.0, gt=0, description="Share under the 'fair' policy (device-seconds in proportion).")
+    priority: int = Field(
+        0, ge=-1_000_000, le=1_000_000, description="Priority under the scheduler's 'priority' policy (higher first)."
+    )
+    weight: float = Field(
+        1.0, ge=1e-3, le=1e3, description="Share under the 'fair' policy (device-seconds in proportion; the daemon "
+        "refuses weights outside 0.001..1000)."
+    )
     heartbeat_timeout_s: float = Field(
-        30.0, gt=0, description="Past this without a heartbeat the scheduler takes this job's leases away."
+        30.0, ge=0.05, le=3600, description="Past this without a heartbeat the scheduler takes this job's leases "
+        "away (the daemon refuses values outside 0.05..3600 s)."
     )
     acquire_timeout_s: float | None = Field(
         None, gt=0, description="Fail the job when a phase waits longer than this for its device (None: wait)."
