@@ -126,7 +126,9 @@ class _StaticStep:
                 self._forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a trainer thread of the same process (runtime="local") keeps launching
+        # on its own streams while this one captures; only this thread's calls are checked.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward()
         self.graph = graph
 
