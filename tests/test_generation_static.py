@@ -170,3 +170,24 @@ def test_cuda_graph_decoding_matches_the_dynamic_loop_in_fp32():
     sampling = SamplingParams(temperature=1.5, max_new_tokens=20)
     assert_same_completions(make_generator(model, tok).generate(requests(tok, sampling)),
                             make_generator(model, tok, cuda_graphs=True).generate(requests(tok, sampling)))  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_decoding_does_not_sync_the_host_every_token():
+    import warnings
+
+    model, tok = build_tiny_model("qwen2", seed=7, **TINY)
+    gen = make_generator(model.to("cuda"), tok, cuda_graphs=True)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=64)
+    gen.generate(requests(tok, sampling))  # capture first
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gen.generate(requests(tok, sampling))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    # prefill, the EOS check every eos_check_every steps and the results' copy to the host: not 64
+    assert len(syncs) < 64 // 2, [str(w.message) for w in syncs[:5]]
