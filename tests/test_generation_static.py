@@ -139,6 +139,17 @@ def test_engine_knobs_resolve_per_device():
         GenerationConfig(cuda_graphs="sometimes")
 
 
+def test_a_job_with_cuda_graphs_on_a_cpu_decodes_on_the_static_cache(tiny_job):
+    from loomrl.job import Job
+    from loomrl.telemetry.metrics import read_metrics
+
+    result = Job(tiny_job(trainer={"num_steps": 2}, generation={"max_new_tokens": 3, "prompts_per_request": 2,
+                                                                "cuda_graphs": True, "trace": False})).run()  # fmt: skip
+    keys = set().union(*read_metrics(result.run_dir))
+    assert "generation/cuda_graphs" in keys and "generation/traced_forwards" not in keys
+    assert result.summary["trained"] == 2 * 4 * 4
+
+
 # -- CUDA ------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
