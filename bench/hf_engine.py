@@ -56,6 +56,12 @@ VARIANTS = [
     ("fp32 static+graphs", torch.float32, dict(cuda_graphs=True), {"cuda"}),
     ("bf16 static+graphs", torch.bfloat16, dict(cuda_graphs=True), {"cuda"}),
 ]
+# Only when named in --variants: the static step through transformers' sdpa, which repeats the
+# key/value heads for each query head (what grouped_decode_attention saves).
+OPTIONAL_VARIANTS = [
+    ("bf16 static+graphs repeat-kv", torch.bfloat16, dict(cuda_graphs=True, grouped_attention=False), {"cuda"}),
+    ("fp32 static repeat-kv", torch.float32, dict(static_cache=True, grouped_attention=False), {"cpu"}),
+]
 WARMUP_CALLS = {"fp32 traced": 3}  # a decode shape is traced on its third use; the others need one call
 WARMUP_NEW_TOKENS = 16  # a dynamic-cache variant warms up on short completions (no shape to capture)
 
@@ -89,7 +95,11 @@ def make_requests(size: dict) -> list[GenerationRequest]:
 
 def time_variant(base, name: str, dtype, knobs: dict, requests, repeats: int, device) -> dict:
     model = copy.deepcopy(base).to(dtype)
+    knobs = dict(knobs)
+    grouped = knobs.pop("grouped_attention", True)
     gen = HFGenerator(model, _IdsOnly(), publish_dtype="bfloat16", **knobs)
+    if gen._static is not None:
+        gen._static.grouped_attention = grouped
     warmup = requests
     if gen._static is None and not knobs.get("trace"):  # (static: the graph is captured at the timed shape)
         short = dataclasses.replace(requests[0].sampling, max_new_tokens=WARMUP_NEW_TOKENS)
@@ -150,9 +160,10 @@ def main() -> None:
     device = torch.device(args.device)
     size = SIZES[args.size]
     wanted = set(args.variants.split(",")) if args.variants else None
-    variants = [v for v in VARIANTS if device.type in v[3] and (wanted is None or v[0] in wanted)]
+    known = VARIANTS + OPTIONAL_VARIANTS
+    variants = [v for v in (VARIANTS if wanted is None else known) if device.type in v[3] and (wanted is None or v[0] in wanted)]
     if not variants:
-        raise SystemExit(f"no variant of {[v[0] for v in VARIANTS]} runs on {device.type} (asked: {args.variants})")
+        raise SystemExit(f"no variant of {[v[0] for v in known]} runs on {device.type} (asked: {args.variants})")
     t0 = time.perf_counter()
     base = build_model(size, device)
     requests = make_requests(size)

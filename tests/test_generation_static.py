@@ -12,7 +12,11 @@ import torch
 
 from loomrl.config import GenerationConfig
 from loomrl.generation.hf import HFGenerator
-from loomrl.generation.static_decode import LENGTH_BUCKET, static_decode_unsupported
+from loomrl.generation.static_decode import (
+    LENGTH_BUCKET,
+    grouped_decode_attention,
+    static_decode_unsupported,
+)
 from loomrl.models import build_tiny_model
 from loomrl.training.trainer import build_token_batch, token_logprobs
 from loomrl.types import GenerationRequest, Rollout, SamplingParams
@@ -111,6 +115,46 @@ def test_bf16_weights_sample_with_fp32_logprobs_close_to_the_fp32_models():
         with torch.no_grad():
             logp, _ = token_logprobs(reference, batch, temperature=0.8)
         assert ((logp - batch.behaviour).abs() * batch.target_mask).max() < 0.05
+
+
+def gqa_model(tok, seed: int = 8):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_grouped_decode_attention_equals_attention_over_repeated_key_value_heads():
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=gen) for shape in ((3, 6, 1, 8), (3, 2, 10, 8), (3, 2, 10, 8)))
+    mask = torch.rand((3, 1, 1, 10), generator=gen) > 0.3
+    mask[:, :, :, 0] = True
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 3), repeat_kv(value, 3),
+                                                            attn_mask=mask, scale=0.3).transpose(1, 2)  # fmt: skip
+    assert got.shape == (3, 1, 6, 8) and torch.allclose(got, want, atol=1e-6)
+    # a prefill (several positions) is transformers' own sdpa
+    long_query = torch.randn((3, 6, 4, 8), generator=gen)
+    causal, _ = grouped_decode_attention(module, long_query, key[:, :, :4], value[:, :, :4], None, scaling=0.3)
+    assert torch.equal(causal, sdpa_attention_forward(module, long_query, key[:, :, :4], value[:, :, :4], None,
+                                                      scaling=0.3)[0])  # fmt: skip
+
+
+def test_static_decoding_of_a_grouped_query_attention_model_matches_the_dynamic_loop():
+    _, tok = build_tiny_model("qwen2", seed=1, **TINY)
+    model = gqa_model(tok)
+    dynamic, static = make_generator(model, tok), make_generator(model, tok, static_cache=True)
+    sampling = SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=16)
+    for prompts in (PROMPTS, ("5+5=", "6+6=", "7+7=")):  # padded, then not padded (no mask on the dynamic side)
+        assert_same_completions(dynamic.generate(requests(tok, sampling, prompts)),
+                                static.generate(requests(tok, sampling, prompts)))  # fmt: skip
+    assert model.config._attn_implementation == "sdpa"  # the grouped attention was for the step only
 
 
 def test_models_the_static_step_cannot_take_decode_on_the_dynamic_cache():

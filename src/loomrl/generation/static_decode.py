@@ -16,6 +16,12 @@ already built (transformers passes a 4-D mask through as it is), so its own mask
 its host-side checks, never runs in the step. ``max_len`` is rounded up to
 ``LENGTH_BUCKET`` so that calls with prompts of different widths reuse one graph.
 
+With grouped-query attention (a 0.36B Qwen2: 14 query heads on 2 key/value heads), the step
+attends through ``grouped_decode_attention`` rather than transformers' ``sdpa`` path, which
+repeats every key/value head for its query heads whenever a mask is given: at 256 sequences of
+192 positions that is ~9 GB of copies a token for the 24 layers, several times what the rest of
+the step reads.
+
 The same static step runs eagerly where there is no CUDA (the tests compare it with the
 dynamic-cache loop on the CPU, where the dynamic loop stays the default): tokens equal, log-
 probs equal to float rounding (attention over masked slots sums in another order).
@@ -34,6 +40,35 @@ LENGTH_BUCKET = 64  # static cache lengths are multiples of this (one graph for 
 MAX_GRAPHS = 2  # (rows, length) shapes kept, each with its own cache; least recently used dropped
 WARMUP_STEPS = 2  # eager runs on a side stream before capture (allocator and kernels settle)
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}  # attention implementations the 4-D mask is built for
+GROUPED_DECODE = "loomrl_grouped_decode"  # the attention the static step runs for 'sdpa' models
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):  # fmt: skip
+    """Attention of one new position per sequence over a cache with fewer key/value heads
+    than query heads, without repeating the keys and values: the query heads that share a
+    key/value head become that head's query positions (query head ``h`` reads key/value head
+    ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), and the mask
+    [batch, 1, 1, length] broadcasts over them. Returns [batch, 1, heads, head_dim], as the
+    attention interface does; other shapes go to transformers' ``sdpa``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or kv_heads == heads or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)  # fmt: skip
+    return out.reshape(batch, heads, 1, head_dim).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_decode() -> None:
+    from transformers import AttentionInterface
+
+    if GROUPED_DECODE not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
 
 
 def static_decode_unsupported(model: torch.nn.Module) -> str | None:
@@ -55,7 +90,8 @@ class _StaticStep:
     """One (rows, length) shape: the static cache, the step's input and output buffers, and
     the captured graph once there is one."""
 
-    def __init__(self, model, num_layers: int, rows: int, max_len: int, like: torch.Tensor, values_like) -> None:
+    def __init__(self, model, num_layers: int, rows: int, max_len: int, like: list, values_like: list, *,
+                 grouped_attention: bool) -> None:  # fmt: skip
         from transformers.cache_utils import Cache, StaticLayer
 
         self.model, self.rows, self.max_len = model, rows, max_len
@@ -73,6 +109,9 @@ class _StaticStep:
         mask_dtype = torch.bool if kind == "bool" else dtype
         self.mask = torch.zeros((rows, 1, 1, max_len), dtype=mask_dtype, device=device)  # what the model reads
         self.min_value = None if kind == "bool" else torch.finfo(dtype).min
+        self.attention = GROUPED_DECODE if kind == "bool" and grouped_attention else None
+        if self.attention is not None:
+            _register_grouped_decode()
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -109,10 +148,17 @@ class _StaticStep:
             self.mask.copy_(torch.where(view, 0.0, self.min_value))
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(
-            input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
-            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
+        config = self.model.config
+        usual = config._attn_implementation
+        if self.attention is not None:  # (read by every attention layer at each call: for this step only)
+            config._attn_implementation = self.attention
+        try:
+            out = self.model(
+                input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
+                past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            )  # fmt: skip
+        finally:
+            config._attn_implementation = usual
         return out.logits[:, -1, :]
 
     def capture(self) -> None:
@@ -137,9 +183,10 @@ class StaticDecoder:
     """Decode steps on a static cache, one ``_StaticStep`` per (rows, length) shape, each
     captured as a CUDA graph when ``cuda_graphs`` and the model is on a CUDA device."""
 
-    def __init__(self, model: torch.nn.Module, *, cuda_graphs: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, cuda_graphs: bool, grouped_attention: bool = True) -> None:
         self.model = model
         self.cuda_graphs = cuda_graphs
+        self.grouped_attention = grouped_attention  # off: transformers' sdpa (repeated key/value heads)
         self._steps: OrderedDict[tuple, _StaticStep] = OrderedDict()
         self.graphs_captured = 0
         self.capture_failures = 0
@@ -152,7 +199,8 @@ class StaticDecoder:
         key = (rows, max_len, keys[0].dtype, keys[0].shape[1:2], keys[0].shape[3:])
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = _StaticStep(self.model, len(keys), rows, max_len, keys, values)
+            step = self._steps[key] = _StaticStep(self.model, len(keys), rows, max_len, keys, values,
+                                                     grouped_attention=self.grouped_attention)
             while len(self._steps) > MAX_GRAPHS:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)
