@@ -219,12 +219,16 @@ def test_cuda_graph_decoding_equals_the_eager_static_step(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_decoding_matches_the_dynamic_loop_in_fp32():
+def test_cuda_graph_decoding_matches_the_dynamic_loop_in_fp32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # (another test may have set it)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model, tok = build_tiny_model("llama", seed=6, **TINY)
     model = model.to("cuda")
     sampling = SamplingParams(temperature=1.5, max_new_tokens=20)
+    # other attention kernels for other key lengths: equal up to their rounding
     assert_same_completions(make_generator(model, tok).generate(requests(tok, sampling)),
-                            make_generator(model, tok, cuda_graphs=True).generate(requests(tok, sampling)))  # fmt: skip
+                            make_generator(model, tok, cuda_graphs=True).generate(requests(tok, sampling)),
+                            atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.gpu
