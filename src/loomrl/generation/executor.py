@@ -4,6 +4,7 @@ where it lives (a thread, a process, a Ray actor later)."""
 from __future__ import annotations
 
 from loomrl.config import JobConfig
+from loomrl.device import module_device
 from loomrl.generation.base import Generator
 from loomrl.generation.hf import HFGenerator
 from loomrl.models.loading import load_policy
@@ -14,10 +15,12 @@ from loomrl.weights.transports import TransportSpec, open_transport
 def build_generator(cfg: JobConfig, receiver) -> Generator:
     """The job's generation engine, fed by ``receiver`` (one end of the weight transport)."""
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    ws = cfg.weight_sync
+    ws, gen = cfg.weight_sync, cfg.generation
+    device_type = module_device(model).type
+    cuda_graphs = gen.resolve_cuda_graphs(device_type)
     return HFGenerator(
         model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype,
-        trace=cfg.uses_traces(cfg.generation.trace),
+        trace=gen.resolve_trace(cfg.runtime, device_type), static_cache=cuda_graphs, cuda_graphs=cuda_graphs,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 
 from loomrl.device import module_device
 from loomrl.generation.base import Generator
+from loomrl.generation.static_decode import StaticDecoder, static_decode_unsupported
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
 from loomrl.models.traces import ShapeTraces, can_trace
@@ -30,6 +31,8 @@ from loomrl.weights.receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
+EOS_CHECK_EVERY_ACCELERATOR = 8  # decode steps between "is every sequence done?" host syncs on a GPU
+
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero the tail outside the smallest set of tokens with mass >= top_p; renormalise."""
@@ -42,11 +45,20 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class HFGenerator(Generator):
-    """Generation with a transformers causal LM, computing in fp32 on the model's device.
+    """Generation with a transformers causal LM on the model's device, in the model's dtype.
 
-    The weights are those of the last ``WeightUpdate`` applied: the receiver's mirror in the
-    published dtype is the base deltas apply to; the model's fp32 parameters are loaded
-    from the tensors each update changed.
+    The forward computes in the model's dtype (bf16 weights: bf16 matmuls); sampling does
+    not: logits are cast to fp32 before temperature, top-p and log-softmax, so the behaviour
+    log-probs are fp32 whatever the weights are. The weights are those of the last
+    ``WeightUpdate`` applied: the receiver's mirror in the published dtype is the base
+    deltas apply to; the model's parameters are loaded from the tensors each update changed.
+
+    Decoding (docs/engines.md): the prefill's ``DynamicCache`` grown a token at a time, by
+    default; with ``static_cache`` a preallocated cache and a fixed-shape step
+    (``loomrl.generation.static_decode``), replayed from a CUDA graph with ``cuda_graphs`` on
+    a CUDA device. ``eos_check_every``: steps between host syncs that end the loop once every
+    sequence is done (1 on the CPU, where a sync costs nothing; each one on a GPU stalls the
+    launch queue, and the steps run past the last EOS are masked out, not reported).
     """
 
     def __init__(
@@ -57,6 +69,9 @@ class HFGenerator(Generator):
         subscriber: Subscriber | None = None,
         publish_dtype: str = "bfloat16",
         trace: bool = False,
+        static_cache: bool = False,
+        cuda_graphs: bool = False,
+        eos_check_every: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -68,6 +83,23 @@ class HFGenerator(Generator):
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
         self.trace = trace  # forward passes from TorchScript traces (loomrl.models.traces)
         self._traced: ShapeTraces | None = None
+        self._static: StaticDecoder | None = self._static_decoder(static_cache or cuda_graphs, cuda_graphs)
+        if eos_check_every is None:
+            eos_check_every = 1 if self.device.type == "cpu" else EOS_CHECK_EVERY_ACCELERATOR
+        if eos_check_every < 1:
+            raise ValueError(f"eos_check_every must be >= 1, got {eos_check_every}")
+        self.eos_check_every = eos_check_every
+
+    def _static_decoder(self, static_cache: bool, cuda_graphs: bool) -> StaticDecoder | None:
+        from loomrl.weights.lora import is_peft_model
+
+        if not static_cache:
+            return None
+        why = "a PEFT model" if is_peft_model(self.model) else static_decode_unsupported(self.model)
+        if why is not None:
+            logger.info("generator decodes on a dynamic cache: no static cache for %s", why)
+            return None
+        return StaticDecoder(self.model, cuda_graphs=cuda_graphs and self.device.type == "cuda")
 
     # -- weights -------------------------------------------------------------------------
 
@@ -114,6 +146,8 @@ class HFGenerator(Generator):
             self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
         if self._traced is not None:  # traces hold the tensors offload replaces
             self._traced.clear()
+        if self._static is not None:  # so do the CUDA graphs (and the static caches hold memory)
+            self._static.clear()
         return self._swap.offload()
 
     def restore(self) -> float:
@@ -135,8 +169,11 @@ class HFGenerator(Generator):
         if applied is not None:
             results[0].weight_apply_s = applied.apply_s
             results[0].weight_metrics = applied.weight_metrics
-        if self._traced is not None:
-            results[0].engine_metrics = self._traced.metrics("generation")
+        if self._traced is not None or self._static is not None:
+            metrics = self._traced.metrics("generation") if self._traced is not None else {}
+            if self._static is not None:
+                metrics.update(self._static.metrics("generation"))
+            results[0].engine_metrics = metrics
         return results
 
     def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -169,16 +206,12 @@ class HFGenerator(Generator):
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         n = len(prompts)
-        # Each sequence's uniforms come from its own seed, drawn once for all steps (one
-        # generator, reseeded per sequence: the same numbers as a fresh one, a third cheaper).
-        rng, draws = torch.Generator(), []
-        for s in seeds:
-            rng.manual_seed(s % (2**63))
-            draws.append(torch.rand(sampling.max_new_tokens, generator=rng, dtype=torch.float64))
-        uniforms = torch.stack(draws, dim=1).to(self.device)  # [max_new_tokens, n], drawn on the CPU
+        uniforms = self._uniforms(seeds, sampling.max_new_tokens)  # [max_new_tokens, n]
         if self.trace and self._traced is None:
             self._start_tracing()
         logits, cache, attention, positions = self._prefill(prompts)
+        static = self._start_static(cache, attention, sampling.max_new_tokens)
+        width = positions.shape[1]
         step_tokens, step_logprobs, step_live = [], [], []
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         next_pos = positions[:, -1] + 1
@@ -188,14 +221,44 @@ class HFGenerator(Generator):
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
             done = done | (chosen == self.eos_id)
-            if bool(done.all()) or step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
+            if step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
+                break
+            if (step + 1) % self.eos_check_every == 0 and bool(done.all()):  # (a host sync)
                 break
             step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
-            if attention is not None:
-                attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
-            logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
+            if static is not None:
+                logits = static.run(step_ids, next_pos.unsqueeze(1), width + step)
+            else:
+                if attention is not None:
+                    attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
+                logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
+
+    def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
+        """[steps, sequences] uniforms on the device, each sequence's from its own seed, drawn
+        on the CPU (one generator, reseeded per sequence: the same numbers as a fresh one, a
+        third cheaper)."""
+        rng, draws = torch.Generator(), []
+        for s in seeds:
+            rng.manual_seed(s % (2**63))
+            draws.append(torch.rand(steps, generator=rng, dtype=torch.float64))
+        return torch.stack(draws, dim=1).to(self.device)
+
+    def _start_static(self, cache, attention, max_new_tokens: int):
+        """The static-cache decode step loaded with the prompts' cache, or None for the
+        dynamic-cache loop (``static_cache`` off, or a cache it cannot take)."""
+        if self._static is None:
+            return None
+        if isinstance(cache, tuple):  # the traced forward's flat cache
+            keys, values = list(cache[0::2]), list(cache[1::2])
+        elif can_repeat(cache):
+            keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+        else:
+            logger.info("generator decodes on a dynamic cache: its prefill cache is not plain full attention")
+            self._static = None
+            return None
+        return self._static.start(keys, values, attention, max_new_tokens)
 
     def _prefill(self, prompts: list[list[int]]):
         """The forward over the prompts, left-padded, each distinct prompt once (a request's
