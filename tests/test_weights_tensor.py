@@ -16,7 +16,7 @@ from loomrl.job import Job
 from loomrl.telemetry.metrics import read_metrics
 from loomrl.weights import WeightUpdateError, state_digest
 from loomrl.weights.publisher import Publisher, Subscriber
-from loomrl.weights.tensors import device_sums, pack_update
+from loomrl.weights.tensors import buffer_digest, device_sums, pack_update
 from loomrl.weights.transports import make_transport
 from loomrl.weights.transports.tensor import choose_lane
 
@@ -39,6 +39,14 @@ def test_the_digest_is_exact_and_catches_any_single_bit_flip():
         flat[position] ^= 1 << bit
         with pytest.raises(WeightUpdateError, match="device digest"):
             type(update)(0, flat, update.slots, update.digest).prepare({})
+    # the GPU's method (device sums) checked on a CPU buffer: the receiver uses the sender's method
+    sums = type(update)(0, update.flat, update.slots, buffer_digest(update.slots, update.flat, "sums"))
+    assert sums.digest.startswith("sums:") and update.digest.startswith("crc32:")
+    sums.prepare({})
+    sums.flat = update.flat.clone()
+    sums.flat[7] ^= 0x40
+    with pytest.raises(WeightUpdateError, match="device digest"):
+        sums.prepare({})
     # the same words in another order (two elements swapped) give other sums
     words = update.flat.clone().view(torch.int16)
     words[[3, 900]] = words[[900, 3]]

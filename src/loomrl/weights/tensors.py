@@ -7,14 +7,15 @@ the same device, NCCL or gloo broadcasts across devices), and the receiver recom
 digest on its own copy before anything is written into its mirror: a mismatch raises
 ``WeightUpdateError``, as a failed crc32 does on the byte lane.
 
-The digest is exact integer arithmetic on the device: the buffer read as int16 words ``x``
-and, per chunk of 2**24 words, ``sum(x)`` and ``sum(x * w)`` with odd weights ``w`` that
-vary with the position. Every term is below 2**32 and every chunk sum below 2**56, so the
-sums are exact in int64 in any reduction order (the same on a GPU and on a CPU), and any
-change confined to one word (every single-bit flip) changes the second sum. Like the byte
-lane's crc32 it guards against corruption (torn copies, truncation, a stale buffer), not
-against an adversary. Tensor updates are always full snapshots: at device speed a delta
-buys nothing, so a receiver that missed versions simply takes the latest one.
+On a GPU the digest is exact integer arithmetic on the device: the buffer read as int16
+words ``x`` and, per chunk of 2**24 words, ``sum(x)`` and ``sum(x * w)`` with odd weights
+``w`` that vary with the position. Every term is below 2**31 and every chunk sum below
+2**55, so the sums are exact in int64 in any reduction order, and any change confined to
+one word (every single-bit flip) changes the second sum. On a CPU it is the crc32 of the
+bytes (``buffer_digest``; the digest names its method and the receiver checks with that
+one). Like the byte lane's crc32 it guards against corruption (torn copies, truncation, a
+stale buffer), not against an adversary. Tensor updates are always full snapshots: at
+device speed a delta buys nothing, so a receiver that missed versions takes the latest.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +61,13 @@ def layout_of(state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[Tensor
 
 
 def _position_weights(device: torch.device, num_words: int) -> torch.Tensor:
-    """Odd int64 weights below 2**16 for (up to) one chunk, kept per device and grown when a
+    """Odd int32 weights below 2**16 for (up to) one chunk, kept per device and grown when a
     larger buffer comes (a power of two words, at most a chunk)."""
     w = _weights_by_device.get(device)
     if w is None or w.numel() < min(num_words, _CHUNK_WORDS):
         size = min(_CHUNK_WORDS, 1 << max(num_words - 1, 1).bit_length())
         i = torch.arange(size, dtype=torch.int64, device=device)
-        w = _weights_by_device[device] = (i * 40503 + 12345) % 32768 * 2 + 1
+        w = _weights_by_device[device] = ((i * 40503 + 12345) % 32768 * 2 + 1).to(torch.int32)
     return w
 
 
@@ -82,17 +84,28 @@ def device_sums(flat: torch.Tensor) -> list[int]:
     for start in range(0, words.numel(), _CHUNK_WORDS):
         x = words[start : start + _CHUNK_WORDS]
         sums.append(x.sum(dtype=torch.int64))
-        sums.append((x.to(torch.int64) * weights[: x.numel()]).sum())
+        # int16 * int32 is computed in int32 (|x * w| < 2**31), summed in int64: no int64 temporary
+        sums.append((x * weights[: x.numel()]).sum(dtype=torch.int64))
     return torch.stack(sums).tolist()
 
 
-def digest_of(slots: list[TensorSlot], sums: list[int]) -> str:
-    """blake2b-128 of the layout and the device sums."""
+def buffer_digest(slots: list[TensorSlot], flat: torch.Tensor, method: str | None = None) -> str:
+    """``method:hex``, a blake2b-128 of the layout and of the buffer's check values: the
+    device sums (``sums``, the default on a GPU) or the crc32 of the bytes (``crc32``, the
+    default on a CPU, where torch's integer reductions run at a few hundred MB/s and zlib at
+    several GB/s). A receiver checks with the method the sender named."""
+    method = method or ("crc32" if flat.device.type == "cpu" else "sums")
+    if method == "crc32":
+        values = [zlib.crc32(flat.cpu().numpy())]
+    elif method == "sums":
+        values = device_sums(flat)
+    else:
+        raise WeightUpdateError(f"unknown tensor-lane digest method {method!r}")
     h = hashlib.blake2b(digest_size=16)
     for s in slots:
         h.update(f"{s.name}|{s.dtype}|{list(s.shape)}|{s.offset}|{s.nbytes}\n".encode())
-    h.update(",".join(map(str, sums)).encode())
-    return h.hexdigest()
+    h.update(",".join(map(str, values)).encode())
+    return f"{method}:{h.hexdigest()}"
 
 
 @dataclass
@@ -162,7 +175,7 @@ class TensorUpdate:
     def prepare(self, state: dict[str, torch.Tensor], *, have_version: int | None = None,
                 have_digest: str | None = None) -> PreparedTensorUpdate:  # fmt: skip
         """Verify the buffer against the digest (on its device); nothing is written yet."""
-        digest = digest_of(self.slots, device_sums(self.flat))
+        digest = buffer_digest(self.slots, self.flat, self.digest.partition(":")[0])
         if digest != self.digest:
             raise WeightUpdateError(
                 f"tensor update {self.version}: device digest {digest} does not match the sender's {self.digest}"
@@ -211,4 +224,4 @@ def pack_update(state: dict[str, torch.Tensor], dtype: torch.dtype, version: int
     elif out.numel() != nbytes or out.dtype != torch.uint8:
         raise ValueError(f"pack_update: buffer of {out.numel()} {out.dtype} for {nbytes} bytes")
     pack_into(out, slots, state)
-    return TensorUpdate(version, out, slots, digest_of(slots, device_sums(out)))
+    return TensorUpdate(version, out, slots, buffer_digest(slots, out))
