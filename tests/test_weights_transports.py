@@ -394,6 +394,8 @@ def _free_port() -> int:
 
 def _remote_receiver(kind: str, kwargs: dict, last: int, results) -> None:
     torch.set_num_threads(1)
+    if kwargs.get("backend") == "nccl":
+        torch.cuda.set_device(kwargs["rank"])  # NCCL: a GPU per rank
     t = make_transport(kind, **kwargs)
     receiver = t.receiver(1)
     state: dict[str, torch.Tensor] = {}
@@ -402,18 +404,27 @@ def _remote_receiver(kind: str, kwargs: dict, last: int, results) -> None:
     t.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "torch_dist"])
+def test_torch_dist_auto_is_gloo():
+    """NCCL refuses two ranks on one GPU, as a job's executors sit on a one-GPU host."""
+    t = make_transport("torch_dist", world_size=3, store=dist.HashStore())
+    assert t.backend == "gloo"
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch_dist", pytest.param("torch_dist-nccl", marks=pytest.mark.gpu)])
 def test_receiver_in_another_process(kind):
     seq = states(4, seed=7)
+    if kind == "torch_dist-nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank")
     if kind == "shm":
         kwargs = {"name": f"test-{_free_port()}"}
     else:
         kwargs = {
             "world_size": 2,
             "init_method": f"tcp://127.0.0.1:{_free_port()}",
-            "backend": "gloo",
+            "backend": "nccl" if kind == "torch_dist-nccl" else "gloo",
             "bucket_bytes": 1024,
         }
+        kind = "torch_dist"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     local = make_transport(kind, **kwargs)

@@ -237,6 +237,8 @@ class BroadcastTensorReceiver(TorchDistReceiver):
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         for start in range(0, nbytes, self.t.bucket_bytes):
             self.group.broadcast(flat[start : start + self.t.bucket_bytes])
+        if flat.is_cuda:  # NCCL's wait orders this thread's stream only: finish before filing it
+            torch.cuda.current_stream(flat.device).synchronize()
         try:
             manifest = json.loads(bytes(head.numpy()))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
