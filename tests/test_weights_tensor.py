@@ -118,6 +118,21 @@ def test_a_job_on_the_tensor_lane_gives_the_same_losses_as_inproc(tiny_job, tmp_
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_a_job_over_cuda_ipc_gives_the_same_losses_as_inproc(tiny_job, tmp_path, caplog):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": "test_job:length_reward"},
+            "model": {"device": "cuda"}}  # fmt: skip
+    base = Job(tiny_job(**sync, output_dir=str(tmp_path / "inproc"))).run()
+    with caplog.at_level(logging.WARNING, logger="loomrl.weights.transports.tensor"):
+        lane = Job(tiny_job(**sync, runtime="process", output_dir=str(tmp_path / "ipc"),
+                            weight_sync={"transport": "tensor"})).run()  # fmt: skip
+    assert "byte lane" not in caplog.text  # CUDA IPC, not the fallback
+    assert _losses(lane.run_dir) == _losses(base.run_dir)
+
+
+@pytest.mark.gpu
 def test_device_to_device_in_one_process():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
