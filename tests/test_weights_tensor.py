@@ -194,3 +194,20 @@ def test_a_generator_in_another_process_on_the_tensor_lane(mode):
             proc.kill()
         t.close()
         t.unlink() if mode == "ipc" else None
+
+
+def test_the_ipc_mailbox_sees_every_write_and_opens_only_private_files(tmp_path):
+    """Quick writes can repeat a file's inode and coarse mtime: the stamp tells them apart.
+    The mailbox is unpickled, so a file others could write is refused."""
+    from loomrl.weights.transports.base import TransportError
+    from loomrl.weights.transports.tensor import _Mailbox
+
+    writer, reader = _Mailbox(tmp_path / "box"), _Mailbox(tmp_path / "box")
+    assert reader.read() is None
+    for i in range(100):
+        writer.write({"version": i})
+        assert reader.read() == {"version": i}
+    writer.write({"version": 100})
+    (tmp_path / "box").chmod(0o666)
+    with pytest.raises(TransportError, match="not a private file"):
+        reader.read()

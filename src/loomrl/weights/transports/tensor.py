@@ -96,19 +96,24 @@ class LocalTensorReceiver(Receiver):
 
 
 class _Mailbox:
-    """A private file naming the newest update and the slots' IPC handles; replaced
-    atomically by the sender, read by receivers only when it changed."""
+    """A private file naming the newest update and the slots' IPC handles, replaced
+    atomically by the sender. It starts with a 24-byte stamp (the sender's token and a
+    write count), so a receiver unpickles it only when the stamp changed (a file's inode
+    and coarse mtime can repeat between two quick writes)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._seen: tuple[int, int] | None = None
+        self.token = uuid.uuid4().bytes  # this end's; a sender stamps its writes with it
+        self.count = 0
+        self._stamp: bytes | None = None
         self._content: dict | None = None
 
     def write(self, content: dict) -> None:
+        self.count += 1
         tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex[:8]}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, pickle.dumps(content))
+            os.write(fd, self.token + self.count.to_bytes(8, "little") + pickle.dumps(content))
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
@@ -119,13 +124,12 @@ class _Mailbox:
         except FileNotFoundError:
             return None
         try:
-            st = os.fstat(fd)
-            if (st.st_ino, st.st_mtime_ns) == self._seen:
+            if os.pread(fd, 24, 0) == self._stamp:
                 return self._content
             _check_private(fd, self.path)  # unpickled below: only a file of our own uid
             with os.fdopen(os.dup(fd), "rb") as f:
-                self._content = pickle.loads(f.read())
-            self._seen = (st.st_ino, st.st_mtime_ns)
+                data = f.read()
+            self._stamp, self._content = data[:24], pickle.loads(data[24:])
             return self._content
         finally:
             os.close(fd)
@@ -140,7 +144,7 @@ class IpcTensorSender(TensorSender):
         self.mailbox = _Mailbox(t.mailbox_path)
         self.slots: list[torch.Tensor] = []
         self.handles: list[Any] = []
-        self.generation = 0
+        self.generation = ""
         self.next_slot = 0
 
     def _ring(self, nbytes: int, device: torch.device) -> None:
@@ -151,7 +155,7 @@ class IpcTensorSender(TensorSender):
 
         self.slots = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(self.t.num_slots)]
         self.handles = [reduce_tensor(s) for s in self.slots]  # (rebuild function, args)
-        self.generation += 1
+        self.generation = uuid.uuid4().hex  # receivers reopen the handles when it changes
 
     def pack(self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> TensorUpdate:
         device = next(iter(state.values())).device
@@ -179,7 +183,7 @@ class IpcTensorReceiver(Receiver):
     def __init__(self, t: TensorTransport) -> None:
         self.t, self.stats = t, TransferStats()
         self.mailbox = _Mailbox(t.mailbox_path)
-        self.opened: tuple[int, list[torch.Tensor]] | None = None  # (generation, slots)
+        self.opened: tuple[str, list[torch.Tensor]] | None = None  # (generation, slots)
 
     def _list(self) -> list[UpdateRef]:
         box = self.mailbox.read()
