@@ -211,3 +211,24 @@ def test_the_ipc_mailbox_sees_every_write_and_opens_only_private_files(tmp_path)
     (tmp_path / "box").chmod(0o666)
     with pytest.raises(TransportError, match="not a private file"):
         reader.read()
+
+
+def test_a_bad_manifest_or_a_cpu_state_on_ipc_is_a_clear_error(tmp_path):
+    from loomrl.weights.tensors import TensorUpdate
+    from loomrl.weights.transports.base import TransportError
+
+    update = pack_update(_state(), torch.bfloat16, 3)
+    manifest = update.manifest()
+    assert TensorUpdate.from_manifest(manifest, update.flat.clone()).version == 3
+    with pytest.raises(WeightUpdateError, match="manifest says"):
+        TensorUpdate.from_manifest(manifest, update.flat[:-2].clone())
+    with pytest.raises(WeightUpdateError, match="does not tile"):
+        TensorUpdate.from_manifest({**manifest, "slots": manifest["slots"][::-1]}, update.flat)
+    with pytest.raises(WeightUpdateError, match="malformed"):
+        TensorUpdate.from_manifest({"version": 1}, update.flat)
+    t = make_transport("tensor", mode="ipc", root=str(tmp_path))
+    pub = Publisher(t.sender())
+    with pytest.raises(TransportError, match="tensor lane 'ipc' shares CUDA memory"):
+        pub.publish(_state(), 0)
+    assert pub.num_send_failures == 1
+    t.close()
