@@ -166,7 +166,6 @@ def lanes(device: str) -> list[tuple[str, str, dict]]:
 
 def main(args) -> None:
     t_start = time.perf_counter()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     trainer = build_model(args.size, args.device, seed=0)
     nbytes = sum(t.numel() for t in synced_params(trainer).values()) * 2
     rows = [run_lane(lane, kind, kwargs, trainer, args) for lane, kind, kwargs in lanes(args.device)]
