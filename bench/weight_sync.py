@@ -3,6 +3,8 @@ a baseline measured in the same run.
 
     .venv/bin/python bench/weight_sync.py            # ~10M, ~100M, ~1B parameters
     .venv/bin/python bench/weight_sync.py --quick    # ~10M only
+    .venv/bin/python bench/weight_sync.py --lane tensor --size full --device cuda --json PATH
+                                                     # per step: tensor lane vs byte lane (weight_lanes.py)
 
 1. Real consecutive weights: the arithmetic example's RL job itself (the demo's ~1M-parameter
    tiny Llama, its 350-step supervised warm-start, then async RL with AdamW on fp32 masters), with a
@@ -471,7 +473,19 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="comma-separated parameter counts")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-real", action="store_true", help="skip the RL run (synthetic only)")
+    ap.add_argument("--lane", choices=["byte", "tensor"], default="byte",
+                    help="tensor: publish+apply per step, tensor lane next to the byte lane (bench/weight_lanes.py)")
+    ap.add_argument("--size", choices=["full", "small"], default="full", help="--lane tensor: the 362M Qwen2 or a tiny one")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--lane tensor: device")
+    ap.add_argument("--steps", type=int, default=5, help="--lane tensor: timed steps per lane")
+    ap.add_argument("--json", default=None, help="--lane tensor: write the rows here")
     args = ap.parse_args()
+    if args.lane == "tensor":
+        sys.path.insert(0, str(ROOT / "bench"))
+        from weight_lanes import main as lanes_main
+
+        lanes_main(args)
+        return
     torch.set_num_threads(1)
     sizes = (
         [int(float(s)) for s in args.sizes.split(",")]

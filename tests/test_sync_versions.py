@@ -37,8 +37,9 @@ def test_sync_run_with_prefetch_generates_every_group_on_the_current_version(tin
     _assert_synchronous(Job(cfg).run(), 6)
 
 
-def test_sync_run_over_torch_dist_generates_every_group_on_the_current_version(tiny_job):
-    cfg = tiny_job(algorithm={"max_staleness": 0}, runtime="process", weight_sync={"transport": "torch_dist"},
+@pytest.mark.parametrize("lane", [{"transport": "torch_dist"}, {"transport": "tensor", "tensor_mode": "broadcast"}])
+def test_sync_run_over_torch_dist_generates_every_group_on_the_current_version(tiny_job, lane):
+    cfg = tiny_job(algorithm={"max_staleness": 0}, runtime="process", weight_sync=lane,
                    trainer={"num_steps": 4}, data={"eval": None})  # fmt: skip
     _assert_synchronous(Job(cfg).run(), 4)
 

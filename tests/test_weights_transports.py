@@ -23,26 +23,31 @@ from loomrl.weights import (
 )
 from loomrl.weights.manifest import bits_view
 from loomrl.weights.publisher import Publisher, Subscriber
+from loomrl.weights.tensors import pack_update
 from loomrl.weights.transports import make_transport, select_update
 from loomrl.weights.transports.base import UpdateRef
 
-KINDS = ["inproc", "shm", "torch_dist", "files", "files-fsspec"]
+KINDS = ["inproc", "shm", "torch_dist", "files", "files-fsspec", "tensor-local", "tensor-gloo"]
 NUM_RECEIVERS = 2
 
 
 class Channel:
-    """A sender and NUM_RECEIVERS receivers of one transport kind."""
+    """A sender and NUM_RECEIVERS receivers of one transport kind. The tensor lane carries
+    full snapshots only (``full_only``): what the byte lanes get as a delta it gets whole."""
 
     def __init__(self, kind: str, tmp_path) -> None:
         self.kind = kind
+        self.full_only = kind.startswith("tensor")
         self.transports = []
-        if kind == "torch_dist":
+        if kind in ("torch_dist", "tensor-gloo"):
             self._build_dist()
             return
         if kind == "files":
             t = make_transport("files", path=str(tmp_path / "updates"))
         elif kind == "files-fsspec":
             t = make_transport("files", path=f"memory://loomrl-test-{uuid.uuid4().hex}")
+        elif kind == "tensor-local":
+            t = make_transport("tensor", mode="local")
         else:
             t = make_transport(kind)
         self.transports = [t]
@@ -54,13 +59,15 @@ class Channel:
         sides: list = [None] * world
 
         def join(rank: int) -> None:
+            lane = {"mode": "broadcast"} if self.kind == "tensor-gloo" else {}
             t = make_transport(
-                "torch_dist",
+                "tensor" if lane else "torch_dist",
                 rank=rank,
                 world_size=world,
                 store=store,
                 backend="gloo",
                 bucket_bytes=4096,
+                **lane,
             )
             sides[rank] = (t, t.sender() if rank == 0 else t.receiver())
 
@@ -72,6 +79,12 @@ class Channel:
         self.transports = [t for t, _ in sides]
         self.sender = sides[0][1]
         self.receivers = [side for _, side in sides[1:]]
+
+    def encode(self, base, new, version: int, base_version: int | None):
+        """``new`` as this lane sends it: a delta against ``base`` (byte lanes) or whole."""
+        if self.full_only:
+            return pack_update(new, torch.bfloat16, version)
+        return encode_update(base, new, version=version, base_version=base_version)
 
     def close(self) -> None:
         for t in self.transports:
@@ -88,6 +101,11 @@ class Channel:
                 time.sleep(0.005)
 
 
+def apply_any(state, update, have=None):
+    """Verify and apply either lane's update (what a subscriber does)."""
+    return update.prepare(state, have_version=None if update.is_full else have).commit(state)
+
+
 @pytest.fixture(params=KINDS)
 def channel(request, tmp_path):
     ch = Channel(request.param, tmp_path)
@@ -102,7 +120,7 @@ def states(num: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
         {
             "w": torch.randn(64, 48, dtype=torch.float32).to(torch.bfloat16),
             "b": torch.randn(48).to(torch.bfloat16),
-            "s": torch.tensor(0.5),
+            "s": torch.tensor(0.5).to(torch.bfloat16),
         }
     ]
     for _ in range(num - 1):
@@ -115,12 +133,17 @@ def states(num: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def publish(sender, seq, plan: str) -> list[WeightUpdate]:
-    """Send ``seq[v]`` as version v for each letter of ``plan`` (F: full, D: delta)."""
+def publish(channel, seq, plan: str) -> list[WeightUpdate]:
+    """Send ``seq[v]`` as version v for each letter of ``plan`` (F: full, D: delta) through
+    a ``Channel`` or a byte lane's bare sender."""
     updates = []
+    sender = getattr(channel, "sender", channel)
     for v, kind in enumerate(plan):
-        base = seq[v - 1] if kind == "D" else None
-        u = encode_update(base, seq[v], version=v, base_version=v - 1 if kind == "D" else None)
+        base, base_version = (seq[v - 1], v - 1) if kind == "D" else (None, None)
+        if isinstance(channel, Channel):
+            u = channel.encode(base, seq[v], v, base_version)
+        else:
+            u = encode_update(base, seq[v], version=v, base_version=base_version)
         sender.send(u)
         updates.append(u)
     return updates
@@ -135,7 +158,7 @@ def catch_up(receiver, state, have, target, timeout_s: float = 10.0):
             continue
         if not u.is_full:
             assert u.base_version == have, f"delta {u.base_version}->{u.version} handed to {have}"
-        apply_update(state, u, have_version=None if u.is_full else have)
+        apply_any(state, u, have)
         have = u.version
     return have
 
@@ -147,7 +170,7 @@ def test_nothing_before_the_first_send(channel):
 
 def test_full_then_deltas_reach_every_receiver(channel):
     seq = states(5)
-    publish(channel.sender, seq, "FDDDD")
+    publish(channel, seq, "FDDDD")
     for r in channel.receivers:
         state: dict[str, torch.Tensor] = {}
         assert catch_up(r, state, None, 4) == 4
@@ -159,35 +182,28 @@ def test_step_by_step_each_receiver_gets_the_delta_for_its_version(channel):
     seq = states(4)
     holders = [({}, None) for _ in channel.receivers]
     for v, kind in enumerate("FDDD"):
-        publish_one = encode_update(
-            seq[v - 1] if kind == "D" else None,
-            seq[v],
-            version=v,
-            base_version=v - 1 if kind == "D" else None,
-        )
+        publish_one = channel.encode(seq[v - 1] if kind == "D" else None, seq[v], v, v - 1 if kind == "D" else None)
         channel.sender.send(publish_one)
         for i, r in enumerate(channel.receivers):
             state, have = holders[i]
             u = r.receive(have, timeout_s=10)
-            assert (
-                u is not None
-                and u.version == v
-                and u.base_version == (None if kind == "F" else have)
-            )
-            apply_update(state, u, have_version=have if kind == "D" else None)
+            whole = kind == "F" or channel.full_only
+            assert u is not None and u.version == v and u.base_version == (None if whole else have)
+            apply_any(state, u, have)
             holders[i] = (state, v)
             assert state_digest(state) == state_digest(seq[v])
 
 
 def test_missed_versions_fall_back_to_the_latest_full_snapshot(channel):
     seq = states(7)
-    publish(channel.sender, seq, "FDDFDDD")
+    publish(channel, seq, "FDDFDDD")
     channel.settle(6)
     r = channel.receivers[0]
+    latest_full = 6 if channel.full_only else 3
     first = r.receive(None, timeout_s=10)
-    assert first is not None and first.is_full and first.version == 3
+    assert first is not None and first.is_full and first.version == latest_full
     ahead = r.receive(42)  # a receiver ahead of the sender (restarted trainer): snapshot
-    assert ahead is not None and ahead.is_full and ahead.version == 3
+    assert ahead is not None and ahead.is_full and ahead.version == latest_full
     for have in (None, 0, 1, 2, 3, 4, 5, 17):
         u = r.receive(have)
         assert u is not None
@@ -199,38 +215,49 @@ def test_missed_versions_fall_back_to_the_latest_full_snapshot(channel):
 
 
 def test_stats_count_bytes_updates_and_seconds(channel):
-    updates = publish(channel.sender, states(3), "FDD")
+    updates = publish(channel, states(3), "FDD")
     s = channel.sender.stats
+    fulls = 3 if channel.full_only else 1
     assert s.bytes_sent == sum(u.nbytes for u in updates)
-    assert (s.num_updates, s.num_fulls, s.failures) == (3, 1, 0) and s.seconds > 0
+    assert (s.num_updates, s.num_fulls, s.failures) == (3, fulls, 0) and s.seconds > 0
+    channel.settle(2)
     r = channel.receivers[0]
     assert catch_up(r, {}, None, 2) == 2
+    if channel.full_only:  # the latest snapshot only: what it missed it never needs
+        assert r.stats.num_updates == 1 and r.stats.bytes_received == updates[-1].nbytes
+        return
     assert r.stats.num_updates == 3 and r.stats.num_fulls == 1
     assert r.stats.bytes_received == sum(u.nbytes for u in updates)
 
 
+def _poll_until(sub, mirror, have, done) -> int | None:
+    deadline = time.monotonic() + 10
+    while not done(have) and time.monotonic() < deadline:
+        u, _ = sub.poll(mirror, have)
+        have = u.version if u is not None else have
+    return have
+
+
 def test_corrupted_update_is_rejected_counted_and_recovered(channel):
     seq = states(4)
-    channel.sender.send(encode_update(None, seq[0], version=0, base_version=None))
-    bad = encode_update(seq[0], seq[1], version=1, base_version=0)
-    payload = bytearray(bad.payload)
-    payload[len(payload) // 2] ^= 0xFF
-    bad.payload = payload
-    channel.sender.send(bad)
     sub = Subscriber(channel.receivers[0])
     mirror = {k: torch.zeros_like(v) for k, v in seq[0].items()}
-    deadline = time.monotonic() + 10
-    have = None
-    while (have != 0 or sub.failures == 0) and time.monotonic() < deadline:
-        u, _ = sub.poll(mirror, have)
-        have = u.version if u is not None else have
+    channel.sender.send(channel.encode(None, seq[0], 0, None))
+    have = _poll_until(sub, mirror, None, lambda h: h == 0)
     assert have == 0 and state_digest(mirror) == state_digest(seq[0])
-    assert sub.failures >= 1  # the bad delta was rejected; the mirror stayed at version 0
-    channel.sender.send(encode_update(None, seq[2], version=2, base_version=None))
-    deadline = time.monotonic() + 10
-    while have != 2 and time.monotonic() < deadline:
-        u, _ = sub.poll(mirror, have)
-        have = u.version if u is not None else have
+    bad = channel.encode(seq[0], seq[1], 1, 0)
+    if channel.full_only:  # one byte of the device buffer, after the sender's digest
+        bad.flat[bad.nbytes // 2] ^= 0xFF
+    else:
+        payload = bytearray(bad.payload)
+        payload[len(payload) // 2] ^= 0xFF
+        bad.payload = payload
+    channel.sender.send(bad)
+    have = _poll_until(sub, mirror, have, lambda h: sub.failures > 0)
+    assert have == 0 and state_digest(mirror) == state_digest(seq[0])
+    assert sub.failures >= 1  # the bad update was rejected; the mirror stayed at version 0
+    channel.sender.send(channel.encode(None, seq[2], 2, None))
+    have = _poll_until(sub, mirror, have, lambda h: h == 2)
     assert have == 2 and state_digest(mirror) == state_digest(seq[2])
 
 
@@ -246,7 +273,7 @@ def test_publisher_and_subscriber_over_the_transport(channel):
     for v in range(6):
         master["w"] += 1e-3 * torch.randn_like(master["w"])
         metrics = pub.publish(master, v)
-        assert metrics["weight_sync/is_full"] == float(v % 3 == 0)
+        assert metrics["weight_sync/is_full"] == float(v % 3 == 0 or channel.full_only)
         for i, sub in enumerate(subs):
             deadline = time.monotonic() + 10
             while haves[i] != v and time.monotonic() < deadline:
@@ -367,6 +394,8 @@ def _free_port() -> int:
 
 def _remote_receiver(kind: str, kwargs: dict, last: int, results) -> None:
     torch.set_num_threads(1)
+    if kwargs.get("backend") == "nccl":
+        torch.cuda.set_device(kwargs["rank"])  # NCCL: a GPU per rank
     t = make_transport(kind, **kwargs)
     receiver = t.receiver(1)
     state: dict[str, torch.Tensor] = {}
@@ -375,18 +404,27 @@ def _remote_receiver(kind: str, kwargs: dict, last: int, results) -> None:
     t.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "torch_dist"])
+def test_torch_dist_auto_is_gloo():
+    """NCCL refuses two ranks on one GPU, as a job's executors sit on a one-GPU host."""
+    t = make_transport("torch_dist", world_size=3, store=dist.HashStore())
+    assert t.backend == "gloo"
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch_dist", pytest.param("torch_dist-nccl", marks=pytest.mark.gpu)])
 def test_receiver_in_another_process(kind):
     seq = states(4, seed=7)
+    if kind == "torch_dist-nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank")
     if kind == "shm":
         kwargs = {"name": f"test-{_free_port()}"}
     else:
         kwargs = {
             "world_size": 2,
             "init_method": f"tcp://127.0.0.1:{_free_port()}",
-            "backend": "gloo",
+            "backend": "nccl" if kind == "torch_dist-nccl" else "gloo",
             "bucket_bytes": 1024,
         }
+        kind = "torch_dist"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     local = make_transport(kind, **kwargs)

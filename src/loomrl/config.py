@@ -172,8 +172,9 @@ class TrainerConfig(_Section):
 
 class WeightSyncConfig(_Section):
     codec: Literal["full", "delta"] = Field("full", description="Full copies or lossless deltas.")
-    transport: Literal["inproc", "shm", "torch_dist", "files"] = Field(
-        "inproc", description="How updates travel from trainer to generators."
+    transport: Literal["inproc", "shm", "torch_dist", "files", "tensor"] = Field(
+        "inproc", description="How updates travel from trainer to generators: a byte lane (inproc, shm, "
+        "torch_dist, files; the codec) or the tensor lane ('tensor': device tensors, no codec; docs/weights.md)."
     )
     publish_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of published weights (trainer keeps fp32 masters)."
@@ -192,6 +193,20 @@ class WeightSyncConfig(_Section):
         2, gt=0, description="'files' transport: full snapshots kept (with the deltas after them)."
     )
     bucket_mb: int = Field(64, gt=0, description="'torch_dist' transport: broadcast bucket size in MiB.")
+    tensor_mode: Literal["auto", "broadcast"] = Field(
+        "auto", description="'tensor' transport: 'auto' shares the buffer in one process (runtime local) and by "
+        "CUDA IPC across processes on one GPU (the byte lane 'shm' where the models are on CPUs); 'broadcast' "
+        "broadcasts it over a torch_dist group (a GPU per process with dist_backend='nccl', or gloo)."
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Backend of the 'torch_dist' group and of tensor_mode='broadcast': 'auto' is gloo; "
+        "'nccl' needs a GPU of its own per executor."
+    )
+
+    @property
+    def forms_group(self) -> bool:
+        """Whether generators join a torch_dist group (a restarted process cannot rejoin it)."""
+        return self.transport == "torch_dist" or (self.transport == "tensor" and self.tensor_mode == "broadcast")
 
 
 class SandboxConfig(_Section):

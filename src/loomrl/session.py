@@ -62,11 +62,12 @@ def _transport_kwargs(cfg: JobConfig, run_dir: Path, host: str = "127.0.0.1") ->
         return {"path": ws.path or str(run_dir / "weight_updates"), "keep_fulls": ws.keep_fulls}
     if ws.transport == "shm":
         return {"name": uuid.uuid4().hex[:16]}
-    if ws.transport == "torch_dist":
+    if ws.forms_group:
         return {
             "init_method": f"tcp://{host}:{_free_loopback_port()}",  # free here; elsewhere, likely free
             "world_size": 1 + cfg.generation.num_generators,
             "bucket_bytes": ws.bucket_mb << 20,
+            "backend": ws.dist_backend,
         }
     return {}
 
@@ -78,13 +79,18 @@ def _start_executors(
     what cleans the transport up after them. Threads of one process share one transport
     object; separate processes each build their own end from ``(kind, kwargs)``."""
     kind, kwargs = cfg.weight_sync.transport, _transport_kwargs(cfg, run_dir, runtime.rendezvous_host)
+    if kind == "tensor":  # its mode (local, ipc, broadcast), or the byte lane where it cannot work
+        from loomrl.weights.transports.tensor import choose_lane
+
+        kind, mode = choose_lane(cfg.weight_sync.tensor_mode, in_process=runtime.in_process, device=cfg.model.device)
+        kwargs = {**kwargs, **mode}
     if runtime.in_process:
         transport = make_transport(kind, **kwargs)
         trainer_end, generator_end, cleanup = transport, lambda rank: transport, transport.close
     else:
-        with_rank = (lambda rank: {**kwargs, "rank": rank}) if kind == "torch_dist" else (lambda rank: kwargs)
+        with_rank = (lambda rank: {**kwargs, "rank": rank}) if "world_size" in kwargs else (lambda rank: kwargs)
         trainer_end, generator_end = (kind, with_rank(0)), lambda rank: (kind, with_rank(rank))
-        cleanup = (lambda: make_transport(kind, **kwargs).unlink()) if kind == "shm" else (lambda: None)
+        cleanup = (lambda: make_transport(kind, **kwargs).unlink()) if "name" in kwargs else (lambda: None)
     trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints)
     generators = [
         runtime.start(f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i), Generator)
@@ -114,7 +120,7 @@ def _supervise(cfg: JobConfig, runtime: Runtime, trainer, generators: list, scor
         slot = partial(Supervised, None, deadlines=None, stats=faults)  # stall watchdog warns
         return slot(trainer, restart=False), [slot(g) for g in generators], [slot(s) for s in scorers]
     deadlines = Deadlines.from_config(cfg.faults)
-    in_group = cfg.weight_sync.transport == "torch_dist"
+    in_group = cfg.weight_sync.forms_group
     slot = partial(Supervised, runtime, deadlines=deadlines, stats=faults)
     return (slot(trainer, restart=False), [slot(g, restart=not in_group) for g in generators],
             [slot(s) for s in scorers])  # fmt: skip

@@ -2,7 +2,8 @@
 
 Public API: ``encode_update``, ``apply_update`` (``prepare_update`` + commit), ``WeightUpdate``
 (``to_bytes`` / ``from_bytes``), the ``Publisher`` / ``Subscriber`` pair, and the transports in
-``loomrl.weights.transports`` (``make_transport("inproc" | "shm" | "torch_dist" | "files")``).
+``loomrl.weights.transports`` (``make_transport("inproc" | "shm" | "torch_dist" | "files" | "tensor")``;
+the tensor lane's update is ``loomrl.weights.tensors.TensorUpdate``).
 """
 
 from loomrl.weights.codec import CodecOptions

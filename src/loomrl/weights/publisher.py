@@ -28,7 +28,6 @@ from loomrl.weights.update import (
     WeightUpdate,
     WeightUpdateError,
     encode_update,
-    prepare_update,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,6 +111,8 @@ class Publisher:
     def publish(self, state: dict[str, torch.Tensor], version: int, full: bool = False) -> dict[str, float]:
         """Cast, encode and send ``state`` as ``version`` (``full``: as a full snapshot,
         whatever the codec); returns ``weight_sync/*`` metrics."""
+        if getattr(self.sender, "carries_tensors", False):
+            return self._publish_tensors(state, version)
         t0 = time.perf_counter()
         new = self._cast(state)
         cast_s = time.perf_counter() - t0
@@ -146,6 +147,32 @@ class Publisher:
             metrics["weight_sync/changed_fraction"] = changed / max(total, 1)
         self._last, self._last_version, self._last_digest = new, version, update.digest
         return metrics
+
+
+    def _publish_tensors(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """The tensor lane: cast into the lane's device buffer, digest there, send; always a
+        full snapshot (``loomrl.weights.transports.tensor``)."""
+        t0 = time.perf_counter()
+        try:
+            update = self.sender.pack(state, self.dtype, version)
+            t1 = time.perf_counter()
+            self.sender.send(update)
+        except TransportError:
+            self.num_send_failures += 1
+            raise
+        t2 = time.perf_counter()
+        self.num_fulls += 1
+        return {
+            "weight_sync/version": float(version),
+            "weight_sync/is_full": 1.0,
+            "weight_sync/bytes_full": float(update.model_nbytes),
+            "weight_sync/bytes_sent": float(update.nbytes),
+            "weight_sync/cast_s": t1 - t0,  # cast and digest, on the device (the digest syncs)
+            "weight_sync/encode_s": 0.0,
+            "weight_sync/transfer_s": t2 - t1,
+            "weight_sync/send_failures": float(self.num_send_failures),
+            "weight_sync/num_fulls": float(self.num_fulls),
+        }
 
 
 class Subscriber:
@@ -184,9 +211,8 @@ class Subscriber:
             key = (update.version, update.base_version, update.digest)
             if key not in self._rejected:
                 try:
-                    prepared = prepare_update(
+                    prepared = update.prepare(  # a WeightUpdate, or a tensor lane's TensorUpdate
                         state,
-                        update,
                         have_version=have_version,
                         have_digest=self._knows(have_version),
                     )

@@ -16,7 +16,6 @@ import torch
 
 from loomrl.types import WeightsApplied
 from loomrl.weights.publisher import Subscriber
-from loomrl.weights.update import apply_update
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[NamedTensors], None]  # an engine's load_weights
@@ -52,7 +51,7 @@ class WeightReceiver:
 
     def apply(self, update) -> int:
         """Apply one ``WeightUpdate`` handed over directly (not through a transport)."""
-        changed = apply_update(self.mirror, update)
+        changed = update.prepare(self.mirror).commit(self.mirror)  # either lane's update
         return self._adopt(update.version, changed)
 
     def poll(self) -> int:

@@ -79,6 +79,12 @@ class WeightUpdate:
         numel = sum(e.numel for e in self.tensors)
         return sum(e.changed for e in self.tensors) / numel if numel else 0.0
 
+    def prepare(
+        self, state: dict[str, torch.Tensor], *, have_version: int | None = None, have_digest: str | None = None
+    ) -> PreparedUpdate:
+        """``prepare_update(state, self, ...)``: what a subscriber calls on any lane's update."""
+        return prepare_update(state, self, have_version=have_version, have_digest=have_digest)
+
     def manifest(self) -> dict:
         return {
             "format": FORMAT_VERSION,

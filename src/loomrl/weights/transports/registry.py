@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "shm": "loomrl.weights.transports.shm:ShmTransport",
     "torch_dist": "loomrl.weights.transports.torch_dist:TorchDistTransport",
     "files": "loomrl.weights.transports.files:FilesTransport",
+    "tensor": "loomrl.weights.transports.tensor:TensorTransport",
 }
 
 
@@ -33,7 +34,8 @@ def transport_kinds() -> tuple[str, ...]:
 
 
 def make_transport(kind: str, **kwargs: Any) -> Transport:
-    """Build a transport by name: ``inproc``, ``shm``, ``torch_dist``, ``files`` or a registered one."""
+    """Build a transport by name: ``inproc``, ``shm``, ``torch_dist``, ``files``, ``tensor`` or a
+    registered one."""
     try:
         target = _REGISTRY[kind]
     except KeyError:

@@ -1,6 +1,6 @@
 """Transport over a ``torch.distributed`` group: the sender (rank 0) broadcasts each update.
 
-The group is gloo on CPU and NCCL when ``backend="nccl"`` (or ``"auto"`` with CUDA), and
+The group is gloo (``backend="auto"``) or NCCL when ``backend="nccl"`` (a GPU per rank), and
 is built for this transport alone (its own store prefix), so it does not disturb a
 training job's default process group. Per update the sender sets a store key
 ``ready/<n>`` (so idle receivers wait on the store, with no collective timing out), then
@@ -76,9 +76,16 @@ class _Group:
             self.bucket = torch.empty(t.bucket_bytes, dtype=torch.uint8, device=self.device)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` from rank 0 in place; NCCL moves device memory only, so a host
+        tensor (the sizes, the header) travels through a device copy of itself."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        if self.device.type == "cpu" or tensor.device == self.device:
+            self.pg.broadcast([tensor], opts).wait()
+            return
+        staged = tensor.to(self.device)
+        self.pg.broadcast([staged], opts).wait()
+        tensor.copy_(staged)
 
     def move(self, cpu: torch.Tensor, bucket_bytes: int, sending: bool) -> None:
         """Broadcast ``cpu`` (filled on the sender, written on receivers) in buckets."""
@@ -197,6 +204,16 @@ class TorchDistReceiver(Receiver):
         self.thread.join(timeout=5)
 
 
+def _resolve_backend(backend: str, world_size: int) -> str:
+    """``auto`` is gloo: NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), which
+    is how a job's executors sit on a one-GPU host, and each rank's device is its current
+    one. Ask for ``nccl`` where every rank has a GPU of its own."""
+    if backend == "nccl" and torch.cuda.is_available() and world_size > torch.cuda.device_count():
+        logger.warning("torch_dist: %d ranks over %d GPUs; NCCL needs a GPU per rank", world_size,
+                       torch.cuda.device_count())  # fmt: skip
+    return "gloo" if backend == "auto" else backend
+
+
 class TorchDistTransport(Transport):
     """One process's end of the weight group: ``rank`` 0 sends, ranks 1.. receive.
 
@@ -228,7 +245,7 @@ class TorchDistTransport(Transport):
             )
         self.rank, self.world_size = rank, world_size
         self.init_method, self.store, self.group = init_method, store, group
-        self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
+        self.backend, self.bucket_bytes, self.timeout_s = _resolve_backend(backend, world_size), bucket_bytes, timeout_s
         self._sides: list = []
 
     def sender(self) -> TorchDistSender:
