@@ -165,7 +165,11 @@ for BENCH in hf_engine weight_sync; do
   if [ ! -f "bench/$BENCH.py" ] || (( cap < 15 )); then row "bench/$BENCH.py" "skipped" "" "missing or ${cap}s left"; continue; fi
   section "bench/$BENCH.py --size $SIZE --device $DEVICE (cap ${cap}s)"
   t0=$(date +%s)
-  timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" --size "$SIZE" --device "$DEVICE" --json "$OUT/$BENCH.json" \
+  case $BENCH in
+    weight_sync) ARGS=(--lane tensor --size "$([ "$SIZE" = dry ] && echo small || echo full)") ;;
+    *) ARGS=(--size "$SIZE") ;;
+  esac
+  timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" "${ARGS[@]}" --device "$DEVICE" --json "$OUT/$BENCH.json" \
     >"$L/$BENCH.log" 2>&1
   rc=$?
   tail -n 14 "$L/$BENCH.log"
