@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -67,6 +68,7 @@ def _transport_kwargs(cfg: JobConfig, run_dir: Path, host: str = "127.0.0.1") ->
             "init_method": f"tcp://{host}:{_free_loopback_port()}",  # free here; elsewhere, likely free
             "world_size": 1 + cfg.generation.num_generators,
             "bucket_bytes": ws.bucket_mb << 20,
+            "secret": secrets.token_hex(32),  # hides and signs the group's store keys (docs/security.md)
         }
     return {}
 
