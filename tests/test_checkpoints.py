@@ -127,3 +127,13 @@ def test_disk_full_while_checkpointing_leaves_no_partial_folder_frees_shm_and_na
     assert not list(Path(made[0].root).glob(f"loomrl-{made[0].channel}.*"))
     monkeypatch.undo()
     assert resume_job(run_dir, from_step=2).summary["steps"] == 4
+
+
+def test_a_run_stopped_while_saving_its_final_model_is_not_taken_as_finished(tiny_job):
+    result = Job(tiny_job(trainer={"num_steps": 2}, checkpoint={"every_steps": 2})).run()
+    summary_path = result.run_dir / "summary.json"
+    stopped = {**json.loads(summary_path.read_text()), "interrupted": True, "stopped_by": "SIGTERM"}
+    summary_path.write_text(json.dumps(stopped))  # as a second SIGTERM during save_pretrained leaves it
+    resumed = resume_job(result.run_dir)
+    assert not resumed.summary.get("already_finished") and resumed.summary["steps"] == 2
+    assert not resumed.summary["interrupted"] and (result.run_dir / "final" / "config.json").is_file()
