@@ -298,12 +298,19 @@ def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]
 
 def _already_finished(cfg: JobConfig, run_dir: Path, state: dict[str, Any]) -> JobResult | None:
     """A resume of a run that reached ``num_steps`` and saved its final model changes
-    nothing: its summary stays as it was, marked ``already_finished`` for the caller."""
+    nothing: its summary stays as it was, marked ``already_finished`` for the caller. A run
+    that failed or was stopped while saving its final model (its summary says so) is not
+    finished: the resume trains no step and saves the final model again."""
     version = state["controller"]["version"]
     summary_path = run_dir / "summary.json"
     if version < cfg.trainer.num_steps or not (run_dir / "final").is_dir() or not summary_path.is_file():
         return None
-    summary = {**json.loads(summary_path.read_text()), "already_finished": True}
+    try:
+        summary = {**json.loads(summary_path.read_text()), "already_finished": True}
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):  # a summary cut short: not finished
+        return None
+    if summary.get("job_failed") or summary.get("interrupted"):  # stopped while saving the final model
+        return None
     logger.info("%s already finished (%d of %d steps); nothing to resume", run_dir, version, cfg.trainer.num_steps)
     return JobResult(run_dir, summary, [])
 
