@@ -104,3 +104,33 @@ def test_signal_to_the_process_group_leaves_a_checkpoint_and_no_shm(tmp_path, ti
     prefixes = {path.split(".")[0] for path in channel}  # /dev/shm/loomrl-<channel>
     left = [str(p) for p in Path("/dev/shm").glob("loomrl-*") if str(p).split(".")[0] in prefixes]
     assert not left, f"shm left behind: {left}"
+
+
+def test_sigterm_outside_training_raises_once_and_handlers_are_restored(caplog):
+    from loomrl.stop_signals import StopSignal, raise_on_stop_signals
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    if signal.SIG_IGN in before.values():
+        pytest.skip("the test runner ignores SIGTERM or SIGHUP")
+    with pytest.raises(StopSignal, match="stopped by SIGTERM"), raise_on_stop_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # (the handler raises here)
+        finally:  # cleanup in progress: a second one is logged, not raised
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.1)
+    assert "SIGHUP again: still cleaning up" in caplog.text
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_signal_ignored_where_the_job_starts_stays_ignored():
+    from loomrl.stop_signals import raise_on_stop_signals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with raise_on_stop_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.1)
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
