@@ -338,8 +338,8 @@ class TorchDistTransport(Transport):
         self.rank, self.world_size = rank, world_size
         self.init_method, self.store, self.group = init_method, store, group
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
-        self.secret = secret
         self._sides: list = []
+        self.secret = secret
 
     def sender(self) -> TorchDistSender:
         if self.rank != 0:
