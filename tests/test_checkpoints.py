@@ -4,7 +4,10 @@ newest one that verifies (``resume --from STEP``)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +84,56 @@ def test_corrupted_newest_checkpoint_names_the_newest_that_verifies_and_resume_f
     assert resumed.summary["steps"] == 4
     trained = load_checkpoint(root / "step_000004")["controller"]["stream"]["trained"]
     assert len(trained) == 4 * 4 and len(set(trained)) == len(trained)
+
+
+def _disk_full_at_step(monkeypatch, step: int) -> None:
+    """``torch.save`` of the checkpoint of ``step`` writes part of the file, then the disk is full."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if f"step_{step:06d}" in str(f):
+            with open(f, "wb") as out:
+                out.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+@pytest.mark.parametrize("metrics_fail_too", [False, True], ids=["checkpoint", "checkpoint+metrics"])
+def test_disk_full_while_checkpointing_leaves_no_partial_folder_frees_shm_and_names_the_good_step(
+    tiny_job, monkeypatch, metrics_fail_too
+):
+    import loomrl.session
+    from loomrl.telemetry.metrics import MetricsLogger
+
+    made = []
+    real_make = loomrl.session.make_transport
+    monkeypatch.setattr(loomrl.session, "make_transport", lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+    _disk_full_at_step(monkeypatch, 4)
+    if metrics_fail_too:  # the disk stays full: closing the metrics log fails as well
+        monkeypatch.setattr(MetricsLogger, "close", lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    cfg = tiny_job(trainer={"num_steps": 4}, checkpoint={"every_steps": 2, "keep": 5},
+                   weight_sync={"transport": "shm"})  # fmt: skip
+    run_dir = Path(cfg.output_dir)
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 4 could not be written .*No space left on device"
+                       rf".*newest checkpoint that verifies is step_000002: `loomrl resume {run_dir} --from 2`"):
+        Job(cfg).run()
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # no partial folder, no .tmp-*
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["job_failed"] is True and "step 4" in summary["error"]
+    assert made and all(not t.index_path.exists() for t in made if hasattr(t, "index_path"))
+    assert not list(Path(made[0].root).glob(f"loomrl-{made[0].channel}.*"))
+    monkeypatch.undo()
+    assert resume_job(run_dir, from_step=2).summary["steps"] == 4
+
+
+def test_a_run_stopped_while_saving_its_final_model_is_not_taken_as_finished(tiny_job):
+    result = Job(tiny_job(trainer={"num_steps": 2}, checkpoint={"every_steps": 2})).run()
+    summary_path = result.run_dir / "summary.json"
+    stopped = {**json.loads(summary_path.read_text()), "interrupted": True, "stopped_by": "SIGTERM"}
+    summary_path.write_text(json.dumps(stopped))  # as a second SIGTERM during save_pretrained leaves it
+    resumed = resume_job(result.run_dir)
+    assert not resumed.summary.get("already_finished") and resumed.summary["steps"] == 2
+    assert not resumed.summary["interrupted"] and (result.run_dir / "final" / "config.json").is_file()

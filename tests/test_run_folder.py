@@ -105,3 +105,33 @@ def test_cli_refuses_a_used_output_dir_and_overwrite_replaces_it(tmp_path, tiny_
     assert f"output dir {out!r} already holds a run" in capsys.readouterr().err
     assert cli.main(["run", str(job_file), "--output-dir", out, "--overwrite", "trainer.num_steps=2"]) == 0
     assert _steps(Path(out)) == [1, 2]
+
+
+def test_summary_written_on_a_full_disk_is_never_partial(tmp_path, monkeypatch):
+    from loomrl.run_folder import write_json_atomically
+
+    path = tmp_path / "summary.json"
+    assert write_json_atomically(path, {"steps": 2})
+
+    def full_disk_dump(obj, f, **kwargs):
+        f.write('{"steps": ')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", full_disk_dump)
+    assert not write_json_atomically(path, {"steps": 3})
+    assert json.loads(path.read_text()) == {"steps": 2}  # the one before, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
+
+
+def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
+    from types import SimpleNamespace
+
+    from loomrl.session import _write_failure_summary
+    from loomrl.stop_signals import StopSignal
+
+    counts = {"generated": 40, "trained": 16, "dropped_stale": 4, "failed": 2, "in_flight": 10, "lost_on_resume": 0,
+              "prompts_trained_twice": 0}  # fmt: skip
+    controller = SimpleNamespace(version=1, accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()})
+    _write_failure_summary(tmp_path, controller, StopSignal(15))  # 8 rollouts were in the step it cut short
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["stopped_by"] == "SIGTERM" and summary["in_step"] == 8

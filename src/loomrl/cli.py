@@ -114,8 +114,8 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     try:
         with progress:
             result = job_fn(on_record)
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
-        return _report_interrupt(run_dir)
+    except KeyboardInterrupt as err:  # a second Ctrl-C (or SIGTERM, SIGHUP), or one outside training
+        return _report_interrupt(run_dir, getattr(err, "name", None))
     except (ConfigError, OSError, ValueError, TypeError, RuntimeError, FloatingPointError) as err:
         # Bad input (config, paths, user code, checkpoints), a job stopped for failures and a
         # weight wait that timed out: a one-line message (docs/errors.md says what to do);
@@ -125,15 +125,17 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     _print_summary(result)
-    if result.summary.get("interrupted"):  # a first Ctrl-C: stopped after a step, checkpointed
-        return _report_interrupt(run_dir)
+    if result.summary.get("interrupted"):  # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
+        return _report_interrupt(run_dir, result.summary.get("stopped_by"))
     return 0
 
 
-def _report_interrupt(run_dir: str) -> int:
-    """Say what an interrupted run left to resume from; the exit status of a SIGINT."""
+def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
+    """Say what an interrupted run left to resume from; the exit status of the signal that
+    stopped it (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
     from pathlib import Path
 
+    from loomrl.stop_signals import exit_status
     from loomrl.training.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(Path(run_dir) / "checkpoints")
@@ -141,7 +143,7 @@ def _report_interrupt(run_dir: str) -> int:
         print(f"interrupted before the first checkpoint: nothing to resume in {run_dir}", file=sys.stderr)
     else:
         print(f"interrupted: `loomrl resume {run_dir}` continues from {last.name}", file=sys.stderr)
-    return 130
+    return exit_status(signal_name)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -10,7 +10,9 @@ away with the process, so kill -9 leaves nothing to clean up.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -43,6 +45,26 @@ def default_run_dir(cfg: JobConfig) -> Path:
     if cfg.output_dir:
         return Path(cfg.output_dir)
     return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_json_atomically(path: Path, obj: Any) -> bool:
+    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename, so ``path`` is
+    never a partial (or, on a full disk, 0-byte) file: it is the new content or the old one.
+    A failure is logged, not raised (a summary must not hide the error that ended a run);
+    returns whether it was written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except (OSError, TypeError, ValueError) as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        logger.error("could not write %s: %s", path, err)
+        return False
 
 
 class RunFolderError(ValueError):

@@ -6,12 +6,11 @@ import asyncio
 import json
 import logging
 import os
-import signal
+import secrets
 import socket
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,11 @@ from loomrl.generation.executor import start_generator
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
-from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir
+from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import Deadlines, ExecutorLostError, FaultStats, Supervised
+from loomrl.stop_signals import StopSignal, raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import (
@@ -68,6 +68,7 @@ def _transport_kwargs(cfg: JobConfig, run_dir: Path, host: str = "127.0.0.1") ->
             "world_size": 1 + cfg.generation.num_generators,
             "bucket_bytes": ws.bucket_mb << 20,
             "backend": ws.dist_backend,
+            "secret": secrets.token_hex(32),  # hides and signs the group's store keys (docs/security.md)
         }
     return {}
 
@@ -210,37 +211,6 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
-@contextmanager
-def _graceful_interrupt(controller: Controller) -> Iterator[None]:
-    """While the controller runs, a first Ctrl-C asks it to stop after the current step
-    with a checkpoint; a second one goes to the handler from before (asyncio.run's, which
-    aborts with KeyboardInterrupt). Only in the main thread, and not where SIGINT is ignored."""
-    loop = asyncio.get_running_loop()
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
-        yield
-        return
-
-    def restore() -> None:
-        loop.remove_signal_handler(signal.SIGINT)
-        signal.signal(signal.SIGINT, previous)
-
-    def first_interrupt() -> None:
-        restore()
-        controller.request_stop()
-
-    try:
-        loop.add_signal_handler(signal.SIGINT, first_interrupt)
-    except (NotImplementedError, RuntimeError, ValueError):  # no signal support on this loop
-        yield
-        return
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is not previous:
-            restore()
-
-
 def _executor_names(cfg: JobConfig) -> list[str]:
     """The executors a job starts, by name (a runtime may reserve resources for them)."""
     scorers = cfg.task.num_scorers if cfg.task.reward is not None else 0  # as _start_scorers starts them
@@ -275,7 +245,7 @@ def run_job(
     event_loop_factory(cfg.event_loop)  # a missing uvloop fails before the run folder is made
     run_dir = default_run_dir(cfg)
     faults = FaultStats(cfg.faults.max_executor_restarts)  # counts carry over the job's own restarts
-    with claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+    with raise_on_stop_signals(), claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
         while True:
             try:
                 return _run_locked(cfg, run_dir, resume=resume, from_step=from_step, on_record=on_record,
@@ -334,12 +304,19 @@ def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]
 
 def _already_finished(cfg: JobConfig, run_dir: Path, state: dict[str, Any]) -> JobResult | None:
     """A resume of a run that reached ``num_steps`` and saved its final model changes
-    nothing: its summary stays as it was, marked ``already_finished`` for the caller."""
+    nothing: its summary stays as it was, marked ``already_finished`` for the caller. A run
+    that failed or was stopped while saving its final model (its summary says so) is not
+    finished: the resume trains no step and saves the final model again."""
     version = state["controller"]["version"]
     summary_path = run_dir / "summary.json"
     if version < cfg.trainer.num_steps or not (run_dir / "final").is_dir() or not summary_path.is_file():
         return None
-    summary = {**json.loads(summary_path.read_text()), "already_finished": True}
+    try:
+        summary = {**json.loads(summary_path.read_text()), "already_finished": True}
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):  # a summary cut short: not finished
+        return None
+    if summary.get("job_failed") or summary.get("interrupted"):  # stopped while saving the final model
+        return None
     logger.info("%s already finished (%d of %d steps); nothing to resume", run_dir, version, cfg.trainer.num_steps)
     return JobResult(run_dir, summary, [])
 
@@ -369,15 +346,20 @@ def _cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
 
 
 def _write_failure_summary(run_dir: Path, controller: Controller | None, err: BaseException) -> None:
-    """A job that stops with an error still leaves a summary.json saying how far it got."""
-    summary: dict[str, Any] = {"job_failed": True, "error": f"{type(err).__name__}: {err}", "run_dir": str(run_dir)}
+    """A job that stops with an error, or is aborted (a second Ctrl-C, SIGTERM before or
+    after training), still leaves a summary.json saying how far it got, whose accounting
+    adds up: rollouts taken for a step that did not finish are counted ``in_step``."""
+    interrupted = isinstance(err, KeyboardInterrupt)
+    summary: dict[str, Any] = {"job_failed": not interrupted, "interrupted": interrupted,
+                               "error": f"{type(err).__name__}: {err}", "run_dir": str(run_dir)}  # fmt: skip
+    if isinstance(err, StopSignal):
+        summary["stopped_by"] = err.name
     if controller is not None:  # ("failed" below counts failed rollouts, as in every summary)
         summary["steps"] = controller.version
-        summary.update({k.split("/")[1]: v for k, v in controller.accounting().items()})
-    try:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    except OSError as write_err:
-        logger.error("could not write %s: %s", run_dir / "summary.json", write_err)
+        counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
+        accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
+        summary.update(counts, in_step=counts["generated"] - accounted)
+    write_json_atomically(run_dir / "summary.json", summary)
 
 
 def _run_locked(
@@ -407,7 +389,7 @@ def _run_locked(
     try:
         return _train(cfg, run_dir, (train_rows, eval_rows), scorer, env_factory, tokenizer,
                       (resume_from, resume_state), on_record, holder, budget, faults or FaultStats())  # fmt: skip
-    except Exception as err:
+    except BaseException as err:  # errors, and aborts (KeyboardInterrupt, StopSignal)
         _write_failure_summary(run_dir, holder.get("controller"), err)
         raise
 
@@ -427,8 +409,11 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
     await runtime.wait_ready()  # model loading is not training time
     if trainer_state is not None:
         await controller.on_device("checkpoint", lambda: trainer.load_state_dict(trainer_state))
-    with _graceful_interrupt(controller):
+    stopped_by: list[str] = []
+    with stop_after_step(controller.request_stop, stopped_by):
         summary = await controller.run(checkpoint=checkpoint)
+    if stopped_by:
+        summary["stopped_by"] = stopped_by[0]
     # per executor; on the local runtime every executor shares the controller's process
     summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop or asyncio
     summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),
@@ -475,13 +460,24 @@ def _train(cfg, run_dir, rows, scorer, env_factory, tokenizer, resume, on_record
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             summary = runner.run(_drive(cfg, controller, trainer, runtime, run_dir, trainer_state))
         summary["run_dir"] = str(run_dir)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json_atomically(run_dir / "summary.json", summary)
         return JobResult(run_dir, summary, controller.eval_history)
     finally:
-        if leases is not None:
-            leases.close()
-        metrics.close()
-        runtime.shutdown()
-        if cleanup_transport is not None:
-            cleanup_transport()
-        close_default_pool()
+        _release(leases, metrics, runtime, lambda: cleanup_transport and cleanup_transport(), close_default_pool)
+
+
+def _release(leases, metrics: MetricsLogger, runtime: Runtime, *closers: Callable[[], Any]) -> None:
+    """Let go of everything a run holds, each step even when one before it fails (a full
+    disk fails the metrics log; the executors and the shm channel must still go)."""
+    with ExitStack() as stack:  # exits run last to first
+        for close in reversed([*((leases.close,) if leases is not None else ()), metrics.close, runtime.shutdown,
+                               *closers]):  # fmt: skip
+            stack.callback(_logged, close)
+
+
+def _logged(close: Callable[[], Any]) -> None:
+    try:
+        close()
+    except Exception as err:  # noqa: BLE001 - logged; the run's own outcome is what is raised
+        logger.error("while releasing the run: %s failed: %s: %s", getattr(close, "__qualname__", close),
+                     type(err).__name__, err)  # fmt: skip

@@ -103,7 +103,8 @@ def _serve(conn: Connection, name: str, factory: Callable[[], Any], interface: t
     root = logging.getLogger()
     root.handlers[:] = [_PipeLogHandler(log_conn, name)]
     root.setLevel(log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the controller's to handle, also when
+        signal.signal(sig, signal.SIG_IGN)  # sent to the process group: it checkpoints, then stops us
     import torch
 
     torch.set_num_threads(torch_threads)

@@ -48,23 +48,49 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` as ``root/step_{step:06d}`` atomically; keep the newest ``keep``."""
+    """Write ``state`` as ``root/step_{step:06d}`` atomically; keep the newest ``keep``.
+
+    A write that fails (a full disk) removes its partial folder, which also gives back the
+    space it took, and raises a ``CheckpointError`` naming the step and the newest
+    checkpoint that verifies, the one to resume from."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    with (tmp / STATE_FILE).open("rb") as f:
-        os.fsync(f.fileno())
-    manifest = {"step": step, "version": state.get("trainer", {}).get("version"), "sha256": _sha256(tmp / STATE_FILE)}
-    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    try:
+        _write_folder(tmp, step, state)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise CheckpointError(_failed_write_message(root, final, err)) from err
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_folder(tmp: Path, step: int, state: dict[str, Any]) -> None:
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    with (tmp / STATE_FILE).open("rb") as f:
+        os.fsync(f.fileno())
+    manifest = {"step": step, "version": state.get("trainer", {}).get("version"), "sha256": _sha256(tmp / STATE_FILE)}
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def _failed_write_message(root: Path, final: Path, err: OSError) -> str:
+    good = newest_verified(root, below=final)
+    hint = (
+        f"the newest checkpoint that verifies is {good.name}: `loomrl resume {root.parent} --from {checkpoint_step(good)}`"
+        if good is not None else "no earlier checkpoint verifies: there is nothing to resume from yet"
+    )  # fmt: skip
+    return (
+        f"checkpoint of step {checkpoint_step(final)} could not be written under {root} ({err}); its partial "
+        f"folder was removed; {hint}"
+    )
 
 
 def list_checkpoints(root: Path) -> list[Path]:

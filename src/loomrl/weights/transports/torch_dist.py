@@ -10,11 +10,23 @@ broadcasts ``[header_len, payload_len]``, the header, and the payload in buckets
 Each receiver runs a thread that takes part in every broadcast and files the update into
 a local store (latest full snapshot plus the deltas after it), so ``receive`` never
 blocks. The sender blocks until every receiver has joined the broadcast.
+
+The store is untrusted ground (docs/security.md): when every rank is on this host it
+listens on loopback only (torch binds the wildcard address, so rank 0 binds the socket
+itself and hands it over); with a per-job ``secret`` its keys live under a prefix derived
+from the secret, and every announcement carries an HMAC of ``(n, kind, version, digest)``
+under the secret. A receiver acts on no announcement that does not verify, never stops for
+good on a key alone, and files an update only when the broadcast carried the version and
+digest that were announced.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
+import socket
 import threading
 import warnings
 from datetime import timedelta
@@ -48,6 +60,58 @@ def _as_uint8(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def _is_loopback(host: str | None) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def _tcp_store(host: str, port: int, t: TorchDistTransport, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store at ``host:port``, hosted by rank 0. torch's own server binds the
+    wildcard address; when the group meets on a loopback address, rank 0 binds the socket
+    to it itself and hands it over, so the store is not reachable from other hosts."""
+    if t.rank != 0 or not _is_loopback(host):
+        return dist.TCPStore(host, port, t.world_size, t.rank == 0, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, t.world_size))
+    except OSError as err:
+        sock.close()
+        raise OSError(f"torch_dist: cannot listen on {host}:{port} for the weight group's store: {err}") from None  # fmt: skip
+    fd = sock.detach()  # the store owns the listening socket from here on
+    return dist.TCPStore(host, port, t.world_size, True, timeout, master_listen_fd=fd)
+
+
+def _store_prefix(secret: str | None) -> str:
+    """Keys under a name only the job's ranks can derive (not the secret itself: the store's
+    traffic is plain text on a cluster, and the secret also signs the announcements)."""
+    if secret is None:
+        return _PREFIX
+    return f"{_PREFIX}/{hashlib.sha256(f'prefix:{secret}'.encode()).hexdigest()[:32]}"
+
+
+def _sign(secret: str | None, count: int, body: str) -> str:
+    """``body`` as announced at ``ready/<count>``, with an HMAC under the job's secret."""
+    if secret is None:
+        return f"{body}|"
+    mac = hmac.new(secret.encode(), f"{count}|{body}".encode(), hashlib.sha256).hexdigest()
+    return f"{body}|{mac}"
+
+
+def _verify(secret: str | None, count: int, value: str) -> tuple[str, bool]:
+    """The announced body and whether it is authenticated (never, without a secret)."""
+    body, _, mac = value.rpartition("|")
+    if secret is None or not mac:
+        return body or value, False
+    return body, hmac.compare_digest(_sign(secret, count, body), value)
+
+
 class _Group:
     """A process group plus its store and the device the bytes travel on."""
 
@@ -56,8 +120,9 @@ class _Group:
         store = t.store
         if store is None:
             url = urlparse(t.init_method)
-            store = dist.TCPStore(url.hostname, url.port, t.world_size, t.rank == 0, timeout)
-        self.store = dist.PrefixStore(_PREFIX, store)
+            store = _tcp_store(url.hostname, url.port, t, timeout)
+        self.secret = t.secret
+        self.store = dist.PrefixStore(_store_prefix(t.secret), store)
         backend = t.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -110,26 +175,32 @@ class TorchDistSender(Sender):
         self.lock = threading.Lock()
         self.count = 0
 
-    def _announce(self, value: str) -> None:
+    def _announce(self, kind: str, update: WeightUpdate | None = None) -> None:
+        """Set ``ready/<n>``, signed with the job's secret; an update names its version and
+        digest, which the receivers check against what the broadcast carries."""
         self.count += 1
-        self.group.store.set(f"ready/{self.count}", value)
+        body = kind if update is None else f"{kind}:{update.version}:{update.digest}"
+        self.group.store.set(f"ready/{self.count}", _sign(self.group.secret, self.count, body))
 
     def _put(self, update: WeightUpdate) -> None:
         header, payload = update.frames()
         with self.lock:
-            self._announce("update")
+            self._announce("update", update)
             self.group.broadcast(torch.tensor([len(header), len(payload)], dtype=torch.int64))
             self.group.move(_as_uint8(header).clone(), self.t.bucket_bytes, sending=True)
             self.group.move(_as_uint8(payload), self.t.bucket_bytes, sending=True)
 
     def close(self) -> None:
-        with self.lock:
-            self._announce("close")  # receivers stop on the store key, no collective needed
+        with self.lock:  # receivers stop on the signed store key, no collective needed
+            self._announce("close")
 
 
 class TorchDistReceiver(Receiver):
+    secret: str | None = None  # the job's secret; None: the store is trusted as it is
+    rejected_keys = 0  # announcements that did not verify (forged, or from before a restart)
+
     def __init__(self, t: TorchDistTransport) -> None:
-        self.t = t
+        self.t, self.secret = t, t.secret
         self.stats = TransferStats()
         self.store = UpdateStore()
         self.pool = BufferPool()
@@ -150,6 +221,38 @@ class TorchDistReceiver(Receiver):
             sleep_s = min(sleep_s * 2, 0.005)
         return None
 
+    def _next_verified(self, count: int) -> str | None:
+        """The body of the ``count``-th announcement once it verifies; None when this
+        receiver is closed, or on the sender's own (authenticated) close. A value that does
+        not verify is logged and waited out: the sender's own announcement replaces it."""
+        rejected: set[str] = set()
+        while (value := self._next(count)) is not None:
+            body, authentic = _verify(self.secret, count, value)
+            if body == "close" and authentic:
+                return None
+            if body.startswith("update") and (authentic or self.secret is None):
+                return body
+            if self.secret is not None and value not in rejected:
+                rejected.add(value)
+                self.rejected_keys += 1
+                logger.warning("torch_dist: ignored an announcement at ready/%d that does not verify (%.40r); "
+                               "someone else wrote to the weight group's store", count, value)  # fmt: skip
+            # without a secret, a close cannot be told from a forged one: stay until closed
+            self.stop.wait(0.005 if self.secret is not None else 0.05)
+        return None
+
+    def _check_announced(self, body: str, update: WeightUpdate) -> None:
+        """What the broadcast carried is what was announced (``update:<version>:<digest>``)."""
+        _, _, rest = body.partition(":")
+        if not rest:  # no secret, an announcement without them: nothing to compare
+            return
+        version, _, digest = rest.partition(":")
+        if version != str(update.version) or digest != update.digest:
+            raise WeightUpdateError(
+                f"broadcast carried update {update.version} ({update.digest[:12]}), but update {version} "
+                f"({digest[:12]}) was announced"
+            )
+
     def _receive_one(self) -> WeightUpdate:
         meta = torch.empty(2, dtype=torch.int64)
         self.group.broadcast(meta)
@@ -164,10 +267,12 @@ class TorchDistReceiver(Receiver):
         count = 0
         while not self.stop.is_set():
             count += 1
-            if self._next(count) in (None, "close"):
+            announced = self._next_verified(count)
+            if announced is None:
                 return
             try:
                 update = self._receive_one()
+                self._check_announced(announced, update)
             except WeightUpdateError as err:
                 self.stats.failures += 1
                 logger.warning("torch_dist: rejected an update: %s", err)
@@ -220,6 +325,9 @@ class TorchDistTransport(Transport):
     Give either a ``store`` (any ``torch.distributed.Store``), an ``init_method``
     (``tcp://host:port``; rank 0 hosts the store), or an existing ``group``. The group is
     built by ``sender()`` / ``receiver()``, which block until every rank has joined.
+    ``secret`` (the same on every rank, from the job; never in a URL or on a command line)
+    hides the group's keys in the store and signs every announcement; without it the store
+    is trusted as it is, and a receiver stops only when it is closed or its group breaks.
     """
 
     name = "torch_dist"
@@ -235,6 +343,7 @@ class TorchDistTransport(Transport):
         backend: str = "auto",
         bucket_bytes: int = 64 << 20,
         timeout_s: float = 600.0,
+        secret: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -247,6 +356,7 @@ class TorchDistTransport(Transport):
         self.init_method, self.store, self.group = init_method, store, group
         self.backend, self.bucket_bytes, self.timeout_s = _resolve_backend(backend, world_size), bucket_bytes, timeout_s
         self._sides: list = []
+        self.secret = secret
 
     def sender(self) -> TorchDistSender:
         if self.rank != 0:
