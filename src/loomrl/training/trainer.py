@@ -304,7 +304,7 @@ class Trainer:
             ref_logp = ref_logp.float()
             kl = kl_penalty(logp, ref_logp, mask)
             total = total + self.algo.kl_coef * kl * weight
-            acc.add("train/kl", float(kl), n_tokens)
+            acc.add("train/kl", float(kl.detach()), n_tokens)
         t1 = time.perf_counter()
         total.backward()
         self._phase_s["forward"] += t1 - t0
