@@ -35,8 +35,8 @@ def test_auto_dtype_and_precision_are_fp32_on_the_cpu_and_bf16_on_cuda():
     assert resolve_precision(TrainerConfig(), torch.device("cuda")) == "bf16_mixed"
     # chunked log-probs: off only where the CPU trains in fp32 (the golden record's path)
     assert chunk_tokens(TrainerConfig(), "fp32", torch.device("cpu")) is None
-    assert chunk_tokens(TrainerConfig(), "fp32", torch.device("cuda")) == 1024
-    assert chunk_tokens(TrainerConfig(), "bf16_mixed", torch.device("cpu")) == 1024
+    assert chunk_tokens(TrainerConfig(), "fp32", torch.device("cuda")) == 512
+    assert chunk_tokens(TrainerConfig(), "bf16_mixed", torch.device("cpu")) == 512
 
 
 def test_load_policy_loads_the_compute_dtype():

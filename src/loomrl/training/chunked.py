@@ -30,9 +30,10 @@ class ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         for start in range(0, hidden.shape[0], chunk):
             end = start + chunk
-            logp_all = torch.log_softmax(hidden[start:end].float() @ w.t() / temperature, dim=-1)
+            logp_all = _chunk_logsoftmax(hidden[start:end], w, temperature)  # [chunk, vocab]
             logp[start:end] = logp_all.gather(-1, targets[start:end, None]).squeeze(-1)
-            entropy[start:end] = -(logp_all.exp() * logp_all).sum(-1)
+            entropy[start:end] = -(logp_all.exp().mul_(logp_all)).sum(-1)
+            del logp_all
         ctx.save_for_backward(hidden, weight, targets, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, entropy
@@ -48,20 +49,32 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
             h = hidden[start:end].float()
-            logp_all = torch.log_softmax(h @ w.t() / ctx.temperature, dim=-1)  # recomputed
-            probs = logp_all.exp()
+            grad_z = _chunk_logsoftmax(h, w, ctx.temperature)  # log p, recomputed; becomes d loss / d z in place
+            probs = grad_z.exp()
             # d logp_t / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
-            grad_z = probs * (-(grad_logp[start:end, None]) - grad_entropy[start:end, None]
-                              * (logp_all + entropy[start:end, None]))
-            grad_z.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
-            grad_z /= ctx.temperature
+            g_lp, g_ent = grad_logp[start:end, None], grad_entropy[start:end, None]
+            grad_z.add_(entropy[start:end, None]).mul_(-g_ent).sub_(g_lp).mul_(probs)
+            del probs
+            grad_z.scatter_add_(-1, targets[start:end, None], g_lp)
+            if ctx.temperature != 1.0:
+                grad_z.div_(ctx.temperature)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(grad_z.t(), h)
+            del grad_z
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _chunk_logsoftmax(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T / temperature)`` in fp32 ``[chunk, vocab]``, with one
+    other block of that size alive at most (the logits, freed on return)."""
+    logits = hidden.float() @ weight.t()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch.log_softmax(logits, dim=-1)
 
 
 def chunked_logprobs(
