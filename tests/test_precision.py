@@ -155,3 +155,20 @@ def test_bf16_mixed_train_step_on_cuda():
     assert trainer.reference is not None and next(trainer.reference.parameters()).dtype == torch.bfloat16
     metrics = trainer.train_step(_groups())
     assert math.isfinite(metrics["train/loss"]) and {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_chunked_logprobs_through_a_lora_model_equal_the_full_ones():
+    from loomrl.models.loading import apply_lora
+    from loomrl.training.trainer import build_token_batch, token_logprobs
+
+    model, tok = _model()
+    model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj"])
+    for p in model.parameters():  # a non-zero adapter, so that it shows in the log-probs
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    rollouts = [r for g in _groups() for r in g.rollouts]
+    batch = build_token_batch(rollouts, [0.5] * len(rollouts), 0, tok.pad_token_id)
+    full, _ = token_logprobs(model, batch, 1.0, None)
+    chunked, _ = token_logprobs(model, batch, 1.0, 4)
+    mask = batch.target_mask.bool()
+    torch.testing.assert_close(chunked[mask], full[mask], rtol=0, atol=1e-6)

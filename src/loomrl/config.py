@@ -152,6 +152,7 @@ class TrainerConfig(_Section):
         "auto", description="The training forward from TorchScript traces, one per batch shape: the "
         "same loss and gradients bit for bit, and no GIL held while it runs. 'auto': on for "
         "runtime='local' (see generation.trace). Eager for PEFT models, gradient checkpointing, "
+        "chunked log-probs (trainer.chunked_logprobs), precisions other than fp32, "
         "or after a trace fails."
     )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")

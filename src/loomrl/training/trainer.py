@@ -211,7 +211,8 @@ class Trainer:
         # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
         self.traces = None
         wants_trace = trainer.trace is True if trace is None else trace
-        if wants_trace and can_trace(self.model) and self.chunk is None:
+        # (fp32 only: a trace would freeze autocast's choices, and the chunked path's own backward)
+        if wants_trace and can_trace(self.model) and self.chunk is None and self.precision == "fp32":
             self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
         self.reference = None
         if algorithm.kl_coef > 0:  # frozen, in the compute dtype: no second fp32 copy where bf16 does
