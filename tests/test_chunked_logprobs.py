@@ -23,7 +23,7 @@ def _grads(fn, hidden, weight, targets, temperature, seed=0):
     logp, entropy = fn(h, w, targets, temperature)
     gen = torch.Generator().manual_seed(seed)
     # arbitrary upstream gradients on both outputs, as a loss with an entropy term has
-    a, b = torch.randn(logp.shape, generator=gen), torch.randn(entropy.shape, generator=gen)
+    a, b = (torch.randn(logp.shape, generator=gen).to(logp.device), torch.randn(entropy.shape, generator=gen).to(logp.device))
     ((logp * a).sum() + (entropy * b).sum()).backward()
     return logp.detach(), entropy.detach(), h.grad, w.grad
 
@@ -97,3 +97,22 @@ def test_train_steps_with_chunked_logprobs_give_the_full_paths_losses():
         losses.append([trainer.train_step(groups)["train/loss"] for _ in range(3)])
     for a, b in zip(*losses):
         assert abs(a - b) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_equals_the_full_log_softmax_on_cuda():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32: compare the algorithms, not the matmul
+    try:
+        gen = torch.Generator().manual_seed(1)
+        hidden, weight = torch.randn(300, 64, generator=gen), torch.randn(5000, 64, generator=gen) * 0.1
+        targets = torch.randint(0, 5000, (300,), generator=gen)
+        args = [t.cuda() for t in (hidden, weight, targets)]
+        want = _grads(_full, *args, 0.9)
+        got = _grads(lambda h, w, t, T: chunked_logprobs(h, w, t, T, 128), *args, 0.9)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    assert _close(got[2], want[2], 1e-4) and _close(got[3], want[3], 1e-4)
