@@ -126,3 +126,27 @@ def test_a_traced_training_forward_trains_the_same_weights_bit_for_bit(shared_pr
     last = traced_metrics[-1]
     assert (last["train/traces"], last["train/eager_forwards"], last["train/traced_forwards"]) == (1, 2, 3)
     assert "train/traces" not in eager_metrics[-1]
+
+
+def test_update_measured_in_buckets_gives_the_one_bucket_step_and_metrics(monkeypatch):
+    """The update-size metric copies a bucket of parameters at a time (no second copy of the
+    whole model): the weights after the step and the metrics are those of one step."""
+    import loomrl.training.trainer as trainer_module
+
+    results = []
+    for bucket in (trainer_module.UPDATE_BUCKET_NUMEL, 1000):
+        monkeypatch.setattr(trainer_module, "UPDATE_BUCKET_NUMEL", bucket)
+        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+        metrics = [trainer.train_step(_groups()) for _ in range(2)]
+        grads = [p.grad is not None for p in model.parameters()]
+        results.append(([p.detach().clone() for p in model.parameters()], metrics, grads))
+    (want, want_metrics, want_grads), (got, got_metrics, got_grads) = results
+    assert sum(p.numel() for p in got) > 10 * 1000  # many buckets
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert got_grads == want_grads  # the gradients hidden during the buckets' steps are back
+    for g, w in zip(got_metrics, want_metrics):
+        assert g["train/loss"] == w["train/loss"]
+        assert math.isclose(g["train/update_rms"], w["train/update_rms"], rel_tol=1e-6)
+        assert math.isclose(g["train/update_to_weight"], w["train/update_to_weight"], rel_tol=1e-6)

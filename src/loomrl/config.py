@@ -32,6 +32,13 @@ class ModelConfig(_Section):
         description="Where the trainer and generators compute: 'auto' (CUDA when present, else the CPU), "
         "'cpu', 'cuda' or 'cuda:<index>'.",
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the compute weights: the generators' model and the trainer's KL reference "
+        "(the trainer's own weights follow trainer.precision). 'auto': bfloat16 on CUDA, float32 on the "
+        "CPU, so CPU runs (and the golden record) compute exactly as before; set 'bfloat16' to try it on "
+        "a CPU with bf16 instructions (avx512_bf16 / amx_bf16).",
+    )
 
 
 class LoraConfig(_Section):
@@ -139,7 +146,10 @@ class AlgorithmConfig(_Section):
         "none", description="Divide group-centred rewards by the group's std."
     )
     aggregation: Literal["token", "sequence"] = Field("token", description="Loss averaging.")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial model (0 = off).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL penalty to the initial model (0 = off). The frozen reference is kept "
+        "in model.dtype's compute dtype (bf16 on CUDA by default), not as a second fp32 copy."
+    )
 
 
 class TrainerConfig(_Section):
@@ -161,6 +171,7 @@ class TrainerConfig(_Section):
         "auto", description="The training forward from TorchScript traces, one per batch shape: the "
         "same loss and gradients bit for bit, and no GIL held while it runs. 'auto': on for "
         "runtime='local' (see generation.trace). Eager for PEFT models, gradient checkpointing, "
+        "chunked log-probs (trainer.chunked_logprobs), precisions other than fp32, "
         "or after a trace fails."
     )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
@@ -168,6 +179,37 @@ class TrainerConfig(_Section):
         "constant", description="Learning-rate decay after warmup: to 0 at num_steps for linear/cosine."
     )
     warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warmup.")
+    precision: Literal["auto", "fp32", "bf16_mixed", "bf16"] = Field(
+        "auto", description="'fp32': fp32 weights, AdamW state and compute. 'bf16_mixed': fp32 master "
+        "weights and AdamW state, the forward and backward under bf16 autocast (FSDP2's "
+        "MixedPrecisionPolicy model). 'bf16': weights and AdamW state in bf16 (half the memory, "
+        "updates below bf16's resolution are lost). 'auto': bf16_mixed on CUDA, fp32 on the CPU. "
+        "Log-probs, the loss and the importance ratio are computed in fp32 under every policy."
+    )
+    tf32: bool = Field(
+        True, description="Allow TF32 tensor cores for fp32 matmuls on CUDA "
+        "(torch.set_float32_matmul_precision('high'), for the whole process); no effect on the CPU."
+    )
+    chunked_logprobs: bool | Literal["auto"] = Field(
+        "auto", description="Log-probs and entropy from the final hidden states a chunk of tokens at a "
+        "time (logits in fp32 per chunk, recomputed in backward), never the [tokens, vocabulary] "
+        "log-softmax of a whole micro-batch. 'auto': on, except fp32 training on the CPU, which keeps "
+        "the full computation (its sums round in another order, and the golden record is bit-exact)."
+    )
+    logprob_chunk_tokens: int = Field(
+        512, gt=0, description="Tokens per chunk of the chunked log-probs: about 2 x this x vocabulary x 4 bytes "
+        "alive at once (0.6 GB for 512 tokens of a 151,936-token vocabulary)."
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="Cap a micro-batch's padded tokens (rows x longest row) as well as its rows "
+        "(micro_batch_size); a longer row goes alone. None: rows only. Same loss and gradients "
+        "up to float order."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in backward (the model's own "
+        "gradient checkpointing, non-reentrant): less memory, ~30% more compute. Turns off "
+        "trainer.shared_prefix (checkpointed layers keep no key/value cache) and traces."
+    )
 
 
 class WeightSyncConfig(_Section):

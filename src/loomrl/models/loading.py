@@ -33,8 +33,10 @@ def parse_tiny_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return arch or "llama", opts
 
 
-def load_model_and_tokenizer(spec: str, *, seed: int = 0):
-    """Returns ``(model, tokenizer)`` with the model in fp32 on the CPU, in train mode off."""
+def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
+    """Returns ``(model, tokenizer)`` with the model in ``dtype`` (default fp32) on the CPU,
+    in train mode off. A tiny model is initialised in fp32 and then cast, so its weights
+    are the fp32 ones rounded, whatever the dtype."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +55,9 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0):
                 "use a folder written by save_pretrained, or a 'tiny:llama' spec"
             )
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+    if dtype is not None and dtype != torch.float32:
+        model = model.to(dtype)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval()
@@ -109,13 +113,34 @@ def apply_lora(model, r: int, alpha: float, target_modules: list[str]):
     return get_peft_model(model, config)
 
 
-def load_policy(model_cfg: ModelConfig, *, seed: int = 0):
-    """The job's policy model (with a fresh LoRA adapter when ``model.lora`` is set) on
-    ``model.device``, and its tokenizer; trainer and generators both start from it."""
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def resolve_dtype(model_cfg: ModelConfig, device=None):
+    """The compute dtype ``model.dtype`` means on ``device`` (default: ``model.device``
+    resolved): 'auto' is bfloat16 on CUDA and float32 elsewhere (CPU numbers stay fp32).
+    Generators load their model in it; the trainer keeps its KL reference in it."""
+    import torch
+
     from loomrl.device import resolve_device
 
-    model, tokenizer = load_model_and_tokenizer(model_cfg.path, seed=seed)
+    device = torch.device(device) if device is not None else resolve_device(model_cfg.device)
+    if model_cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, _DTYPES[model_cfg.dtype])
+
+
+def load_policy(model_cfg: ModelConfig, *, seed: int = 0, dtype=None):
+    """The job's policy model (with a fresh LoRA adapter when ``model.lora`` is set) on
+    ``model.device``, and its tokenizer; trainer and generators both start from it.
+    ``dtype``: of its weights; by default ``resolve_dtype(model_cfg)`` (the generators'
+    compute dtype); the trainer asks for its master dtype (``trainer.precision``)."""
+    from loomrl.device import resolve_device
+
+    device = resolve_device(model_cfg.device)
+    dtype = dtype if dtype is not None else resolve_dtype(model_cfg, device)
+    model, tokenizer = load_model_and_tokenizer(model_cfg.path, seed=seed, dtype=dtype)
     if model_cfg.lora is not None:
         lora = model_cfg.lora
         model = apply_lora(model, lora.r, lora.alpha, lora.target_modules)
-    return model.to(resolve_device(model_cfg.device)), tokenizer
+    return model.to(device), tokenizer

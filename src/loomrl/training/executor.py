@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 
 from loomrl.config import JobConfig
-from loomrl.models.loading import load_policy
+from loomrl.device import resolve_device
+from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
+from loomrl.training.precision import master_dtype, resolve_precision
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.codec import CodecOptions
@@ -23,10 +25,14 @@ from loomrl.weights.transports import Transport, TransportSpec, open_transport
 class TrainerExecutor(TrainerEndpoints):
     def __init__(self, cfg: JobConfig, sender, owned_transport: Transport | None = None) -> None:
         self.owned_transport = owned_transport  # built here for this executor: closed with it
-        model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed)
+        device = resolve_device(cfg.model.device)
+        # the trained weights in their master dtype (fp32 unless trainer.precision='bf16'),
+        # never rounded through the generators' compute dtype on the way
+        master = master_dtype(resolve_precision(cfg.trainer, device))
+        model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed, dtype=master)
         self.trainer = Trainer(
             model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature,
-            trace=cfg.uses_traces(cfg.trainer.trace),
+            trace=cfg.uses_traces(cfg.trainer.trace), reference_dtype=resolve_dtype(cfg.model, device),
         )
         ws = cfg.weight_sync
         self.publisher = Publisher(

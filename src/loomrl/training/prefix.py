@@ -67,16 +67,29 @@ def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version
     )
 
 
-def prefix_logits(model: torch.nn.Module, batch: PrefixBatch) -> torch.Tensor:
-    """Logits ``[rows, S, vocab]``: position ``j`` predicts completion token ``j``."""
-    out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True)
-    last = out.logits[torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1]  # predicts the first token
+def prefix_logits(model: torch.nn.Module, batch: PrefixBatch, *, hidden: bool = False) -> torch.Tensor:
+    """Logits ``[rows, S, vocab]``: position ``j`` predicts completion token ``j``.
+    ``hidden=True``: the final hidden states ``[rows, S, H]`` that those logits project
+    (the decoder without its output projection, for ``loomrl.training.chunked``)."""
+    if hidden:
+        from loomrl.training.chunked import final_hidden
+
+        def run(**inputs):
+            out = final_hidden(model, **inputs)
+            return out.last_hidden_state, out.past_key_values
+    else:
+        def run(**inputs):
+            out = model(**inputs)
+            return out.logits, out.past_key_values
+
+    states, cache = run(input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True)
+    last = states[torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1]  # predicts the first token
     first = last.index_select(0, batch.owner).unsqueeze(1)
     if batch.suffix_ids.shape[1] == 1:
         return first
     inputs = batch.suffix_ids[:, :-1]
     positions = batch.prefix_len.index_select(0, batch.owner)[:, None] + torch.arange(inputs.shape[1], device=inputs.device)[None, :]
     attention = torch.cat([batch.prefix_attn.index_select(0, batch.owner), batch.suffix_attn[:, :-1]], dim=1)
-    rest = model(input_ids=inputs, attention_mask=attention, position_ids=positions,
-                 past_key_values=repeat_cache(out.past_key_values, batch.owner), use_cache=False).logits
+    rest, _ = run(input_ids=inputs, attention_mask=attention, position_ids=positions,
+                  past_key_values=repeat_cache(cache, batch.owner), use_cache=False)
     return torch.cat([first, rest], dim=1)

@@ -1,8 +1,8 @@
-"""The trainer executor: advantages, off-policy-corrected loss, AdamW on fp32 masters."""
+"""The trainer executor: advantages, off-policy-corrected loss, AdamW on fp32 masters
+(or bf16 ones, ``trainer.precision``)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -16,6 +16,8 @@ from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
 from loomrl.models.traces import ShapeTraces, can_trace
+from loomrl.training import precision as prec
+from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.types import Group, Rollout
 
@@ -54,11 +56,21 @@ def build_token_batch(
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: TokenBatch | PrefixBatch, temperature: float
+    model: torch.nn.Module, batch: TokenBatch | PrefixBatch, temperature: float, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token and the entropy of each prediction, aligned with
-    ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch, completion]``
-    for a ``PrefixBatch`` (each prompt computed once)."""
+    """Log-probs of each next token and the entropy of each prediction, in fp32, aligned
+    with ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch,
+    completion]`` for a ``PrefixBatch`` (each prompt computed once). ``chunk``: from the
+    final hidden states ``chunk`` tokens at a time (``loomrl.training.chunked``), where the
+    model's output projection is a plain ``Linear``; None: the full log-softmax."""
+    weight = output_weight(model) if chunk is not None else None
+    if weight is not None:
+        if isinstance(batch, PrefixBatch):
+            hidden, targets = prefix_logits(model, batch, hidden=True), batch.suffix_ids
+        else:
+            out = final_hidden(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            hidden, targets = out.last_hidden_state[:, :-1], batch.input_ids[:, 1:]
+        return chunked_logprobs(hidden, weight, targets, temperature, chunk)
     if isinstance(batch, PrefixBatch):
         logits = prefix_logits(model, batch).float() / temperature
         targets = batch.suffix_ids.unsqueeze(-1)
@@ -114,6 +126,22 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
     return list(chain.from_iterable(kept)), list(chain.from_iterable(per_group))
 
 
+def micro_batch_slices(rollouts: list[Rollout], max_rows: int, max_tokens: int | None) -> list[slice]:
+    """Consecutive micro-batches of at most ``max_rows`` rollouts and, with ``max_tokens``,
+    at most that many padded tokens (rows x the longest prompt + completion); a rollout
+    longer than ``max_tokens`` is a micro-batch of its own."""
+    slices, start, width = [], 0, 0
+    for i, r in enumerate(rollouts):
+        length = len(r.prompt_ids) + len(r.completion_ids)
+        rows = i - start
+        if rows and (rows >= max_rows or (max_tokens is not None and max(width, length) * (rows + 1) > max_tokens)):
+            slices.append(slice(start, i))
+            start, width = i, 0
+        width = max(width, length)
+    slices.append(slice(start, len(rollouts)))
+    return slices
+
+
 def lr_factor(cfg: TrainerConfig):
     """Multiplier of the base learning rate at a step: linear warmup, then the schedule.
 
@@ -136,7 +164,8 @@ def lr_factor(cfg: TrainerConfig):
 
 
 class Trainer:
-    """Holds the fp32 policy, AdamW, and an optional frozen reference for the KL penalty."""
+    """Holds the policy (fp32 masters, or bf16 under ``trainer.precision='bf16'``), AdamW,
+    and an optional frozen reference for the KL penalty."""
 
     def __init__(
         self,
@@ -147,18 +176,30 @@ class Trainer:
         temperature: float,
         *,
         trace: bool | None = None,
+        reference_dtype: torch.dtype | None = None,
     ) -> None:
         """``trace``: the training forward from traces; by default ``trainer.trace``, where
-        'auto' is off (a trainer on its own shares its process with no other executor)."""
-        self.model = model.float().train()
-        self.device = module_device(self.model)
+        'auto' is off (a trainer on its own shares its process with no other executor).
+        ``reference_dtype``: of the KL reference (the job's ``resolve_dtype(model)``); by
+        default the precision's compute dtype."""
+        self.device = module_device(model)
+        self.precision = prec.resolve_precision(trainer, self.device)
+        self.model = model.to(prec.master_dtype(self.precision)).train()
+        prec.allow_tf32(trainer, self.device)
+        if trainer.gradient_checkpointing:
+            prec.enable_gradient_checkpointing(self.model)
+        self.chunk = prec.chunk_tokens(trainer, self.precision, self.device)
+        if self.chunk is not None and output_weight(self.model) is None:
+            logger.info("trainer.chunked_logprobs: the output projection is not a plain Linear; full log-softmax")
+            self.chunk = None
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
         self.cfg = trainer
         self.temperature = temperature
         self.version = 0
         self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
-        self._prefix_ok: bool | None = None  # can rows share their prompt's forward (trainer.shared_prefix)
+        # can rows share their prompt's forward (trainer.shared_prefix); checkpointed layers keep no cache
+        self._prefix_ok: bool | None = False if trainer.gradient_checkpointing else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Fused where torch has the kernel: it also holds the GIL for one call, not one per
         # tensor, which matters when a generator thread shares it (runtime = "local").
@@ -169,11 +210,14 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
         self.traces = None
-        if (trainer.trace is True if trace is None else trace) and can_trace(self.model):
+        wants_trace = trainer.trace is True if trace is None else trace
+        # (fp32 only: a trace would freeze autocast's choices, and the chunked path's own backward)
+        if wants_trace and can_trace(self.model) and self.chunk is None and self.precision == "fp32":
             self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
         self.reference = None
-        if algorithm.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if algorithm.kl_coef > 0:  # frozen, in the compute dtype: no second fp32 copy where bf16 does
+            dtype = reference_dtype or prec.compute_dtype(self.precision)
+            self.reference = prec.frozen_copy(self.model, dtype)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on ``groups``; the version grows by one."""
@@ -186,9 +230,8 @@ class Trainer:
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
         self.optimizer.zero_grad(set_to_none=True)
-        size = self.cfg.micro_batch_size
-        for start in range(0, len(rollouts), size):
-            micro = self._micro_batch(rollouts[start : start + size], advantages[start : start + size])
+        for rows in micro_batch_slices(rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch):
+            micro = self._micro_batch(rollouts[rows], advantages[rows])
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         metrics = batch_stats.finish()
@@ -200,12 +243,9 @@ class Trainer:
                 f"{self.version}; the step was not applied (check rewards and the learning rate)"
             )
         lr = self.optimizer.param_groups[0]["lr"]
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        before = torch._foreach_mul(params, 1.0)  # a copy, to measure the step's size
         t_opt = time.perf_counter()
-        self.optimizer.step()
+        update_rms, weight_rms = step_and_measure(self.optimizer)
         optimizer_s = time.perf_counter() - t_opt
-        update_rms, weight_rms = _update_and_weight_rms(before, params)
         self.scheduler.step()
         self.version += 1
         metrics["train/lr"] = lr
@@ -245,7 +285,9 @@ class Trainer:
         if self.traces is not None:
             logp, entropy = self.traces(*Logprobs.inputs(batch))
         else:
-            logp, entropy = token_logprobs(self.model, batch, self.temperature)
+            with prec.autocast(self.precision, self.device):
+                logp, entropy = token_logprobs(self.model, batch, self.temperature, self.chunk)
+        logp, entropy = logp.float(), entropy.float()  # no-ops but for the full path in bf16
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
             self.algo.loss, logp, batch.behaviour, batch.advantages, mask,
@@ -258,11 +300,12 @@ class Trainer:
             weight = float((mask.sum(1) > 0).sum()) / max(total_seqs, 1)
         total = loss * weight
         if self.reference is not None:
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.reference, batch, self.temperature)
+            with torch.no_grad(), prec.autocast(self.precision, self.device):
+                ref_logp, _ = token_logprobs(self.reference, batch, self.temperature, self.chunk)
+            ref_logp = ref_logp.float()
             kl = kl_penalty(logp, ref_logp, mask)
             total = total + self.algo.kl_coef * kl * weight
-            acc.add("train/kl", float(kl), n_tokens)
+            acc.add("train/kl", float(kl.detach()), n_tokens)
         t1 = time.perf_counter()
         total.backward()
         self._phase_s["forward"] += t1 - t0
@@ -296,14 +339,47 @@ class Trainer:
         self.version = int(state["version"])
 
 
-def _update_and_weight_rms(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[float, float]:
-    """Root-mean-square of the parameter change of one optimizer step, and of the weights."""
+UPDATE_BUCKET_NUMEL = 32 * 2**20  # parameters copied at a time to measure the update (128 MiB in fp32)
+
+
+def step_and_measure(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """``optimizer.step()``, and the root-mean-square of the parameter change it made and
+    of the weights after it, without a second copy of all the weights: the step runs on
+    buckets of about ``UPDATE_BUCKET_NUMEL`` parameters (the others' gradients hidden), each
+    copied just before its step. AdamW's update is elementwise with per-parameter state,
+    so the weights are those of one step bit for bit (a model under one bucket, such as
+    the demo's, takes exactly one step)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i, p in enumerate(params):
+        if size >= UPDATE_BUCKET_NUMEL:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += p.numel()
+    hide = len(buckets) > 1
+    update_sq = 0.0
     with torch.no_grad():
-        torch._foreach_sub_(before, after)
-        count = sum(p.numel() for p in after)
-        update_sq = sum(float(n) ** 2 for n in torch._foreach_norm(before))
-        weight_sq = sum(float(n) ** 2 for n in torch._foreach_norm(after))
-    return math.sqrt(update_sq / max(count, 1)), math.sqrt(weight_sq / max(count, 1))
+        try:
+            for bucket in buckets:
+                if hide:
+                    members = set(bucket)
+                    for i, p in enumerate(params):
+                        p.grad = grads[i] if i in members else None
+                stepped = [params[i] for i in bucket]
+                before = torch._foreach_mul(stepped, 1.0)  # this bucket's copy
+                optimizer.step()
+                torch._foreach_sub_(before, stepped)
+                update_sq += sum(float(n) ** 2 for n in torch._foreach_norm(before))
+                del before
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        weight_sq = sum(float(n) ** 2 for n in torch._foreach_norm(params))
+    count = max(sum(p.numel() for p in params), 1)
+    return math.sqrt(update_sq / count), math.sqrt(weight_sq / count)
 
 
 class _Accumulator:
