@@ -418,9 +418,10 @@ class Runtime(ABC):
 
     def restart(self, handle: ExecutorHandle) -> ExecutorHandle:
         """Replace ``handle``'s executor by a fresh one built by the same factory, against
-        the same interface, under the same name: the old one is killed first (if it still
-        runs) so that it cannot answer late. The fresh executor holds none of the old one's
-        state; the caller brings it up to date (weights, for a generator)."""
+        the same interface, under the same name (an executor group: all its ranks, at a fresh
+        rendezvous): the old one is killed first (if it still runs) so that it cannot answer
+        late. The fresh executor holds none of the old one's state; the caller brings it up to
+        date (weights, for a generator)."""
         start = handle.starter(self)  # (one started without a factory fails here, before it is ended)
         ended = True
         if handle.alive:
