@@ -222,3 +222,29 @@ def test_rank_names_keep_the_groups_role_and_a_group_needs_a_rank():
     assert role_of("generator12") == "generator"
     with pytest.raises(ValueError, match="world_size >= 1, got 0"):
         start_group(None, "trainer", pair_rank, 0)  # type: ignore[arg-type]
+
+
+def test_supervision_kills_a_hung_group_and_restarts_all_its_ranks():
+    """A rank stuck past the call's deadline (a hung collective): ``Supervised`` kills the
+    group (every rank) and starts it again, as it does a single executor."""
+    from loomrl.runtime.process import ProcessRuntime
+    from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised, TrainerLostError
+
+    runtime = ProcessRuntime()
+    try:
+        group = start_group(runtime, "trainer", partial(pair_rank, default_group=True), 2, PairEndpoints)
+        run(group.ready())
+        old_pids = {r.pid for r in group.ranks}
+        stats = FaultStats()
+        slot = Supervised(runtime, group, Deadlines(min_s=2.0, first_s=2.0), stats)
+
+        t0 = time.monotonic()
+        with pytest.raises(TrainerLostError, match="ran past its deadline") as info:
+            run(slot.all_reduce(1.0, sleep_s=60))
+        assert info.value.restarted and time.monotonic() - t0 < 40
+        assert stats.hung_kills == 1 and stats.restarts["trainer"] == 1
+        assert isinstance(slot.handle, ExecutorGroup) and slot.handle is not group and not group.alive
+        assert run(slot.all_reduce(2.0)) == (0, 6.0)
+        assert not {r.pid for r in slot.handle.ranks} & old_pids and runtime.handles == slot.handle.ranks
+    finally:
+        runtime.shutdown()

@@ -165,6 +165,15 @@ class ExecutorGroup(ExecutorHandle):
                 call.add_done_callback(_retrieve)  # the others fail once their ranks are killed
             raise await self._fail(failed, f"its {method!r} call failed", _failure(calls[failed]))
 
+    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
+                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+        """A call as a task, its failure marked as seen: ``_fail`` logged it, and a caller that
+        left (``Supervised`` after a deadline kill) would have it logged again at garbage
+        collection, in whatever code runs then."""
+        future = super()._submit(method, args, kwargs, on_done, post)
+        future.add_done_callback(_retrieve)
+        return future
+
     async def _fail(self, rank: int, what: str, cause: BaseException) -> ExecutorDiedError:
         """The group is lost: end every rank (off the loop: a kill may wait for the process)."""
         where = self.ranks[rank].where
