@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from loomrl.runtime.endpoints import bind_arguments, endpoints_of, unknown_endpoint
@@ -234,8 +235,9 @@ class RemoteError(RuntimeError):
 
 
 def role_of(name: str) -> str:
-    """``generator1`` -> ``generator``: executors of one role share resources, deadlines and counts."""
-    return name.rstrip("0123456789")
+    """``generator1`` -> ``generator``, ``trainer.rank1`` -> ``trainer`` (a rank of an executor
+    group, ``loomrl.runtime.group``): executors of one role share resources, deadlines and counts."""
+    return name.partition(".")[0].rstrip("0123456789")
 
 
 class BusyClock:
@@ -385,6 +387,14 @@ class ExecutorHandle(ABC):
     def close(self) -> None:  # noqa: B027 - a handle with nothing to release
         """Let the executor release what it holds, then end it."""
 
+    def starter(self, runtime: Runtime) -> Callable[[], ExecutorHandle]:
+        """What starts this executor again on ``runtime`` (``Runtime.restart`` calls it once
+        the old one is ended): its factory, under its name and interface. (An executor group
+        starts all its ranks again, at a fresh rendezvous.)"""
+        if self.factory is None:
+            raise RuntimeError(f"executor {self.name!r} was started without a factory; it cannot be restarted")
+        return partial(runtime.start, self.name, self.factory, self.interface)
+
 
 class Runtime(ABC):
     # Executors live in the controller's process (and may share live objects with it, such
@@ -408,11 +418,11 @@ class Runtime(ABC):
 
     def restart(self, handle: ExecutorHandle) -> ExecutorHandle:
         """Replace ``handle``'s executor by a fresh one built by the same factory, against
-        the same interface, under the same name: the old one is killed first (if it still
-        runs) so that it cannot answer late. The fresh executor holds none of the old one's
-        state; the caller brings it up to date (weights, for a generator)."""
-        if handle.factory is None:
-            raise RuntimeError(f"executor {handle.name!r} was started without a factory; it cannot be restarted")
+        the same interface, under the same name (an executor group: all its ranks, at a fresh
+        rendezvous): the old one is killed first (if it still runs) so that it cannot answer
+        late. The fresh executor holds none of the old one's state; the caller brings it up to
+        date (weights, for a generator)."""
+        start = handle.starter(self)  # (one started without a factory fails here, before it is ended)
         ended = True
         if handle.alive:
             try:
@@ -427,7 +437,7 @@ class Runtime(ABC):
             logger.warning("executor %r did not close after its kill: %s", handle.name, err)
         if handle in self.handles:
             self.handles.remove(handle)
-        return self.start(handle.name, handle.factory, handle.interface)
+        return start()
 
     @abstractmethod
     def shutdown(self) -> None: ...

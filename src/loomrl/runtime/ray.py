@@ -362,8 +362,9 @@ class RayRuntime(Runtime):
                 f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}"
             ) from None
         self._bundles = {name: i for i, name in enumerate(names)}
-        if "trainer" in self._bundles:
-            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][self._bundles["trainer"]]
+        trainer = next((n for n in names if base_role(n) == "trainer"), None)  # (or a trainer group's rank 0)
+        if trainer is not None:
+            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][self._bundles[trainer]]
 
     def _scheduling(self, name: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import (
@@ -377,7 +378,7 @@ class RayRuntime(Runtime):
                                  f"(planned: {', '.join(self._bundles)})")  # fmt: skip
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=self._bundles[name])}  # fmt: skip
-        if name == "trainer" and self._trainer_node is not None:
+        if base_role(name) == "trainer" and self._trainer_node is not None:  # (the trainer, or its ranks)
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self._trainer_node, soft=False)}
         return {}
 
