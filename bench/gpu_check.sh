@@ -36,7 +36,7 @@ main() {
 source "$HERE/gpu/common.sh"
 cd "$ROOT" || exit 1
 L=/tmp/gpu_check_logs; RES=/tmp/gpu_check_res; M=/tmp/gpu_check_model
-rm -rf "$L" "$RES" "$M"; mkdir -p "$L" "$RES"
+rm -rf "$L" "$RES" "$M" /tmp/gpu_check_demo /tmp/gpu_check_ws; mkdir -p "$L" "$RES"
 FAILS=()
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu; WORKERS=${PYTEST_WORKERS:-2}; SIZE=dry; BUILD_ARGS=--dry
