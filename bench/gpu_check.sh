@@ -16,13 +16,13 @@
 #      on the same model size;
 #   4. vLLM, where it is installed ("skipped: vllm not installed" where not).
 # Writes $OUT/summary.md (the table), $OUT/full.log (the console) and per-step JSON; prints the
-# table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 470),
+# table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 540),
 # PYTEST_WORKERS (default 12), GPU_SYSTEMS (the side-by-side's systems, in order).
 set -u
 [ "${1:-}" = "--dry" ] && export GPU_DRY=1
 : "${OUT:?set OUT to an empty output folder}"
 mkdir -p "$OUT"
-SCRIPT_LIMIT=${GPU_LIMIT:-$([ "${GPU_DRY:-0}" = 1 ] && echo 900 || echo 470)}
+SCRIPT_LIMIT=${GPU_LIMIT:-$([ "${GPU_DRY:-0}" = 1 ] && echo 900 || echo 540)}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # A dry run on the CPU uses a venv with the bench extra (trl, datasets) and pytest-xdist:
 # GPU_VENV, default the project's .venv (`make install` and `.venv/bin/pip install -c
@@ -80,7 +80,9 @@ section "pytest ${XDIST[*]} on $DEVICE (cap ${cap}s): $(echo $PYTEST_SEL | wc -w
 t0=$(date +%s)
 SMP=$(gpu_sampler "$L/gpu_pytest.csv")
 # shellcheck disable=SC2086
+# the default suite and the gpu-marked tests (pyproject's addopts leave those out)
 OMP_NUM_THREADS=2 timeout -s INT -k 20 "$cap" python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+  -m "not slow and not ray and not vllm" \
   --timeout=90 -rfE --junitxml="$OUT/junit.xml" $PYTEST_SEL >"$L/pytest.log" 2>&1
 rc=$?
 stop_pid "$SMP"
@@ -160,16 +162,19 @@ else
 fi
 
 # -- 3. the engine and the weight lanes on their own -----------------------------------------
-for BENCH in hf_engine weight_sync; do
-  cap=$(budget "$CAP_BENCH" 15)
+for BENCH in hf_engine weight_sync trainer_memory; do
+  case $BENCH in hf_engine|trainer_memory) cap0=$(( CAP_BENCH + 20 )) ;; *) cap0=$CAP_BENCH ;; esac
+  cap=$(budget "$cap0" 15)
   if [ ! -f "bench/$BENCH.py" ] || (( cap < 15 )); then row "bench/$BENCH.py" "skipped" "" "missing or ${cap}s left"; continue; fi
   section "bench/$BENCH.py --size $SIZE --device $DEVICE (cap ${cap}s)"
   t0=$(date +%s)
   case $BENCH in
     weight_sync) ARGS=(--lane tensor --size "$([ "$SIZE" = dry ] && echo small || echo full)") ;;
+    trainer_memory) ARGS=(--layers "$([ "$SIZE" = dry ] && echo 1 || echo 24)") ;;
     *) ARGS=(--size "$SIZE") ;;
   esac
-  timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" "${ARGS[@]}" --device "$DEVICE" --json "$OUT/$BENCH.json" \
+  [ "$BENCH" != trainer_memory ] && ARGS+=(--json "$OUT/$BENCH.json")
+  timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" "${ARGS[@]}" --device "$DEVICE" \
     >"$L/$BENCH.log" 2>&1
   rc=$?
   tail -n 14 "$L/$BENCH.log"
@@ -188,7 +193,7 @@ FAILS_TEXT=""
 if [ ${#FAILS[@]} -gt 0 ]; then
   FAILS_TEXT=$(printf '### failed tests (first lines; all of them in junit.xml and pytest.log)\n\n'; printf '%s\n' "${FAILS[@]}" | head -20 | cut -c1-300)
 fi
-for BENCH in hf_engine weight_sync; do
+for BENCH in hf_engine weight_sync trainer_memory; do
   [ -f "$L/$BENCH.log" ] && FAILS_TEXT+=$'\n\n'"### bench/$BENCH.py"$'\n\n'"$(grep '^|' "$L/$BENCH.log" | tail -n 12)"
 done
 FAILS_TEXT+=$'\n\n'"### side by side with TRL"$'\n\n'"$TABLE"
