@@ -301,9 +301,13 @@ class Scorer:
         return self._merged_pool_metrics
 
     def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
+        """Mark ``rollout`` failed and count it; the 1st, 2nd, 4th, 8th ... failure of each
+        reason is logged with its message (which holds the value), so the log stays short."""
         rollout.status, rollout.error, rollout.reward = "failed", message, None
-        self.failures_by_reason[reason] += 1
+        count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = message
+        if count & (count - 1) == 0:
+            logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message)
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which
