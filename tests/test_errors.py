@@ -124,20 +124,28 @@ def test_deep_or_non_string_prompts_are_dataset_errors_naming_file_and_line(tmp_
     path.write_text('{"prompt": "a"}\n' + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     with pytest.raises(DatasetError, match=rf"{path}:2: nested too deeply"):
         load_rows(path)
-    for line, shown in [('{"prompt": null}', "null"), ('{"prompt": 3}', "int"), ('{"prompt": ["a"]}', "list"),
-                        ('{"prompt": {"a": 1}}', "dict")]:  # fmt: skip
+    for line, shown in [('{"prompt": null}', "null"), ('{"prompt": 3}', "an int"), ('{"prompt": ["a"]}', "a list"),
+                        ('{"prompt": {"a": 1}}', "a dict")]:  # fmt: skip
         path.write_text('{"prompt": "a"}\n\n' + line + "\n")
-        with pytest.raises(DatasetError, match=rf"{path}:3: 'prompt' is {shown}, expected a string"):
+        with pytest.raises(DatasetError, match=rf"{path}:3: .prompt. is {shown}, expected a string"):
             load_rows(path)
     path.write_text("[1, 2]\n")
     with pytest.raises(DatasetError, match=rf"{path}:1: row is a list, expected a JSON object"):
         load_rows(path)
 
 
-def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_module(tiny_job, tmp_path,
-                                                                                       monkeypatch):  # fmt: skip
-    for name, failure in [("scorer_only_missing", "import no_such_module_for_loomrl_tests"),
-                          ("scorer_only_raises", "raise RuntimeError('needs a GPU')")]:  # fmt: skip
+def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_module(tmp_path, monkeypatch):
+    from functools import partial
+
+    from loomrl.config import TaskConfig
+    from loomrl.envs.reward import UserCodeError, load_object
+    from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
+    from loomrl.runtime.process import ProcessRuntime
+
+    cases = {"scorer_only_missing": ("import no_such_module_for_loomrl_tests",
+                                     "No module named 'no_such_module_for_loomrl_tests'"),
+             "scorer_only_raises": ("raise RuntimeError('needs a GPU')", "raised RuntimeError: needs a GPU")}  # fmt: skip
+    for name, (failure, _) in cases.items():
         (tmp_path / f"{name}.py").write_text(
             "import multiprocessing\n"
             "if multiprocessing.current_process().name.startswith('loomrl-scorer'):\n"
@@ -145,14 +153,18 @@ def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_m
             "def reward(prompt, completion, **row):\n    return 0.0\n"
         )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, cause in [("scorer_only_missing", "No module named 'no_such_module_for_loomrl_tests'"),
-                        ("scorer_only_raises", "RuntimeError: needs a GPU")]:  # fmt: skip
-        cfg = tiny_job(runtime="process", task={"reward": f"{name}:reward"}, trainer={"num_steps": 1},
-                       output_dir=str(tmp_path / f"run-{name}"))  # fmt: skip
-        with pytest.raises(Exception) as info:
-            Job(cfg).run()
-        text = str(info.value)
-        assert "scorer0" in text and repr(name) in text and cause in text, text
+    runtime = ProcessRuntime()
+    try:
+        for name, (_, cause) in cases.items():
+            assert callable(load_object(f"{name}:reward"))  # here (the controller) it imports
+            task = TaskConfig(reward=f"{name}:reward")
+            handle = runtime.start("scorer0", partial(start_reward_executor, task, None), RewardEndpoints)
+            with pytest.raises(UserCodeError) as info:
+                asyncio.run(handle.ready())
+            text = str(info.value)  # what the CLI prints: one line naming the scorer and the module
+            assert "scorer executor 'scorer0' (pid" in text and f"module {name!r}" in text and cause in text, text
+    finally:
+        runtime.shutdown()
 
 
 async def _blocks_the_loop(prompt, completion, **row):
