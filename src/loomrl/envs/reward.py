@@ -42,6 +42,10 @@ def load_object(path: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise UserCodeError(f"cannot import module {module_name!r} for {path!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - user code: its module raised while importing
+        raise UserCodeError(
+            f"cannot import module {module_name!r} for {path!r}: importing it raised {type(err).__name__}: {err}"
+        ) from err
     try:
         return getattr(module, attr)
     except AttributeError:
