@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -160,6 +161,8 @@ class ProcessHandle(ExecutorHandle):
         self.name, self.factory = name, factory
         self._bind_interface(interface)
         self._conn, child = _CTX.Pipe()
+        self._readable = select.poll()  # the reply pipe has data, or its other end closed
+        self._readable.register(self._conn.fileno(), select.POLLIN)
         log_reader, log_writer = _CTX.Pipe(duplex=False)
         self.process = _CTX.Process(
             target=_serve, name=f"loomrl-{name}", daemon=True,
@@ -210,8 +213,8 @@ class ProcessHandle(ExecutorHandle):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             remaining = LIVENESS_CHECK_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_CHECK_S)
-            if self._conn.poll(max(remaining, 0.0)):
-                return
+            if self._readable.poll(max(remaining, 0.0) * 1000):  # (a kept poll object: ~20 us less a call
+                return  # than Connection.poll, which builds a selector each time)
             if not self.process.is_alive():  # (waitpid): a reply sent before is in the pipe
                 if self._conn.poll(0):
                     return
