@@ -114,3 +114,93 @@ def test_a_sandbox_cli_that_fails_to_import_is_reported(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "loomrl.sandbox.cli", None)  # import raises ImportError
     assert cli.main(["sandbox", "exec", "x.py"]) == 2
     assert "error: the sandbox commands could not be loaded: ModuleNotFoundError: import of loomrl.sandbox.cli" in capsys.readouterr().err
+
+
+# -- issue 41, finding 10: unclear errors ---------------------------------------------------
+
+
+def test_deep_or_non_string_prompts_are_dataset_errors_naming_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n' + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(DatasetError, match=rf"{path}:2: nested too deeply"):
+        load_rows(path)
+    for line, shown in [('{"prompt": null}', "null"), ('{"prompt": 3}', "an int"), ('{"prompt": ["a"]}', "a list"),
+                        ('{"prompt": {"a": 1}}', "a dict")]:  # fmt: skip
+        path.write_text('{"prompt": "a"}\n\n' + line + "\n")
+        with pytest.raises(DatasetError, match=rf"{path}:3: .prompt. is {shown}, expected a string"):
+            load_rows(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(DatasetError, match=rf"{path}:1: row is a list, expected a JSON object"):
+        load_rows(path)
+
+
+def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_module(tmp_path, monkeypatch):
+    from functools import partial
+
+    from loomrl.config import TaskConfig
+    from loomrl.envs.reward import UserCodeError, load_object
+    from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
+    from loomrl.runtime.process import ProcessRuntime
+
+    cases = {"scorer_only_missing": ("import no_such_module_for_loomrl_tests",
+                                     "No module named 'no_such_module_for_loomrl_tests'"),
+             "scorer_only_raises": ("raise RuntimeError('needs a GPU')", "raised RuntimeError: needs a GPU")}  # fmt: skip
+    for name, (failure, _) in cases.items():
+        (tmp_path / f"{name}.py").write_text(
+            "import multiprocessing\n"
+            "if multiprocessing.current_process().name.startswith('loomrl-scorer'):\n"
+            f"    {failure}\n"
+            "def reward(prompt, completion, **row):\n    return 0.0\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runtime = ProcessRuntime()
+    try:
+        for name, (_, cause) in cases.items():
+            assert callable(load_object(f"{name}:reward"))  # here (the controller) it imports
+            task = TaskConfig(reward=f"{name}:reward")
+            handle = runtime.start("scorer0", partial(start_reward_executor, task, None), RewardEndpoints)
+            with pytest.raises(UserCodeError) as info:
+                asyncio.run(handle.ready())
+            text = str(info.value)  # what the CLI prints: one line naming the scorer and the module
+            assert "scorer executor 'scorer0' (pid" in text and f"module {name!r}" in text and cause in text, text
+    finally:
+        runtime.shutdown()
+
+
+async def _blocks_the_loop(prompt, completion, **row):
+    time.sleep(0.6)  # not await: the event loop is stuck here
+    return 1.0
+
+
+def test_an_async_reward_that_blocks_the_loop_past_its_timeout_has_its_late_value_refused():
+    with pytest.raises(RewardFailure, match=r"blocked the event loop.*late value refused") as info:
+        asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=0.2))
+    assert info.value.reason == "timeout"
+    from loomrl.envs.reward import call_reward_batch
+
+    done = asyncio.run(call_reward_batch(_blocks_the_loop, [("p", "c", {})], 0.2))
+    assert isinstance(done[0][0], RewardFailure) and done[0][0].reason == "timeout"
+    assert asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=5.0)) == 1.0  # in time: kept
+
+
+def test_an_async_sandbox_exec_is_bounded_by_its_claim_timeout_and_its_own_timeout():
+    from loomrl.sandbox import SandboxError, SandboxLimits, SandboxPool
+
+    claim_s, own_s = 0.5, 1.0
+    with SandboxPool("process", min_warm=1, max_warm=1, max_sandboxes=1, claim_timeout_s=claim_s,
+                     limits=SandboxLimits(timeout_s=own_s)) as pool:  # fmt: skip
+        pool.exec("print(0)")  # started and warm
+
+        async def one() -> float:
+            t0 = time.monotonic()
+            try:
+                await pool.aexec("import time; time.sleep(0.3)")
+            except SandboxError as err:
+                assert "backpressure" in str(err)
+            return time.monotonic() - t0
+
+        async def burst() -> list[float]:
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+        waits = asyncio.run(burst())
+    assert max(waits) < claim_s + own_s + 0.5, sorted(waits)[-5:]

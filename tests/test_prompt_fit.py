@@ -46,3 +46,54 @@ def test_truncate_prompts_cuts_them_to_fit_keeping_the_end_and_says_so(tiny_job,
     ids = tok("1+1+1+2=").input_ids
     assert truncate_ids(ids, 4, tok.bos_token_id) == [tok.bos_token_id, *tok("+2=").input_ids[1:]]
     assert truncate_ids(ids, 100, tok.bos_token_id) == ids
+
+
+# -- issue 41, finding 8: huge prompts are refused (or cut) by bytes before tokenizing -----
+
+
+def _never_called(text):
+    raise AssertionError(f"tokenized a {len(text)}-char prompt")
+
+
+def test_a_prompt_past_the_byte_bound_is_refused_naming_its_line_without_tokenizing():
+    from loomrl.config import DataConfig
+    from loomrl.prompt_fit import check_prompts
+
+    assert DataConfig(train="t.jsonl").max_prompt_bytes == 1 << 20
+    rows = [{"prompt": "1+1="}, {"prompt": "é" * 600}]  # 1200 bytes, 600 characters
+    with pytest.raises(DatasetError, match=r"d.jsonl:9: prompt is 1200 bytes, more than data.max_prompt_bytes=1000"):
+        check_prompts(rows, ["d.jsonl:4", "d.jsonl:9"], _never_called, "prompt", 253, False, max_bytes=1000)
+    with pytest.raises(DatasetError, match=r"d.jsonl:9: prompt is 1200 bytes"):  # a model of unknown context too
+        check_prompts(rows, ["d.jsonl:4", "d.jsonl:9"], _never_called, "prompt", None, False, max_bytes=1000)
+
+
+def test_truncate_prompts_cuts_a_huge_prompt_by_bytes_before_tokenizing_keeping_its_end():
+    from loomrl.prompt_fit import check_prompts
+
+    seen = []
+    rows = [{"prompt": "1+1="}, {"prompt": "é" + "x" * 1998 + "END"}]  # 2003 bytes
+
+    def encode(text):
+        seen.append(len(text.encode()))
+        return list(text)
+
+    check_prompts(rows, ["d.jsonl:1", "d.jsonl:2"], encode, "prompt", 100, True, max_bytes=1000)
+    assert max(seen) <= 1000
+    assert rows[1]["prompt"].endswith("xEND") and len(rows[1]["prompt"].encode()) == 1000
+    rows = [{"prompt": "x" * 999 + "é"}]  # a cut inside a character keeps only whole ones
+    check_prompts(rows, ["d.jsonl:1"], encode, "prompt", 100, True, max_bytes=2)
+    assert rows[0]["prompt"] == "é"
+
+
+def test_a_job_refuses_a_huge_prompt_quickly_by_its_line(tiny_job, tiny_data):
+    train, _ = tiny_data
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    rows[4]["prompt"] = "1+" * (1 << 20) + "1="  # 2 MiB
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t0 = time.perf_counter()
+    with pytest.raises(DatasetError, match=rf"{train}:5: prompt is 2097154 bytes, more than data.max_prompt_bytes=1048576"):
+        Job(tiny_job(trainer={"num_steps": 1})).run()
+    assert time.perf_counter() - t0 < 3
+    result = Job(tiny_job(trainer={"num_steps": 1}, data={"truncate_prompts": True, "max_prompt_bytes": 4096},
+                          output_dir=str(train.parent / "run-cut"))).run()  # fmt: skip
+    assert result.summary["steps"] == 1

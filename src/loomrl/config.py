@@ -59,6 +59,11 @@ class DataConfig(_Section):
         False, description="Cut prompts that do not fit the model's context with generation.max_new_tokens "
         "(keeping their end) instead of failing; the run log says how many were cut."
     )
+    max_prompt_bytes: int = Field(
+        1 << 20, gt=0, description="A prompt longer than this many UTF-8 bytes is refused (naming its file and "
+        "line) before it is tokenized; with truncate_prompts it is first cut to its last max_prompt_bytes bytes. "
+        "Tokenizing a huge prompt costs ~400x its size in memory.",
+    )
 
 
 class TaskConfig(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,21 @@ def load_rows_with_places(path: str | Path, prompt_key: str = "prompt") -> tuple
     if not rows:
         raise DatasetError(f"{path}: no rows")
     for row, place in zip(rows, places):
-        if not isinstance(row, dict) or prompt_key not in row:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column")
+        if prompt_key not in row:
             raise DatasetError(f"{place}: row has no {prompt_key!r} column")
+        if not isinstance(row[prompt_key], str):
+            raise DatasetError(f"{place}: {prompt_key!r} is {_kind(row[prompt_key])}, expected a string")
     return rows, places
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type for a message: ``null``, ``a list`` ..."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
 def _read_json_lines(path: Path) -> tuple[list[Any], list[str]]:
@@ -57,6 +70,9 @@ def _read_json_lines(path: Path) -> tuple[list[Any], list[str]]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
             raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise DatasetError(f"{path}:{lineno}: nested too deeply to read (arrays or objects inside each other "
+                               f"past Python's recursion limit of {sys.getrecursionlimit()})") from None
         places.append(f"{path}:{lineno}")
     return rows, places
 

@@ -3,7 +3,9 @@
 A prompt past the context is not an error to the model: positions past it produce
 garbage, rewards and losses of 0, and slow steps. So every prompt is measured before any
 model loads; a prompt that does not fit fails the job naming its file and line, or, with
-``data.truncate_prompts``, is cut to fit (keeping its end) and the cut is logged.
+``data.truncate_prompts``, is cut to fit (keeping its end) and the cut is logged. A prompt
+past ``data.max_prompt_bytes`` is refused (or cut by bytes) before it is tokenized at all:
+tokenizing costs hundreds of bytes of memory per character.
 """
 
 from __future__ import annotations
@@ -29,10 +31,15 @@ def prompt_budget(context: int | None, max_new_tokens: int) -> int | None:
 
 
 def check_prompts(
-    rows: list[dict[str, Any]], where: list[str], encode, key: str, budget: int | None, truncate: bool
+    rows: list[dict[str, Any]], where: list[str], encode, key: str, budget: int | None, truncate: bool,
+    max_bytes: int | None = None,
 ) -> None:
-    """Fail on the first prompt longer than ``budget`` tokens (``where`` names each row's
-    file and line), or, with ``truncate``, log how many will be cut to fit."""
+    """Fail on the first prompt longer than ``max_bytes`` UTF-8 bytes or ``budget`` tokens
+    (``where`` names each row's file and line), or, with ``truncate``, cut each prompt past
+    ``max_bytes`` to its last ``max_bytes`` bytes (in place, before any is tokenized: memory
+    stays bounded) and log how many will be cut to ``budget`` tokens."""
+    if max_bytes is not None:
+        _check_prompt_bytes(rows, where, key, max_bytes, truncate)
     if budget is None:
         return
     too_long = 0
@@ -51,6 +58,33 @@ def check_prompts(
             "data.truncate_prompts: %d of %d prompts (%s ...) are longer than %d tokens and will be cut "
             "to their last %d tokens", too_long, len(rows), where[0].split(":")[0], budget, budget,
         )  # fmt: skip
+
+
+def _check_prompt_bytes(rows: list[dict[str, Any]], where: list[str], key: str, max_bytes: int,
+                        truncate: bool) -> None:  # fmt: skip
+    """Refuse (or, with ``truncate``, cut) prompts past ``max_bytes`` UTF-8 bytes. A prompt
+    of at most ``max_bytes // 4`` characters fits whatever they are, so only longer ones are
+    encoded to count."""
+    cut = 0
+    for row, place in zip(rows, where):
+        text = row[key]
+        if len(text) <= max_bytes // 4:
+            continue
+        data = text.encode("utf-8", "surrogatepass")
+        if len(data) <= max_bytes:
+            continue
+        if not truncate:
+            raise DatasetError(
+                f"{place}: prompt is {len(data)} bytes, more than data.max_prompt_bytes={max_bytes}; refused "
+                "before tokenizing it; shorten it, raise data.max_prompt_bytes, or set data.truncate_prompts=true"
+            )
+        # The last max_bytes bytes, less a character cut in two at the start.
+        row[key] = data[len(data) - max_bytes :].decode("utf-8", "ignore")
+        cut += 1
+    if cut:
+        logger.warning("data.truncate_prompts: %d prompts (%s ...) are longer than data.max_prompt_bytes=%d bytes "
+                       "and were cut to their last %d bytes before tokenizing", cut, where[0].split(":")[0],
+                       max_bytes, max_bytes)  # fmt: skip
 
 
 def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list[int]:

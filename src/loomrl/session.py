@@ -298,7 +298,7 @@ def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]
     budget = prompt_budget(model_context_length(cfg.model.path), cfg.generation.max_new_tokens)
     for rows, places in datasets:
         check_prompts(rows, places, lambda text: tokenizer(text).input_ids, cfg.data.prompt_key, budget,
-                      cfg.data.truncate_prompts)  # fmt: skip
+                      cfg.data.truncate_prompts, cfg.data.max_prompt_bytes)  # fmt: skip
     return budget
 
 

@@ -1,8 +1,8 @@
 """Loading user code by import path, and scoring with a timeout.
 
 A reward function is ``fn(prompt, completion, **row) -> float``, sync or async. A call that
-raises, returns something that is not a finite number, or runs past its timeout marks the
-rollout failed (counted, never trained on). A sync function that hangs cannot be stopped
+raises, returns something that is not a finite number (or one past what float32 holds, which
+training could not use), or runs past its timeout marks the rollout failed (counted, never trained on). A sync function that hangs cannot be stopped
 from Python: it is left running in a daemon thread and counted under ``timeout``; code
 that must be stopped belongs in a sandbox (``loomrl.sandbox``).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import queue
 import sys
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class UserCodeError(ValueError):
@@ -39,6 +42,10 @@ def load_object(path: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise UserCodeError(f"cannot import module {module_name!r} for {path!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - user code: its module raised while importing
+        raise UserCodeError(
+            f"cannot import module {module_name!r} for {path!r}: importing it raised {type(err).__name__}: {err}"
+        ) from err
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -53,13 +60,44 @@ class RewardFailure(Exception):
         self.reason = reason
 
 
+FP32_MAX = 3.4028234663852886e38  # the largest float32: a reward past it is inf in training
+
+
+def _describe_number(value: int | float) -> str:
+    """A number for a message: a float as is, a huge int by its size (its digits would
+    run to hundreds of characters, and past 4300 repr itself raises)."""
+    if isinstance(value, int) and abs(value) > 10**20:
+        return f"a {value.bit_length()}-bit int ({'-' if value < 0 else ''}~2**{value.bit_length() - 1})"
+    return repr(value)
+
+
+def _safe_repr(value: Any) -> str:
+    """At most 200 characters of ``repr(value)``, whatever the value's repr does."""
+    try:
+        text = repr(value)
+    except Exception as err:  # noqa: BLE001 - user objects: a list of huge ints, a raising __repr__
+        return f"<a {type(value).__name__} whose repr raised {type(err).__name__}>"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _check_value(value: Any) -> float:
+    """The reward as a float the trainer can hold (in float32), or ``RewardFailure``:
+    ``invalid`` for what is not a number (or nan/inf), ``out_of_range`` for a number past
+    float32 (an int too large for a float included)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardFailure("invalid", f"reward function returned {value!r}, expected a float")
-    value = float(value)
-    if not math.isfinite(value):
+        raise RewardFailure("invalid", f"reward function returned {_safe_repr(value)}, expected a float")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float64
+        number = math.inf
+    if math.isnan(number) or (isinstance(value, float) and math.isinf(number)):
         raise RewardFailure("invalid", f"reward function returned non-finite {value}")
-    return value
+    if abs(number) > FP32_MAX:
+        raise RewardFailure(
+            "out_of_range", f"reward function returned {_describe_number(value)}, out of range "
+            f"(a reward must be finite and within float32, |r| <= {FP32_MAX:.4g})"
+        )  # fmt: skip
+    return number
 
 
 class DaemonThreads:
@@ -78,7 +116,11 @@ class DaemonThreads:
 
     def _work(self) -> None:
         while True:
-            self._tasks.get()()
+            task = self._tasks.get()
+            try:
+                task()
+            except Exception:  # noqa: BLE001 - a task's bug must not cost the pool a worker
+                logger.exception("a reward worker task failed; the worker goes on")
 
     def _spawn(self) -> None:
         threading.Thread(target=self._work, name="reward", daemon=True).start()
@@ -130,10 +172,17 @@ async def call_reward(
     """Score one completion; raises ``RewardFailure`` on any failure."""
     kwargs = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     if inspect.iscoroutinefunction(fn):
+        started = time.monotonic()
         try:
             status, value = await asyncio.wait_for(_guarded(fn(prompt, completion, **kwargs)), timeout_s)
         except TimeoutError:
             raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
+        late_s = time.monotonic() - started
+        if late_s > timeout_s:  # it blocked the loop, so the timeout could not fire in time
+            raise RewardFailure(
+                "timeout", f"reward function took {late_s:.2f}s, longer than {timeout_s}s (an async reward that "
+                "blocked the event loop: its late value refused; await, or run blocking work in a thread)"
+            )  # fmt: skip
         if status == "raised":
             raise RewardFailure("raised", f"reward function raised {_describe(value)}")
         return _check_value(value)

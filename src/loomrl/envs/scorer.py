@@ -24,7 +24,7 @@ from itertools import repeat
 from typing import Any
 
 from loomrl.config import SandboxConfig, TaskConfig
-from loomrl.envs.reward import RewardFailure, call_reward_batch, load_object
+from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch, load_object
 from loomrl.runtime.endpoints import endpoint
 from loomrl.types import Completions, Group, Rollout
 
@@ -124,7 +124,10 @@ class RewardExecutor(RewardEndpoints):
     def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
         from loomrl.sandbox.default import configure_default_pool
 
-        self.fn = load_object(task.reward)
+        try:  # (the controller loaded it already: what fails here fails in this process only)
+            self.fn = load_object(task.reward)
+        except UserCodeError as err:
+            raise UserCodeError(f"scorer executor {_this_executor()} cannot load task.reward: {err}") from err
         if not callable(self.fn):
             raise TypeError(f"task.reward {task.reward!r} is not callable")
         self.timeout_s = task.reward_timeout_s
@@ -153,6 +156,17 @@ class RewardExecutor(RewardEndpoints):
             batch.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+def _this_executor() -> str:
+    """This scorer executor for a message: ``'scorer0' (pid N)`` in a process the runtime
+    named, else the pid."""
+    import multiprocessing
+    import os
+
+    name = multiprocessing.current_process().name
+    named = f"{name.removeprefix('loomrl-')!r} " if name.startswith("loomrl-") else ""
+    return f"{named}(pid {os.getpid()})"
 
 
 def start_reward_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardExecutor:
@@ -301,9 +315,13 @@ class Scorer:
         return self._merged_pool_metrics
 
     def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
+        """Mark ``rollout`` failed and count it; the 1st, 2nd, 4th, 8th ... failure of each
+        reason is logged with its message (which holds the value), so the log stays short."""
         rollout.status, rollout.error, rollout.reward = "failed", message, None
-        self.failures_by_reason[reason] += 1
+        count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = message
+        if count & (count - 1) == 0:
+            logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message)
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -47,6 +48,7 @@ from loomrl.runtime.endpoints import check_implements
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # building an executor loads a model: generous, but not forever
+LIVENESS_CHECK_S = 0.25  # how often a wait on an executor's pipe checks that its process lives
 _CTX = multiprocessing.get_context("spawn")  # never fork a controller that runs threads
 
 
@@ -83,11 +85,18 @@ class _PipeLogHandler(logging.Handler):
             pass
 
 
-def _forward_logs(conn: Connection) -> None:
+def _forward_logs(conn: Connection, process: multiprocessing.process.BaseProcess) -> None:
     """Controller side: hand an executor's records to the controller's own loggers, so they
-    show up where the controller's logs do (the CLI's rich console, a log file ...)."""
+    show up where the controller's logs do (the CLI's rich console, a log file ...). Ends
+    when the executor's process does, though a child of it may hold the pipe open."""
     while True:
         try:
+            if not conn.poll(LIVENESS_CHECK_S):
+                if process.is_alive():
+                    continue
+                if not conn.poll(0):  # gone, and everything it sent was read
+                    conn.close()
+                    return
             record = conn.recv()
         except (EOFError, OSError):  # the executor is gone
             conn.close()
@@ -153,6 +162,8 @@ class ProcessHandle(ExecutorHandle):
         self.name, self.factory = name, factory
         self._bind_interface(interface)
         self._conn, child = _CTX.Pipe()
+        self._readable = select.poll()  # the reply pipe has data, or its other end closed
+        self._readable.register(self._conn.fileno(), select.POLLIN)
         log_reader, log_writer = _CTX.Pipe(duplex=False)
         self.process = _CTX.Process(
             target=_serve, name=f"loomrl-{name}", daemon=True,
@@ -162,7 +173,7 @@ class ProcessHandle(ExecutorHandle):
         child.close()
         log_writer.close()  # the executor holds the only writer: its exit ends the forwarder
         self._log_forwarder = threading.Thread(
-            target=_forward_logs, args=(log_reader,), name=f"loomrl-{name}-logs", daemon=True
+            target=_forward_logs, args=(log_reader, self.process), name=f"loomrl-{name}-logs", daemon=True
         )
         self._log_forwarder.start()
         self._busy = BusyClock()
@@ -175,9 +186,16 @@ class ProcessHandle(ExecutorHandle):
         self._ready = self._pool.submit(self._reply, START_TIMEOUT_S)
         self._started = False  # _ready is done and succeeded (set by _check_started)
 
+    def _join(self, timeout_s: float) -> None:
+        """``process.join(timeout_s)`` by its pid: ``join`` waits on the process sentinel,
+        which a child the executor forked keeps open after the executor is gone."""
+        deadline = time.monotonic() + timeout_s
+        while self.process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def _died(self) -> ExecutorDiedError:
         if self._dead is None:
-            self.process.join(timeout=5)
+            self._join(5)
             code = self.process.exitcode
             how = (
                 f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
@@ -188,10 +206,26 @@ class ProcessHandle(ExecutorHandle):
             )
         return self._dead
 
+    def _wait_readable(self, timeout_s: float | None) -> None:
+        """Until the reply pipe has data; raises ``_died()`` once the process is gone with
+        nothing left to read. The process is watched by its pid, not by its pipes: a child
+        the executor forked (a reward's helper) holds the reply pipe and the process
+        sentinel open for as long as it lives, so neither closes when the executor dies."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = LIVENESS_CHECK_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_CHECK_S)
+            if self._readable.poll(max(remaining, 0.0) * 1000):  # (a kept poll object: ~20 us less a call
+                return  # than Connection.poll, which builds a selector each time)
+            if not self.process.is_alive():  # (waitpid): a reply sent before is in the pipe
+                if self._conn.poll(0):
+                    return
+                raise self._died()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"executor {self.name!r} did not start within {timeout_s:.0f}s")
+
     def _reply(self, timeout_s: float | None = None) -> Any:
         try:
-            if timeout_s is not None and not self._conn.poll(timeout_s):
-                raise TimeoutError(f"executor {self.name!r} did not start within {timeout_s:.0f}s")
+            self._wait_readable(timeout_s)
             status, value, tb, busy_s = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError, ConnectionError) as err:
             raise self._died() from err
@@ -271,7 +305,7 @@ class ProcessHandle(ExecutorHandle):
                 os.kill(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.process.join(timeout=5)
+        self._join(5)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the executor to close and exit; kill it if it does not within ``timeout_s``."""
@@ -281,11 +315,11 @@ class ProcessHandle(ExecutorHandle):
                 self._pool.submit(self._call, None, (), {}).result(timeout=timeout_s)
         except Exception as err:  # noqa: BLE001 - closing must go on; the cause is logged
             logger.warning("executor %r did not close cleanly: %s", self.name, err)
-        self.process.join(timeout=timeout_s)
+        self._join(timeout_s)
         if self.process.is_alive():
             logger.warning("killing executor %r (pid %d)", self.name, self.process.pid)
             os.kill(self.process.pid, signal.SIGKILL)
-            self.process.join()
+            self._join(30)
         if self._dead is None:
             self._dead = ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
         self._pool.shutdown(wait=False)  # calls still queued run and fail at once with _dead

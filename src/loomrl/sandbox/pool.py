@@ -237,11 +237,16 @@ class SandboxPool:
         return expired
 
     # --- claim / release ------------------------------------------------------------
-    def _claim(self) -> ForkServerSandbox:
-        deadline = time.monotonic() + self.claim_timeout_s
+    def _claim(self, deadline: float | None = None) -> ForkServerSandbox:
+        """An idle sandbox, waiting until ``deadline`` (``time.monotonic()``; default: the
+        claim timeout from now) at most."""
+        if deadline is None:
+            deadline = time.monotonic() + self.claim_timeout_s
         with self._cond:
             if self._closed:
                 raise SandboxError("sandbox pool is closed")
+            if time.monotonic() >= deadline:  # an aexec that waited its claim timeout for a thread
+                raise SandboxError(f"no sandbox free within {self.claim_timeout_s}s (backpressure)")
             self._counts["claims"] += 1
             self._claim_times.append(time.monotonic())
             if not self._idle:
@@ -281,9 +286,14 @@ class SandboxPool:
     # --- exec -----------------------------------------------------------------------
     def exec(self, code: str | None = None, **kwargs: object) -> ExecResult:
         """Run a snippet (or ``command=[...]``) in a pooled sandbox; see ``Sandbox.exec``."""
+        return self._exec(code, kwargs, None)
+
+    def _exec(self, code: str | None, kwargs: dict, claim_deadline: float | None) -> ExecResult:
+        """``exec``; the first claim waits until ``claim_deadline`` at most (retries after
+        an infrastructure failure claim with a timeout of their own)."""
         t0 = time.perf_counter()
         for attempt in range(self.max_retries + 1):
-            sandbox = self._claim()
+            sandbox = self._claim(claim_deadline if attempt == 0 else None)
             try:
                 result = sandbox.exec(code, **kwargs)
             except SandboxError as err:
@@ -302,10 +312,13 @@ class SandboxPool:
         raise AssertionError("unreachable")
 
     async def aexec(self, code: str | None = None, **kwargs: object) -> ExecResult:
-        """``exec`` without blocking the event loop."""
+        """``exec`` without blocking the event loop. The claim timeout counts from this
+        call, so time queued for an exec thread in a burst counts against it: the wait is
+        bounded by the claim timeout, then the exec by its own timeout."""
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.claim_timeout_s
         return await loop.run_in_executor(
-            self._executor, functools.partial(self.exec, code, **kwargs)
+            self._executor, functools.partial(self._exec, code, kwargs, deadline)
         )
 
     def _record(self, result: ExecResult, latency_ms: float) -> None:
