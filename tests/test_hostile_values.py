@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from loomrl.envs.base import Environment, StepResult
 from loomrl.envs.reward import RewardFailure, call_reward, call_reward_batch
 from loomrl.job import Job
 
@@ -92,3 +93,24 @@ def test_a_job_with_hostile_rewards_completes_and_its_accounting_adds_up(tiny_jo
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
     assert time.perf_counter() - t0 < 60  # no reward timeout paid per failure
     assert "out of range" in caplog.text  # the value is in the log
+
+
+class HugeOnOddAnswers(Environment):
+    """One turn; an odd answer's step returns a reward no float can hold."""
+
+    def reset(self, row):
+        self.answer = int(row["answer"])
+        return row["prompt"]
+
+    def step(self, completion):
+        return StepResult(observation="", reward=10**400 if self.answer % 2 else 1.0, done=True)
+
+
+def test_an_environment_step_reward_out_of_range_fails_its_episode_not_the_job(tiny_job):
+    cfg = tiny_job(task={"reward": None, "environment": "test_hostile_values:HugeOnOddAnswers",
+                         "max_failure_rate": 1.0}, trainer={"num_steps": 2})  # fmt: skip
+    result = Job(cfg).run()
+    s = result.summary
+    assert s["steps"] == 2 and not s.get("job_failed")
+    assert s["failed"] > 0
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loomrl.envs.base import Environment, StepResult
+from loomrl.envs.reward import RewardFailure
+from loomrl.envs.reward import (
+    _check_value as check_reward_value,  # the same bounds as a reward function's
+)
 from loomrl.types import GenerationRequest, GenerationResult, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -111,7 +115,11 @@ async def _take_turn(ep: _Episode, result, *, decode: Callable, encode: Callable
     step = await _step(ep, text)
     if step is None:
         return
-    ep.reward += float(step.reward)
+    try:  # a finite float32 number, as a reward function's (a bigint or 1e39 fails the episode)
+        ep.reward = check_reward_value(ep.reward + check_reward_value(step.reward))
+    except RewardFailure as failure:
+        ep.error, ep.done = f"environment step: {failure}", True
+        return
     ep.done = bool(step.done)
     if not ep.done and more_turns and step.observation:
         obs_ids = _strip_prefix(list(encode(step.observation)), special_prefix)
