@@ -254,20 +254,8 @@ class BroadcastTensorReceiver(TorchDistReceiver):
 
 class _BroadcastLane(TorchDistTransport):
     name = "tensor"
-
-    def sender(self) -> BroadcastTensorSender:
-        if self.rank != 0:
-            raise ValueError(f"only rank 0 sends weight updates; this is rank {self.rank}")
-        side = BroadcastTensorSender(self)
-        self._sides.append(side)
-        return side
-
-    def receiver(self, rank: int = 0) -> BroadcastTensorReceiver:
-        if self.rank == 0:
-            raise ValueError("rank 0 is the sender; receivers are ranks 1..world_size-1")
-        side = BroadcastTensorReceiver(self)
-        self._sides.append(side)
-        return side
+    sender_class = BroadcastTensorSender
+    receiver_class = BroadcastTensorReceiver
 
 
 # -- the transport ---------------------------------------------------------------------

@@ -331,6 +331,8 @@ class TorchDistTransport(Transport):
     """
 
     name = "torch_dist"
+    sender_class: type[TorchDistSender] = TorchDistSender  # the tensor lane's broadcast mode sends tensors
+    receiver_class: type[TorchDistReceiver] = TorchDistReceiver
 
     def __init__(
         self,
@@ -361,7 +363,7 @@ class TorchDistTransport(Transport):
     def sender(self) -> TorchDistSender:
         if self.rank != 0:
             raise ValueError(f"only rank 0 sends weight updates; this is rank {self.rank}")
-        side = TorchDistSender(self)
+        side = self.sender_class(self)
         self._sides.append(side)
         return side
 
@@ -369,7 +371,7 @@ class TorchDistTransport(Transport):
         """This process's receiver (its rank was fixed at construction; ``rank`` is unused)."""
         if self.rank == 0:
             raise ValueError("rank 0 is the sender; receivers are ranks 1..world_size-1")
-        side = TorchDistReceiver(self)
+        side = self.receiver_class(self)
         self._sides.append(side)
         return side
 
