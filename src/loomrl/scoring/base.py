@@ -14,7 +14,8 @@ from abc import abstractmethod
 from typing import Any
 
 from loomrl.envs.reward import RewardFailure, _check_value
-from loomrl.envs.scorer import RewardEndpoints, ScoreItem, ScoreOutcome
+from loomrl.envs.scorer import GroupItems, GroupOutcome, RewardEndpoints, ScoreItem, ScoreOutcome
+from loomrl.runtime.endpoints import endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class RunningNorm:
 class BatchedModelScorer(RewardEndpoints):
     """A scorer executor that runs a frozen model over token-budget batches.
 
+    Unlike a reward function's, its calls run one at a time (their batches are the
+    parallelism; overlapping forwards would only compete for the device and its memory).
     A subclass says how an item becomes tokens (``encode``) and what a batch of them
     scores (``score_batch``: a float, or a ``RewardFailure`` for that item). ``normalize``
     and ``clip`` apply to every score that came out a float."""
@@ -80,6 +83,7 @@ class BatchedModelScorer(RewardEndpoints):
     def score_batch(self, ids: list[list[int]], items: list[ScoreItem]) -> list[float | RewardFailure]:
         """Each row's score (or ``RewardFailure``), in the order given."""
 
+    @endpoint  # one call at a time, in order: one model, one batch on its device at a time
     def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
         t0 = time.perf_counter()
         values: list[Any] = [None] * len(items)
@@ -99,6 +103,10 @@ class BatchedModelScorer(RewardEndpoints):
         self._model_s += time.perf_counter() - t0
         self._num_items += len(items)
         return self._outcomes(values, seconds), self.metrics()
+
+    @endpoint
+    def score_groups(self, groups: list[GroupItems]) -> tuple[list[GroupOutcome], dict[str, float]]:
+        return super().score_groups(groups)
 
     def _outcomes(self, values: list[Any], seconds: float) -> list[ScoreOutcome]:
         checked: list[Any] = []

@@ -33,8 +33,10 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: Any = None):
     pads (with its EOS where it has no pad token), and the model knows that pad id."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.disable_progress_bar()
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ModelScorerError(f"task.scorer.path {path!r} is not a local Hugging Face model folder (no config.json)")
