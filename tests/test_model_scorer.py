@@ -4,6 +4,7 @@ executors, with tiny models built here and saved to the test's folder."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing
 import os
@@ -218,8 +219,10 @@ def _model_job(tiny_job, reward_model: str, runtime: str, **sections):
                                                                       "device": "cpu"}}, **sections)  # fmt: skip
 
 
-@pytest.mark.parametrize("runtime", ["local", "process"])
-def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime):
+@pytest.mark.parametrize("runtime", ["local", "process", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime, request):
+    if runtime == "ray":
+        request.getfixturevalue("ray_cluster")
     cfg = _model_job(tiny_job, reward_model, runtime, trainer={"num_steps": 2})
     result = Job(cfg).run()
     s = result.summary
@@ -251,6 +254,43 @@ def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twic
     assert faults["executor/scorer_failures"] == 1 and faults["executor/scorer_restarts"] == 1
     assert faults["executor/rescored_rollouts"] > 0 and faults["executor/lost_rollouts"] == 0
     assert not multiprocessing.active_children()
+
+
+def test_a_model_scorer_that_stops_answering_is_replaced_after_its_deadline(tiny_job, reward_model):
+    cfg = _model_job(tiny_job, reward_model, "process", trainer={"num_steps": 6}, checkpoint={"every_steps": 100},
+                     faults={"min_deadline_s": 3.0, "deadline_factor": 10.0})  # fmt: skip
+    stopped = []
+
+    def on_record(record):
+        if record.get("step") == 3 and "train/loss" in record and not stopped:
+            (proc,) = [p for p in multiprocessing.active_children() if p.name == "loomrl-scorer0"]
+            stopped.append(proc.pid)
+            os.kill(proc.pid, signal.SIGSTOP)  # alive, but never answers
+
+    s = Job(cfg).run(on_record=on_record).summary
+    assert stopped and s["steps"] == 6 and not s.get("job_failed") and s["failed"] == 0
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    assert s["faults"]["executor/hung_kills"] == 1 and s["faults"]["executor/scorer_restarts"] == 1
+    assert s["faults"]["executor/lost_rollouts"] == 0 and s["prompts_trained_twice"] == 0
+
+
+def test_a_scorer_table_survives_the_run_folder_config_round_trip(tiny_job, reward_model):
+    from loomrl.config import build_config
+
+    cfg = _model_job(tiny_job, reward_model, "local")
+    again = build_config(json.loads(cfg.to_json()))
+    assert again == cfg and isinstance(again.task.scorer, ModelScorerConfig)
+
+
+@pytest.mark.gpu
+def test_a_reward_model_on_cuda_in_bfloat16_scores_close_to_float32_on_the_cpu(reward_model):
+    cpu = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu")), PAIRS)
+    scorer = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cuda"))  # dtype auto: bfloat16
+    assert next(scorer.model.parameters()).dtype == torch.bfloat16
+    assert all(not p.requires_grad for p in scorer.model.parameters())
+    gpu = _scores(scorer, PAIRS)
+    spread = max(cpu) - min(cpu)
+    assert gpu == pytest.approx(cpu, abs=0.05 * spread)
 
 
 def test_config_error_names_an_unknown_scorer_type(tiny_job, reward_model):
