@@ -232,6 +232,16 @@ def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime, reque
     assert means and all(abs(m * 16 - round(m * 16)) > 1e-6 for m in means)  # the model's scores, not 0/1 rewards
 
 
+def test_a_job_trains_with_a_judge(tiny_job):
+    cfg = tiny_job(task={"reward": None, "scorer": {"type": "judge", "path": JUDGE, "device": "cpu", "max_new_tokens": 3,
+                                                    "prompt_template": "{prompt}{completion} ({answer})",
+                                                    "parser": "test_model_scorer:length"}},
+                   trainer={"num_steps": 2})  # fmt: skip
+    s = Job(cfg).run().summary
+    assert s["steps"] == 2 and not s.get("job_failed") and s["failed"] == 0
+    assert s["trained"] == 2 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
+
+
 def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twice(tiny_job, reward_model):
     cfg = _model_job(tiny_job, reward_model, "process", trainer={"num_steps": 4}, checkpoint={"every_steps": 100},
                      faults={"min_deadline_s": 3.0, "deadline_factor": 10.0})  # fmt: skip
