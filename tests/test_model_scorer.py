@@ -266,6 +266,7 @@ def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twic
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~15-30 s: waits out a deadline (the same path as test_faults' hung generator)
 def test_a_model_scorer_that_stops_answering_is_replaced_after_its_deadline(tiny_job, reward_model):
     cfg = _model_job(tiny_job, reward_model, "process", trainer={"num_steps": 6}, checkpoint={"every_steps": 100},
                      faults={"min_deadline_s": 3.0, "deadline_factor": 10.0})  # fmt: skip
