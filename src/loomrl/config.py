@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -66,6 +66,76 @@ class DataConfig(_Section):
     )
 
 
+class FunctionScorerConfig(_Section):
+    """``[task.scorer] type = "function"``: a reward function, as ``task.reward`` names one."""
+
+    type: Literal["function"] = Field("function", description="A Python reward function.")
+    path: str = Field(
+        ..., description="Reward function by import path 'module:function', called as fn(prompt, completion, **row) "
+        "-> float (sync or async); the same as task.reward = path."
+    )
+
+
+class ModelScorerConfig(_Section):
+    """``[task.scorer] type = "model"``: a frozen Hugging Face sequence-classification reward model."""
+
+    type: Literal["model"] = Field("model", description="A reward model (AutoModelForSequenceClassification).")
+    path: str = Field(..., description="A local Hugging Face reward-model folder (num_labels == 1), with its tokenizer.")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the scorer executor runs the model: 'auto' (CUDA when present, else the CPU), 'cpu', "
+        "'cuda' or 'cuda:<index>'.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The model's dtype: 'auto' is bfloat16 on CUDA, float32 on the CPU."
+    )
+    max_tokens_per_batch: int = Field(
+        8192, gt=0, description="A forward's padded tokens at most (rows x longest row); a longer row goes alone."
+    )
+    normalize: bool = Field(
+        False, description="Score as (score - running mean) / running std, over the scores this executor has seen."
+    )
+    clip: float | None = Field(None, gt=0, description="Clip scores (after normalize) to [-clip, clip]; None: no clip.")
+
+
+class JudgeScorerConfig(_Section):
+    """``[task.scorer] type = "judge"``: a frozen generative judge, read by a parser."""
+
+    type: Literal["judge"] = Field("judge", description="A generative judge.")
+    path: str = Field(..., description="The judge: a local Hugging Face causal LM folder or a 'tiny:' spec.")
+    prompt_template: str = Field(
+        ..., description="The judge's prompt, a Python format string over {prompt}, {completion} and the row's columns."
+    )
+    parser: str = Field(
+        ..., description="Import path 'module:function' taking the judge's text and returning a float; raising or "
+        "returning None marks the judgement unparsed (a counted scoring failure, judge_unparsed)."
+    )
+    max_new_tokens: int = Field(32, gt=0, description="Tokens the judge generates per judgement at most (greedy).")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="Where the judge runs (as task.scorer.device)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The judge's dtype: 'auto' is bfloat16 on CUDA, float32 on the CPU."
+    )
+    max_tokens_per_batch: int = Field(
+        8192, gt=0, description="A generate call's padded prompt tokens at most (rows x longest prompt)."
+    )
+
+    @model_validator(mode="after")
+    def _template_parses(self) -> JudgeScorerConfig:
+        import string
+
+        try:
+            list(string.Formatter().parse(self.prompt_template))
+        except ValueError as err:
+            raise ValueError(f"task.scorer.prompt_template {self.prompt_template!r} is not a Python format "
+                             f"string: {err}") from None  # fmt: skip
+        return self
+
+
+ScorerConfig = Annotated[FunctionScorerConfig | ModelScorerConfig | JudgeScorerConfig, Field(discriminator="type")]
+
+
 class TaskConfig(_Section):
     reward: str | None = Field(
         None,
@@ -74,6 +144,10 @@ class TaskConfig(_Section):
     )
     environment: str | None = Field(
         None, description="Multi-turn Environment class by import path 'module:Class'."
+    )
+    scorer: ScorerConfig | None = Field(
+        None, description="A scorer table instead of task.reward: type = 'function' (path), 'model' (a reward "
+        "model folder) or 'judge' (a generative judge and its parser); see docs/scoring.md."
     )
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the Environment class."
@@ -95,8 +169,10 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
-        if (self.reward is None) == (self.environment is None):
-            raise ValueError("task needs exactly one of 'reward' or 'environment'")
+        given = [name for name in ("reward", "environment", "scorer") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"task needs exactly one of 'reward' or 'environment' (or a 'scorer' table), got "
+                             f"{' and '.join(map(repr, given)) or 'none'}")  # fmt: skip
         return self
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
-from loomrl.envs.scorer import RewardEndpoints, Scorer, start_reward_executor
+from loomrl.envs.scorer import RewardEndpoints, Scorer
 from loomrl.generation.base import Generator
 from loomrl.generation.executor import start_generator
 from loomrl.models import load_tokenizer
@@ -28,6 +28,7 @@ from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, writ
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import Deadlines, ExecutorLostError, FaultStats, Supervised
+from loomrl.scoring.executor import start_scorer_executor
 from loomrl.stop_signals import StopSignal, raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import TrainerEndpoints
@@ -101,13 +102,14 @@ def _start_executors(
 
 
 def _start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
-    """Scorer executors for a reward task (environment tasks score inside their episodes).
+    """Scorer executors for a reward function, a reward model or a judge (environment tasks
+    score inside their episodes).
     Executors in this process share its default sandbox pool, configured by the job;
     executors elsewhere configure their own."""
-    if cfg.task.reward is None:
+    if cfg.task.reward is None and cfg.task.scorer is None:
         return []
     sandbox = None if runtime.in_process else cfg.sandbox
-    return [runtime.start(f"scorer{i}", partial(start_reward_executor, cfg.task, sandbox), RewardEndpoints)
+    return [runtime.start(f"scorer{i}", partial(start_scorer_executor, cfg.task, sandbox), RewardEndpoints)
             for i in range(cfg.task.num_scorers)]  # fmt: skip
 
 
@@ -213,7 +215,7 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
 
 def _executor_names(cfg: JobConfig) -> list[str]:
     """The executors a job starts, by name (a runtime may reserve resources for them)."""
-    scorers = cfg.task.num_scorers if cfg.task.reward is not None else 0  # as _start_scorers starts them
+    scorers = cfg.task.num_scorers if cfg.task.environment is None else 0  # as _start_scorers starts them
     return ["trainer", *(f"generator{i}" for i in range(cfg.generation.num_generators)),
             *(f"scorer{i}" for i in range(scorers))]  # fmt: skip
 

@@ -196,9 +196,11 @@ class Scorer:
 
     def __init__(self, task: TaskConfig) -> None:
         self.task = task
-        self.fn = load_object(task.reward) if task.reward else None
+        function = task.scorer.path if task.scorer is not None and task.scorer.type == "function" else task.reward
+        self.fn = load_object(function) if function else None
         if self.fn is not None and not callable(self.fn):
-            raise TypeError(f"task.reward {task.reward!r} is not callable")
+            raise TypeError(f"task.reward {function!r} is not callable")
+        self.scores = task.reward is not None or task.scorer is not None  # (an environment scores in its episodes)
         # Scorer executors (``Supervised`` slots), attached by the session; without them
         # the reward runs here, on this process's reward threads (a library user's Scorer).
         self.executors: list[Any] = []
@@ -223,7 +225,7 @@ class Scorer:
 
     async def score(self, rollouts: list[Rollout]) -> None:
         """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""
-        if self.fn is None:
+        if not self.scores:
             return
         t0 = time.perf_counter()
         self._apply(rollouts, await self._outcomes(list(_items_of(rollouts))))
@@ -234,7 +236,7 @@ class Scorer:
         gets its rewards as one list (no rollout built); with any failure, the failed
         groups' rollouts are built and marked, as ``score`` marks them. ``payload``: the
         groups' ``group_payload``, if the caller built it."""
-        if self.fn is None:
+        if not self.scores:
             return
         t0 = time.perf_counter()
         if self.executors and (payload is not None or (payload := group_payload(groups)) is not None):
@@ -271,6 +273,9 @@ class Scorer:
         if self.executors:
             return await self._score_remote("score", items, len(items),
                                             lambda message: [("scorer_lost", message, 0.0)] * len(items))
+        if self.fn is None:
+            raise RuntimeError("a task.scorer model or judge scores in scorer executors (loomrl.scoring.executor."
+                               "start_scorer_executor); attach them with Scorer.attach")  # fmt: skip
         return reward_outcomes(await call_reward_batch(self.fn, items, self.task.reward_timeout_s))
 
     def _apply(self, rollouts: list[Rollout], outcomes: list[ScoreOutcome]) -> None:

@@ -1,0 +1,37 @@
+"""Scorer executors by kind: what ``start_scorer_executor`` builds for a task.
+
+``task.reward`` (or ``[task.scorer] type = "function"``) runs a Python function in a
+``RewardExecutor`` (loomrl.envs.scorer); ``type = "model"`` a frozen reward model
+(``scoring/model.py``) and ``type = "judge"`` a frozen generative judge
+(``scoring/judge.py``). Every kind answers the same ``RewardEndpoints`` with the same
+outcomes, so the controller's ``Scorer``, supervision (restart when killed, deadlines) and
+failure accounting see one kind of scorer executor.
+"""
+
+from __future__ import annotations
+
+from loomrl.config import SandboxConfig, TaskConfig
+from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
+
+
+def function_task(task: TaskConfig) -> TaskConfig:
+    """``task`` as a ``task.reward`` task: a ``[task.scorer] type = "function"`` table
+    becomes ``task.reward = path`` (what the function scorer reads); others as they are."""
+    if task.scorer is not None and task.scorer.type == "function":
+        return task.model_copy(update={"reward": task.scorer.path, "scorer": None})
+    return task
+
+
+def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardEndpoints:
+    """The scorer executor ``task`` asks for (module-level, so a ``functools.partial`` of it
+    pickles to a process or an actor): a reward function's, a reward model's or a judge's."""
+    kind = task.scorer.type if task.scorer is not None else "function"
+    if kind == "model":
+        from loomrl.scoring.model import RewardModelScorer
+
+        return RewardModelScorer(task.scorer)
+    if kind == "judge":
+        from loomrl.scoring.judge import JudgeScorer
+
+        return JudgeScorer(task.scorer)
+    return start_reward_executor(function_task(task), sandbox)
