@@ -251,6 +251,10 @@ class Supervised:
             if hung is None or inner.done():
                 break
             call.woken = loop.create_future()  # (if another call heals it first)
+            # this caller leaves without the call's result: its ExecutorDiedError, once the kill
+            # lands, is taken here, not logged at GC ("Future exception was never retrieved",
+            # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
+            inner.add_done_callback(_take_outcome)
             if self.incarnation == incarnation:
                 await self._heal(handle, incarnation, ExecutorHungError(
                     f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
@@ -379,3 +383,9 @@ def _kill_quietly(handle: ExecutorHandle) -> None:
         logger.warning("executor %r (%s) cannot be killed on this runtime; it is abandoned", handle.name, handle.where)
     except Exception as err:  # noqa: BLE001 - it is being replaced either way
         logger.warning("killing executor %r failed: %s", handle.name, err)
+
+
+def _take_outcome(future: asyncio.Future) -> None:
+    """Mark a finished future's exception as retrieved (a call whose caller left)."""
+    if not future.cancelled():
+        future.exception()
