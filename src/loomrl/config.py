@@ -52,7 +52,20 @@ class LoraConfig(_Section):
 class DataConfig(_Section):
     train: str = Field(..., description="Training prompts: a local .jsonl or .parquet file.")
     eval: str | None = Field(None, description="Held-out prompts for evaluation (.jsonl/.parquet).")
-    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    prompt_key: str = Field(
+        "prompt", description="Column holding the prompt: a string, or a list of {role, content} messages "
+        "(TRL's conversational format; needs the chat template)."
+    )
+    chat_template: bool | Literal["auto"] = Field(
+        "auto", description="Render prompts with the tokenizer's chat template (with the generation prompt) "
+        "and tokenize the result with no extra special tokens. 'auto': for prompts that are lists of "
+        "messages, and for every prompt when system_prompt is set; false: never (a message list is then "
+        "an error)."
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put before each prompt's messages (a row that starts with a "
+        "system message keeps its own); applies the chat template."
+    )
     max_eval_examples: int = Field(256, gt=0, description="Evaluate on at most this many rows.")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded).")
     truncate_prompts: bool = Field(
@@ -64,6 +77,13 @@ class DataConfig(_Section):
         "line) before it is tokenized; with truncate_prompts it is first cut to its last max_prompt_bytes bytes. "
         "Tokenizing a huge prompt costs ~400x its size in memory.",
     )
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_template(self) -> DataConfig:
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("data.system_prompt is put in through the chat template; data.chat_template=false "
+                             "leaves it out: set chat_template to 'auto' or true, or drop system_prompt")
+        return self
 
 
 class TaskConfig(_Section):
@@ -105,6 +125,17 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings: a completion is cut before the first one it holds "
+        "(its tokens up to the one that completes it are kept for training; finish reason 'stop'). "
+        "Generation also stops on every EOS id of the model's generation_config."
+    )
+
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self) -> GenerationConfig:
+        if "" in self.stop:
+            raise ValueError("generation.stop holds an empty string, which every completion holds; remove it")
+        return self
     prompts_per_request: int = Field(
         4, gt=0, description="Prompt groups batched into one generate call."
     )

@@ -20,11 +20,12 @@ from types import MappingProxyType
 from typing import Any
 
 from loomrl.buffer import RolloutBuffer, StalenessGate
+from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer, group_payload, lost_by_scorer
 from loomrl.evaluation import Evaluation
-from loomrl.prompt_fit import encode_texts, truncate_ids
+from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle, release_later
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
@@ -130,6 +131,7 @@ class Controller(Evaluation, StallWatchdog):
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
+        self._prompt_encoder = PromptEncoder(tokenizer, cfg.data, cfg.model.path)
         self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
         self._eval_prompt_ids: list[list[int]] | None = None  # the eval rows' prompt tokens, at the first eval
@@ -221,10 +223,11 @@ class Controller(Evaluation, StallWatchdog):
             new = list(dict.fromkeys(indices))
         self._prompt_ids.update(zip(new, self._encode_prompts([self.train_rows[i][self._prompt_key] for i in new])))
 
-    def _encode_prompts(self, texts: list[str]) -> list[list[int]]:
-        """Prompts' ids, in one tokenizer call, each cut to ``max_prompt_tokens``."""
+    def _encode_prompts(self, prompts: list) -> list[list[int]]:
+        """Prompts' ids (texts or messages, through the chat template as data.chat_template
+        says), each cut to ``max_prompt_tokens``."""
         return [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
-                for ids in encode_texts(self.tokenizer, texts)]  # fmt: skip
+                for ids in self._prompt_encoder.encode(prompts)]  # fmt: skip
 
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published

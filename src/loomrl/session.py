@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
@@ -296,8 +297,9 @@ def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]
     """Every prompt plus max_new_tokens fits the model's context (or will be cut to fit);
     returns the prompt budget in tokens (None when the model does not say its context)."""
     budget = prompt_budget(model_context_length(cfg.model.path), cfg.generation.max_new_tokens)
+    encode = PromptEncoder(tokenizer, cfg.data, cfg.model.path).encode_one  # (templated as the controller does)
     for rows, places in datasets:
-        check_prompts(rows, places, lambda text: tokenizer(text).input_ids, cfg.data.prompt_key, budget,
+        check_prompts(rows, places, encode, cfg.data.prompt_key, budget,
                       cfg.data.truncate_prompts, cfg.data.max_prompt_bytes)  # fmt: skip
     return budget
 
