@@ -86,11 +86,38 @@ class DataConfig(_Section):
         return self
 
 
+class RewardSpec(_Section):
+    """One of ``[[task.rewards]]``: a reward function and its weight in the total."""
+
+    path: str = Field(..., description="Reward function by import path 'module:function'.")
+    weight: float = Field(1.0, description="Its weight in the total reward (the weighted sum).")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name in the metrics (reward/<name>_mean); default: the function's name.",
+    )
+    signature: Literal["auto", "loomrl", "trl"] = Field(
+        "auto", description="'loomrl': fn(prompt, completion, **row) -> float; 'trl': TRL's batched "
+        "fn(prompts, completions, **columns) -> list[float]; 'auto': 'trl' when the function has a "
+        "parameter named 'completions', else 'loomrl'."
+    )
+
+    @property
+    def label(self) -> str:
+        """The name in the metrics."""
+        return self.name or self.path.rpartition(":")[2]
+
+
 class TaskConfig(_Section):
     reward: str | None = Field(
         None,
         description="Reward function by import path 'module:function', called as "
-        "fn(prompt, completion, **row) -> float (sync or async).",
+        "fn(prompt, completion, **row) -> float (sync or async); TRL's batched signature "
+        "fn(prompts, completions, **columns) -> list[float] is detected by its 'completions' parameter.",
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list, description="Several reward functions ([[task.rewards]] tables of path, weight, "
+        "name, signature) in place of 'reward': the reward is their weighted sum, each logged as "
+        "reward/<name>_mean; a failure of any one fails the rollout."
     )
     environment: str | None = Field(
         None, description="Multi-turn Environment class by import path 'module:Class'."
@@ -115,8 +142,13 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
-        if (self.reward is None) == (self.environment is None):
-            raise ValueError("task needs exactly one of 'reward' or 'environment'")
+        if (self.reward is None and not self.rewards) == (self.environment is None):
+            raise ValueError("task needs exactly one of 'reward' or 'environment' (or 'rewards' in place of 'reward')")
+        if self.reward is not None and self.rewards:
+            raise ValueError("task.reward and task.rewards both set: list the single reward in task.rewards too")
+        labels = [spec.label for spec in self.rewards]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"task.rewards names repeat ({labels}): give each a distinct 'name'")
         return self
 
 
@@ -355,6 +387,19 @@ class EvalConfig(_Section):
     every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
 
 
+class LoggingConfig(_Section):
+    """What the run folder records besides metrics.jsonl."""
+
+    completions_per_step: int = Field(
+        4, ge=0, description="(prompt, completion, reward) samples written to samples.jsonl (and TensorBoard "
+        "text) per step: the first completion of each of this many of the step's groups, as text. 0: none."
+    )
+    zero_variance_warning_every_steps: int = Field(
+        20, gt=0, description="Warn when more than half of a step's groups got the same reward for every "
+        "completion (nothing to learn from them), at most once every this many steps."
+    )
+
+
 class SchedulerConfig(_Section):
     url: str | None = Field(
         None,
@@ -460,6 +505,7 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")

@@ -115,5 +115,5 @@ def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool = Tr
     False for text a chat template rendered (it holds its own BOS)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation is not None or backend.padding is not None:
-        return tokenizer(texts, add_special_tokens=add_special_tokens).input_ids
+        return (tokenizer(texts) if add_special_tokens else tokenizer(texts, add_special_tokens=False)).input_ids
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]

@@ -105,7 +105,7 @@ def _start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
     """Scorer executors for a reward task (environment tasks score inside their episodes).
     Executors in this process share its default sandbox pool, configured by the job;
     executors elsewhere configure their own."""
-    if cfg.task.reward is None:
+    if cfg.task.reward is None and not cfg.task.rewards:
         return []
     sandbox = None if runtime.in_process else cfg.sandbox
     return [runtime.start(f"scorer{i}", partial(start_reward_executor, cfg.task, sandbox), RewardEndpoints)
@@ -214,7 +214,7 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
 
 def _executor_names(cfg: JobConfig) -> list[str]:
     """The executors a job starts, by name (a runtime may reserve resources for them)."""
-    scorers = cfg.task.num_scorers if cfg.task.reward is not None else 0  # as _start_scorers starts them
+    scorers = cfg.task.num_scorers if cfg.task.reward is not None or cfg.task.rewards else 0  # as _start_scorers starts them
     return ["trainer", *(f"generator{i}" for i in range(cfg.generation.num_generators)),
             *(f"scorer{i}" for i in range(scorers))]  # fmt: skip
 
