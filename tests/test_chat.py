@@ -126,14 +126,16 @@ def test_a_stop_string_cuts_the_completion_and_its_tokens():
         GenerationConfig(stop=[""])
 
 
-def test_generation_stops_on_a_stop_string(tmp_path):
-    """An engine built from a config with ``generation.stop``: no completion holds the stop
-    string, and those that held it end with finish reason 'stop'."""
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_generation_stops_on_a_stop_string(static_cache):
+    """An engine with ``generation.stop``, on either decode path: no completion holds the
+    stop string, those that held it end with finish reason 'stop', and their tokens end
+    with it (the sequence stopped there)."""
     from loomrl.generation.hf import HFGenerator
     from loomrl.types import GenerationRequest, SamplingParams
 
     model, tok = build_tiny_model("llama", hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-    engine = HFGenerator(model, tok, stop=["1"])
+    engine = HFGenerator(model, tok, stop=["1"], static_cache=static_cache)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=40)
     request = GenerationRequest(prompt_ids=tok("1+1=").input_ids, num_samples=16, sampling=sampling, seed=3)
     with torch.no_grad():
@@ -143,3 +145,19 @@ def test_generation_stops_on_a_stop_string(tmp_path):
     stopped = [i for i, f in enumerate(finish) if f == "stop" and tok.eos_token_id not in ids[i]]
     assert stopped  # 40 random characters over ~100: some held a '1'
     assert all(tok.decode(ids[i]).endswith("1") for i in stopped)  # tokens end with the stop string's
+
+
+def test_sequences_stop_sampling_at_a_stop_string(monkeypatch):
+    """A stop string ends the sampling loop for its sequence, not only the text: with stop
+    strings most characters hold, every sequence stops long before max_new_tokens."""
+    from loomrl.generation.hf import HFGenerator
+    from loomrl.types import GenerationRequest, SamplingParams
+
+    model, tok = build_tiny_model("llama", hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    engine = HFGenerator(model, tok, stop=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"))
+    steps = []
+    pick = HFGenerator._pick
+    monkeypatch.setattr(HFGenerator, "_pick", staticmethod(lambda *a: steps.append(1) or pick(*a)))
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=64)
+    (result,) = engine.generate([GenerationRequest(tok("1+1=").input_ids, 8, sampling, seed=1)])
+    assert len(steps) < 64 and all(f == "stop" for f in result.columns()[2])

@@ -158,8 +158,9 @@ class GenerationConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")
     stop: list[str] = Field(
-        default_factory=list, description="Stop strings: a completion is cut before the first one it holds "
-        "(its tokens up to the one that completes it are kept for training; finish reason 'stop'). "
+        default_factory=list, description="Stop strings: a sequence stops sampling once it holds one, and its "
+        "completion is cut before the first (the tokens up to the one that completes it are kept for "
+        "training; finish reason 'stop'). "
         "Generation also stops on every EOS id of the model's generation_config."
     )
 

@@ -230,6 +230,8 @@ class HFGenerator(Generator):
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
             done = done | (chosen == self.eos_id if self._eos_tensor is None else torch.isin(chosen, self._eos_tensor))
+            if self.stop and (step + 1) % self.eos_check_every == 0:
+                done = done | self._holds_stop(step_tokens, done)
             if step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
                 break
             if (step + 1) % self.eos_check_every == 0 and bool(done.all()):  # (a host sync)
@@ -243,6 +245,16 @@ class HFGenerator(Generator):
                 logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
+
+    def _holds_stop(self, step_tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """[sequences] bool: live sequences whose last tokens hold a stop string (they stop
+        here; ``cut_at_stop`` cuts them exactly afterwards). The window covers the longest
+        stop string and the steps since the last look (a token is at least one character)."""
+        window = max(map(len, self.stop)) + self.eos_check_every
+        tails = self.tokenizer.batch_decode(torch.stack(step_tokens[-window:], dim=1).tolist(), skip_special_tokens=True)
+        live = (~done).tolist()
+        hits = [alive and any(s in text for s in self.stop) for alive, text in zip(live, tails)]
+        return torch.tensor(hits, dtype=torch.bool, device=self.device)
 
     def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
         """[steps, sequences] uniforms on the device, each sequence's from its own seed, drawn
@@ -370,8 +382,9 @@ def cut_at_stop(tokenizer: Any, stop: list[str], ids: list[list[int]], logprobs:
     """Cut each completion whose text holds a stop string, in place: its text before the
     first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
     so training sees what was sampled up to the stop (vLLM's rule: the stop string is
-    trained on, not shown to the reward); finish reason 'stop'. The sampling loop is not
-    stopped early: the tokens after the stop are dropped here."""
+    trained on, not shown to the reward); finish reason 'stop'. The sampling loop stops a
+    sequence once it looks and sees a stop string (``_holds_stop``); the tokens sampled past
+    the stop before it looked are dropped here."""
     for row, text in enumerate(texts):
         found = [at for at in (text.find(s) for s in stop) if at >= 0]
         if not found:
