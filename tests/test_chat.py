@@ -68,6 +68,8 @@ def test_templated_prompts_have_exactly_one_bos_and_plain_ones_keep_theirs():
     assert with_system.render(own).count("system:") == 1  # a row's own system message is kept, alone
     with pytest.raises(DatasetError, match="has no chat template"):
         PromptEncoder(build_char_tokenizer(), DataConfig(train="x.jsonl")).encode([own])
+    with pytest.raises(DatasetError, match="chat_template=false"):
+        PromptEncoder(tok, DataConfig(train="x.jsonl", chat_template=False)).encode([own])
     with pytest.raises(ValueError, match="system_prompt"):
         DataConfig(train="x.jsonl", chat_template=False, system_prompt="hi")
 
@@ -98,11 +100,12 @@ def test_a_conversational_dataset_trains_through_the_template_with_one_bos(tmp_p
 
     monkeypatch.setattr(hf.HFGenerator, "_sample", spy)
     SEEN.clear()
-    job = Job(model=str(chat_model), dataset=str(_chat_rows(tmp_path / "chat.jsonl")),
-              reward="test_chat:record_reward", group_size=2, groups_per_step=2, num_steps=2,
-              output_dir=str(tmp_path / "run"), overrides=["generation.max_new_tokens=3"])  # fmt: skip
+    rows = str(_chat_rows(tmp_path / "chat.jsonl"))
+    job = Job(model=str(chat_model), dataset=rows, eval_dataset=rows, reward="test_chat:record_reward", group_size=2,
+              groups_per_step=2, num_steps=2, output_dir=str(tmp_path / "run"),
+              overrides=["generation.max_new_tokens=3", "data.max_eval_examples=4", "eval.every_steps=2"])  # fmt: skip
     result = job.run()
-    assert result.summary["steps"] == 2
+    assert result.summary["steps"] == 2 and len(result.eval_history) >= 1  # evaluation encodes them the same way
     tok = _chat_tokenizer()
     assert sampled and all(ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id for ids in sampled)
     assert tok.decode(sampled[0]).endswith("\nassistant: ")
