@@ -25,3 +25,19 @@ def test_samples_jsonl_holds_the_steps_prompts_and_completions_as_text(tiny_job,
 def test_completions_per_step_zero_writes_no_samples(tiny_job):
     result = Job(tiny_job(trainer={"num_steps": 1}, logging={"completions_per_step": 0})).run()
     assert not (result.run_dir / "samples.jsonl").exists()
+
+
+def test_samples_go_to_tensorboard_text_too(tmp_path):
+    import pytest
+
+    pytest.importorskip("tensorboardX")
+    from loomrl.telemetry.metrics import MetricsLogger
+
+    metrics = MetricsLogger(tmp_path)
+    messages = [{"role": "user", "content": "2+2="}]
+    metrics.log_samples([{"prompt_index": 0, "prompt": messages, "completion": "four-ish", "reward": 0.25}], 7)
+    metrics.close()
+    assert read_samples(tmp_path) == [{"step": 7, "prompt_index": 0, "prompt": messages, "completion": "four-ish",
+                                       "reward": 0.25}]  # fmt: skip
+    (events,) = (tmp_path / "tb").iterdir()
+    assert b"four-ish" in events.read_bytes() and b"samples" in events.read_bytes()
