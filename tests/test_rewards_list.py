@@ -122,6 +122,7 @@ def test_a_raising_reward_shows_its_file_and_line_once_with_its_traceback(tiny_j
     assert failures and f"{__file__}:{RAISE_LINE} in raises_sometimes" in failures[0]
     assert "Traceback of the reward" in failures[0] and 'raise ValueError(f"cannot score' in failures[0]
     assert all("Traceback" not in message for message in failures[1:])  # the later ones: one line
+    assert f"{__file__}:{RAISE_LINE}" in result.summary["first_failures"]["raised"]  # and in summary.json
 
 
 def test_the_zero_variance_warning_fires_on_a_random_model(tiny_job, caplog):

@@ -361,6 +361,7 @@ def _write_failure_summary(run_dir: Path, controller: Controller | None, err: Ba
         counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
+        summary["first_failures"] = dict(controller.scorer.first_errors)
     write_json_atomically(run_dir / "summary.json", summary)
 
 
@@ -416,6 +417,7 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
         summary = await controller.run(checkpoint=checkpoint)
     if stopped_by:
         summary["stopped_by"] = stopped_by[0]
+    summary["first_failures"] = dict(controller.scorer.first_errors)  # each reason's first message, traceback and all
     # per executor; on the local runtime every executor shares the controller's process
     summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop or asyncio
     summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),

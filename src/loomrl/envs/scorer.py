@@ -204,6 +204,7 @@ class Scorer:
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self._merged_pool_metrics: dict[str, float] | None = None
         self.failures_by_reason: Counter[str] = Counter()
+        self.first_errors: dict[str, str] = {}  # each failure reason's first message (with its traceback)
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
@@ -213,7 +214,7 @@ class Scorer:
         into training's ``rollout/failed_*`` or its failure-rate limit."""
         twin = copy.copy(self)
         twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
-        twin._reward_sums = {}
+        twin._reward_sums, twin.first_errors = {}, {}
         return twin
 
     def attach(self, executors: list[Any], fault_stats: Any) -> None:
@@ -340,6 +341,7 @@ class Scorer:
         rollout.status, rollout.error, rollout.reward = "failed", headline, None
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
+        self.first_errors.setdefault(reason, message)
         if count & (count - 1) == 0:  # the first one of a reason with its traceback, the later ones without
             logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message if count == 1 else headline)
 
