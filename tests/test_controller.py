@@ -429,6 +429,8 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
 
 def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
     import loomrl.controller as controller_module
+    from loomrl.chat import PromptEncoder
+    from loomrl.config import DataConfig
     from loomrl.controller import Controller
 
     monkeypatch.setattr(controller_module, "PROMPT_CACHE_ROWS", 3)
@@ -443,6 +445,7 @@ def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
 
     c = Controller.__new__(Controller)
     c.tokenizer, c.max_prompt_tokens, c._prompt_key = Tok(), None, "prompt"
+    c._prompt_encoder = PromptEncoder(c.tokenizer, DataConfig(train="t.jsonl"))
     c.train_rows = [{"prompt": "x" * (i + 1)} for i in range(10)]
     c._prompt_ids = {}
     for picks in ([0, 1], [1, 2], [3, 4], [4, 5, 6]):

@@ -52,7 +52,20 @@ class LoraConfig(_Section):
 class DataConfig(_Section):
     train: str = Field(..., description="Training prompts: a local .jsonl or .parquet file.")
     eval: str | None = Field(None, description="Held-out prompts for evaluation (.jsonl/.parquet).")
-    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    prompt_key: str = Field(
+        "prompt", description="Column holding the prompt: a string, or a list of {role, content} messages "
+        "(TRL's conversational format; needs the chat template)."
+    )
+    chat_template: bool | Literal["auto"] = Field(
+        "auto", description="Render prompts with the tokenizer's chat template (with the generation prompt) "
+        "and tokenize the result with no extra special tokens. 'auto': for prompts that are lists of "
+        "messages, and for every prompt when system_prompt is set; false: never (a message list is then "
+        "an error)."
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put before each prompt's messages (a row that starts with a "
+        "system message keeps its own); applies the chat template."
+    )
     max_eval_examples: int = Field(256, gt=0, description="Evaluate on at most this many rows.")
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch (seeded).")
     truncate_prompts: bool = Field(
@@ -64,6 +77,34 @@ class DataConfig(_Section):
         "line) before it is tokenized; with truncate_prompts it is first cut to its last max_prompt_bytes bytes. "
         "Tokenizing a huge prompt costs ~400x its size in memory.",
     )
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_template(self) -> DataConfig:
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("data.system_prompt is put in through the chat template; data.chat_template=false "
+                             "leaves it out: set chat_template to 'auto' or true, or drop system_prompt")
+        return self
+
+
+class RewardSpec(_Section):
+    """One of ``[[task.rewards]]``: a reward function and its weight in the total."""
+
+    path: str = Field(..., description="Reward function by import path 'module:function'.")
+    weight: float = Field(1.0, description="Its weight in the total reward (the weighted sum).")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name in the metrics (reward/<name>_mean); default: the function's name.",
+    )
+    signature: Literal["auto", "loomrl", "trl"] = Field(
+        "auto", description="'loomrl': fn(prompt, completion, **row) -> float; 'trl': TRL's batched "
+        "fn(prompts, completions, **columns) -> list[float]; 'auto': 'trl' when the function has a "
+        "parameter named 'completions', else 'loomrl'."
+    )
+
+    @property
+    def label(self) -> str:
+        """The name in the metrics."""
+        return self.name or self.path.rpartition(":")[2]
 
 
 class FunctionScorerConfig(_Section):
@@ -140,7 +181,13 @@ class TaskConfig(_Section):
     reward: str | None = Field(
         None,
         description="Reward function by import path 'module:function', called as "
-        "fn(prompt, completion, **row) -> float (sync or async).",
+        "fn(prompt, completion, **row) -> float (sync or async); TRL's batched signature "
+        "fn(prompts, completions, **columns) -> list[float] is detected by its 'completions' parameter.",
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list, description="Several reward functions ([[task.rewards]] tables of path, weight, "
+        "name, signature) in place of 'reward': the reward is their weighted sum, each logged as "
+        "reward/<name>_mean; a failure of any one fails the rollout."
     )
     environment: str | None = Field(
         None, description="Multi-turn Environment class by import path 'module:Class'."
@@ -169,10 +216,15 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
-        given = [name for name in ("reward", "environment", "scorer") if getattr(self, name) is not None]
+        if self.reward is not None and self.rewards:
+            raise ValueError("task.reward and task.rewards both set: list the single reward in task.rewards too")
+        given = [name for name in ("reward", "rewards", "environment", "scorer") if getattr(self, name)]
         if len(given) != 1:
-            raise ValueError(f"task needs exactly one of 'reward' or 'environment' (or a 'scorer' table), got "
-                             f"{' and '.join(map(repr, given)) or 'none'}")  # fmt: skip
+            raise ValueError(f"task needs exactly one of 'reward' or 'environment' (or 'rewards' in place of "
+                             f"'reward', or a 'scorer' table), got {' and '.join(map(repr, given)) or 'none'}")  # fmt: skip
+        labels = [spec.label for spec in self.rewards]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"task.rewards names repeat ({labels}): give each a distinct 'name'")
         return self
 
 
@@ -181,6 +233,18 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings: a sequence stops sampling once it holds one, and its "
+        "completion is cut before the first (the tokens up to the one that completes it are kept for "
+        "training; finish reason 'stop'). "
+        "Generation also stops on every EOS id of the model's generation_config."
+    )
+
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self) -> GenerationConfig:
+        if "" in self.stop:
+            raise ValueError("generation.stop holds an empty string, which every completion holds; remove it")
+        return self
     prompts_per_request: int = Field(
         4, gt=0, description="Prompt groups batched into one generate call."
     )
@@ -400,6 +464,19 @@ class EvalConfig(_Section):
     every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
 
 
+class LoggingConfig(_Section):
+    """What the run folder records besides metrics.jsonl."""
+
+    completions_per_step: int = Field(
+        4, ge=0, description="(prompt, completion, reward) samples written to samples.jsonl (and TensorBoard "
+        "text) per step: the first completion of each of this many of the step's groups, as text. 0: none."
+    )
+    zero_variance_warning_every_steps: int = Field(
+        20, gt=0, description="Warn when more than half of a step's groups got the same reward for every "
+        "completion (nothing to learn from them), at most once every this many steps."
+    )
+
+
 class SchedulerConfig(_Section):
     url: str | None = Field(
         None,
@@ -505,6 +582,7 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")

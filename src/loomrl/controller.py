@@ -20,14 +20,16 @@ from types import MappingProxyType
 from typing import Any
 
 from loomrl.buffer import RolloutBuffer, StalenessGate
+from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import JobFailedError, Scorer, group_payload, lost_by_scorer
 from loomrl.evaluation import Evaluation
-from loomrl.prompt_fit import encode_texts, truncate_ids
+from loomrl.prompt_fit import truncate_ids
 from loomrl.runtime.base import ExecutorHandle, release_later
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats, TrainerLostError
 from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.telemetry.samples import ZeroVarianceWatch, step_samples
 from loomrl.training.base import PublishAfterStepError
 from loomrl.types import GenerationRequest, GenerationResult, Group, Rollout, SamplingParams
 from loomrl.watchdog import StallWatchdog
@@ -130,6 +132,7 @@ class Controller(Evaluation, StallWatchdog):
             max_new_tokens=cfg.generation.max_new_tokens,
         )
         self._prompt_key = cfg.data.prompt_key
+        self._prompt_encoder = PromptEncoder(tokenizer, cfg.data, cfg.model.path)
         self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
         self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
         self._eval_prompt_ids: list[list[int]] | None = None  # the eval rows' prompt tokens, at the first eval
@@ -159,6 +162,7 @@ class Controller(Evaluation, StallWatchdog):
         self._renamed: dict[str, float] = {}
         self._engine_metrics: dict[int, dict[str, float]] = {}  # id(generator handle) -> its engine's totals
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
+        self._zero_variance = ZeroVarianceWatch(self.cfg.logging.zero_variance_warning_every_steps)
         self._held: dict[int, int] = {}  # id(generator handle) -> the version it last reported holding
 
     def _init_run_state(self, version: int, history: dict[str, Any] | None) -> None:
@@ -221,10 +225,11 @@ class Controller(Evaluation, StallWatchdog):
             new = list(dict.fromkeys(indices))
         self._prompt_ids.update(zip(new, self._encode_prompts([self.train_rows[i][self._prompt_key] for i in new])))
 
-    def _encode_prompts(self, texts: list[str]) -> list[list[int]]:
-        """Prompts' ids, in one tokenizer call, each cut to ``max_prompt_tokens``."""
+    def _encode_prompts(self, prompts: list) -> list[list[int]]:
+        """Prompts' ids (texts or messages, through the chat template as data.chat_template
+        says), each cut to ``max_prompt_tokens``."""
         return [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
-                for ids in encode_texts(self.tokenizer, texts)]  # fmt: skip
+                for ids in self._prompt_encoder.encode(prompts)]  # fmt: skip
 
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published
@@ -431,7 +436,9 @@ class Controller(Evaluation, StallWatchdog):
         # batch is not the controller's to read while it trains on it).
         num_rollouts = sum(batch.sizes)
         completion_tokens = sum(map(_completion_tokens, batch.groups))
-        reward_sum = sum(chain.from_iterable([g.rewards for g in batch.groups]))  # (in the order summed before)
+        rewards = [g.rewards for g in batch.groups]
+        reward_sum = sum(chain.from_iterable(rewards))  # (in the order summed before)
+        self._record_samples(step, batch.groups)
         try:
             metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
         except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
@@ -466,6 +473,8 @@ class Controller(Evaluation, StallWatchdog):
                 "executor/stall_warnings": self.stall_warnings,
                 "executor/no_step_warnings": self.no_step_warnings,
                 **self._failed_metrics(),
+                **self.scorer.reward_metrics(),
+                "rollout/zero_variance_frac": self._zero_variance.observe(step, rewards),
                 **self.faults.metrics(),
                 **(self.extra_metrics() if self.extra_metrics else {}),
                 **self.accounting(),
@@ -473,6 +482,12 @@ class Controller(Evaluation, StallWatchdog):
         )
         release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
+
+    def _record_samples(self, step: int, groups: list) -> None:
+        """A few of the step's completions, as text, for samples.jsonl (logging.completions_per_step)."""
+        count = self.cfg.logging.completions_per_step
+        if count:
+            self.metrics.log_samples(step_samples(groups, count), step)
 
     def _renamed_generator_weight_metrics(self) -> dict[str, float]:
         """The generators' latest ``weight_sync/*`` as ``weight_sync/generator_*`` (renamed

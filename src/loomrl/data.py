@@ -41,9 +41,28 @@ def load_rows_with_places(path: str | Path, prompt_key: str = "prompt") -> tuple
             raise DatasetError(f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column")
         if prompt_key not in row:
             raise DatasetError(f"{place}: row has no {prompt_key!r} column")
-        if not isinstance(row[prompt_key], str):
-            raise DatasetError(f"{place}: {prompt_key!r} is {_kind(row[prompt_key])}, expected a string")
+        prompt = row[prompt_key]
+        if isinstance(prompt, list):
+            check_messages(prompt, f"{place}: {prompt_key!r}")
+        elif not isinstance(prompt, str):
+            raise DatasetError(f"{place}: {prompt_key!r} is {_kind(prompt)}, expected a string or a list of "
+                               "{role, content} messages")
     return rows, places
+
+
+def check_messages(messages: list[Any], where: str) -> None:
+    """A conversational prompt (TRL's format): a non-empty list of ``{"role": str,
+    "content": str}`` objects; else a DatasetError naming ``where`` (file:line) and the message."""
+    if not messages:
+        raise DatasetError(f"{where} is an empty list of messages")
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DatasetError(f"{where}: message {n} is {_kind(message)}, expected an object "
+                               '{"role": ..., "content": ...}')
+        for field in ("role", "content"):
+            if not isinstance(message.get(field), str):
+                got = "missing" if field not in message else _kind(message[field])
+                raise DatasetError(f"{where}: message {n} has {field!r} {got}, expected a string")
 
 
 def _kind(value: Any) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+from loomrl.envs.reward import callable_path, is_registered
 from loomrl.run_folder import JobResult, default_run_dir
 
 __all__ = ["Job", "JobResult", "default_run_dir", "load_run_config", "resume_job"]
@@ -27,6 +28,7 @@ SHORTCUTS = {
     "dataset": "data.train",
     "eval_dataset": "data.eval",
     "reward": "task.reward",
+    "rewards": "task.rewards",
     "environment": "task.environment",
     "group_size": "algorithm.group_size",
     "groups_per_step": "algorithm.groups_per_step",
@@ -60,9 +62,10 @@ class Job:
             if unknown:
                 raise TypeError(f"unknown Job arguments {sorted(unknown)}; known: {sorted(SHORTCUTS)}")
             raw: dict[str, Any] = {}
-            for key, value in kwargs.items():
+            for key, value in _reward_paths(kwargs).items():
                 _set(raw, SHORTCUTS[key], value)
             config = build_config(apply_overrides(raw, overrides or []), "Job(...)")
+            check_reward_reachable(config)
         elif overrides:
             config = build_config(apply_overrides(config.model_dump(), overrides), "Job(...)")
         self.config = config
@@ -88,6 +91,33 @@ class Job:
         from loomrl.session import run_job
 
         return run_job(self.config, resume=resume, overwrite=overwrite, from_step=from_step, on_record=on_record)
+
+
+def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``reward=`` and each ``rewards=[{"path": ...}]`` given as function objects, as import
+    paths (``callable_path``)."""
+    out = dict(kwargs)
+    if callable(out.get("reward")):
+        out["reward"] = callable_path(out["reward"])
+    if isinstance(out.get("rewards"), list):
+        out["rewards"] = [{**spec, "path": callable_path(spec["path"])} if isinstance(spec, dict)
+                          and callable(spec.get("path")) else spec for spec in out["rewards"]]  # fmt: skip
+    return out
+
+
+def check_reward_reachable(config: JobConfig) -> None:
+    """Functions registered in this process (``Job(reward=fn)`` with a lambda, a closure or
+    a function of ``__main__``) reach scorers on the local runtime only."""
+    if config.runtime == "local":
+        return
+    paths = [config.task.reward, *(spec.path for spec in config.task.rewards)]
+    for path in paths:
+        if path is not None and is_registered(path):
+            raise ValueError(
+                f"Job(reward=...) got a function that is not importable by path ({path}): runtime="
+                f"{config.runtime!r} scores in other processes, which import the reward by 'module:function'; "
+                "define it at the top level of an importable module and pass that, or use runtime='local'"
+            )
 
 
 def load_run_config(run_dir: str | Path) -> JobConfig:

@@ -68,6 +68,9 @@ def _check_prompt_bytes(rows: list[dict[str, Any]], where: list[str], key: str, 
     cut = 0
     for row, place in zip(rows, where):
         text = row[key]
+        if isinstance(text, list):  # messages: measured by their contents, never cut
+            _check_message_bytes(text, place, max_bytes)
+            continue
         if len(text) <= max_bytes // 4:
             continue
         data = text.encode("utf-8", "surrogatepass")
@@ -87,6 +90,15 @@ def _check_prompt_bytes(rows: list[dict[str, Any]], where: list[str], key: str, 
                        max_bytes, max_bytes)  # fmt: skip
 
 
+def _check_message_bytes(messages: list[dict[str, str]], place: str, max_bytes: int) -> None:
+    size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+    if size > max_bytes:
+        raise DatasetError(
+            f"{place}: the prompt's messages hold {size} bytes, more than data.max_prompt_bytes={max_bytes}; "
+            "refused before tokenizing them (a message list is never cut); shorten them or raise max_prompt_bytes"
+        )
+
+
 def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list[int]:
     """The last ``budget`` tokens of a prompt (a leading BOS is kept)."""
     if budget is None or len(ids) <= budget:
@@ -96,11 +108,12 @@ def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list
     return ids[len(ids) - budget :]
 
 
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
     """``tokenizer(texts).input_ids``, in one call to the fast (Rust) backend when the
     tokenizer has one with no truncation or padding of its own: the transformers wrapper
-    costs about 4x the encoding itself, on the controller's loop."""
+    costs about 4x the encoding itself, on the controller's loop. ``add_special_tokens``
+    False for text a chat template rendered (it holds its own BOS)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation is not None or backend.padding is not None:
-        return tokenizer(texts).input_ids
-    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+        return (tokenizer(texts) if add_special_tokens else tokenizer(texts, add_special_tokens=False)).input_ids
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]

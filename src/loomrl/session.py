@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.controller import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
@@ -106,7 +107,7 @@ def _start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
     score inside their episodes).
     Executors in this process share its default sandbox pool, configured by the job;
     executors elsewhere configure their own."""
-    if cfg.task.reward is None and cfg.task.scorer is None:
+    if cfg.task.environment is not None:
         return []
     sandbox = None if runtime.in_process else cfg.sandbox
     return [runtime.start(f"scorer{i}", partial(start_scorer_executor, cfg.task, sandbox), RewardEndpoints)
@@ -298,8 +299,9 @@ def _check_prompt_lengths(cfg: JobConfig, tokenizer, datasets: tuple[Rows, Rows]
     """Every prompt plus max_new_tokens fits the model's context (or will be cut to fit);
     returns the prompt budget in tokens (None when the model does not say its context)."""
     budget = prompt_budget(model_context_length(cfg.model.path), cfg.generation.max_new_tokens)
+    encode = PromptEncoder(tokenizer, cfg.data, cfg.model.path).encode_one  # (templated as the controller does)
     for rows, places in datasets:
-        check_prompts(rows, places, lambda text: tokenizer(text).input_ids, cfg.data.prompt_key, budget,
+        check_prompts(rows, places, encode, cfg.data.prompt_key, budget,
                       cfg.data.truncate_prompts, cfg.data.max_prompt_bytes)  # fmt: skip
     return budget
 
@@ -361,6 +363,7 @@ def _write_failure_summary(run_dir: Path, controller: Controller | None, err: Ba
         counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
+        summary["first_failures"] = dict(controller.scorer.first_errors)
     write_json_atomically(run_dir / "summary.json", summary)
 
 
@@ -416,6 +419,7 @@ async def _drive(cfg: JobConfig, controller: Controller, trainer, runtime: Runti
         summary = await controller.run(checkpoint=checkpoint)
     if stopped_by:
         summary["stopped_by"] = stopped_by[0]
+    summary["first_failures"] = dict(controller.scorer.first_errors)  # each reason's first message, traceback and all
     # per executor; on the local runtime every executor shares the controller's process
     summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop or asyncio
     summary["peak_rss_mb"] = {"controller": peak_rss_mb(os.getpid()),

@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from operator import itemgetter
 from pathlib import Path
@@ -30,8 +31,37 @@ class UserCodeError(ValueError):
     """An import path that names nothing callable."""
 
 
+REGISTERED_PREFIX = "loomrl.registered:"  # a function object given to Job(reward=...), found in this process only
+_registered: dict[str, Any] = {}
+
+
+def callable_path(fn: Callable[..., Any]) -> str:
+    """An import path for ``fn``: ``module:qualname`` when importing that gives ``fn`` back
+    (a top-level function of an importable module), else a name registered in this process
+    (``loomrl.registered:<name>-<n>``), which only this process can load."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and name.isidentifier():
+        try:
+            if getattr(importlib.import_module(module), name, None) is fn:
+                return f"{module}:{name}"
+        except Exception:  # noqa: BLE001 - not importable: registered instead
+            pass
+    key = f"{REGISTERED_PREFIX}{getattr(fn, '__name__', 'reward')}-{len(_registered)}".replace("<", "").replace(">", "")
+    _registered[key] = fn
+    return key
+
+
+def is_registered(path: str) -> bool:
+    return path.startswith(REGISTERED_PREFIX)
+
+
 def load_object(path: str) -> Any:
     """``'package.module:name'`` -> the object. The working directory is importable."""
+    if is_registered(path):
+        if path not in _registered:
+            raise UserCodeError(f"{path!r} names a function registered in another process (Job(reward=fn)); pass "
+                                "an importable 'module:function' to run the reward in other processes")  # fmt: skip
+        return _registered[path]
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise UserCodeError(f"{path!r} is not an import path of the form 'module:name'")
@@ -80,11 +110,13 @@ def _safe_repr(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _check_value(value: Any) -> float:
+def check_value(value: Any) -> float:
     """The reward as a float the trainer can hold (in float32), or ``RewardFailure``:
     ``invalid`` for what is not a number (or nan/inf), ``out_of_range`` for a number past
-    float32 (an int too large for a float included)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    float32 (an int too large for a float included). A bool is 1.0 or 0.0."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)):
         raise RewardFailure("invalid", f"reward function returned {_safe_repr(value)}, expected a float")
     try:
         number = float(value)
@@ -98,6 +130,9 @@ def _check_value(value: Any) -> float:
             f"(a reward must be finite and within float32, |r| <= {FP32_MAX:.4g})"
         )  # fmt: skip
     return number
+
+
+_check_value = check_value
 
 
 class DaemonThreads:
@@ -185,6 +220,8 @@ async def call_reward(
             )  # fmt: skip
         if status == "raised":
             raise RewardFailure("raised", f"reward function raised {_describe(value)}")
+        if status == "failure":
+            raise value
         return _check_value(value)
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
@@ -192,6 +229,8 @@ async def call_reward(
     def target() -> None:
         try:
             result: Any = ("ok", fn(prompt, completion, **kwargs))
+        except RewardFailure as failure:  # a reward list's part, or a TRL reward's reply, was refused
+            result = ("failure", failure)
         except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
             result = ("raised", err)
         try:
@@ -207,6 +246,8 @@ async def call_reward(
         raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
     if status == "raised":
         raise RewardFailure("raised", f"reward function raised {_describe(value)}")
+    if status == "failure":
+        raise value
     return _check_value(value)
 
 
@@ -284,9 +325,11 @@ class _BatchRun:
             t0 = time.perf_counter()
             try:
                 value: Any = self.fn(prompt, completion, **kwargs)
+            except RewardFailure as failure:  # a reward list's part, or a TRL reward's reply, was refused
+                value = failure
             except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
                 value = RewardFailure("raised", f"reward function raised {_describe(err)}")
-            else:
+            if not isinstance(value, RewardFailure):
                 try:
                     value = _check_value(value)
                 except RewardFailure as failure:
@@ -334,11 +377,27 @@ async def _guarded(coro) -> tuple[str, Any]:
     result there (asyncio lets a SystemExit out of a task stop the whole loop)."""
     try:
         return "ok", await coro
+    except RewardFailure as failure:
+        return "failure", failure
     except (Exception, SystemExit) as err:  # noqa: BLE001 - user code: any error fails the rollout
         return "raised", err
 
 
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # loomrl's own frames are left out of tracebacks
+
+
 def _describe(err: BaseException) -> str:
+    """``Type: message (at file:line in function)``, the innermost frame of the user's code,
+    then that code's traceback on the following lines (the scorer logs it in full the first
+    time a failure reason is seen). A reward list's part is named."""
+    part = getattr(err, "name", None) if type(err).__name__ == "RewardPartError" else None
+    if part is not None and err.__cause__ is not None:
+        return f"(reward {part!r}) {_describe(err.__cause__)}"
     if isinstance(err, SystemExit):
         return f"SystemExit (it called sys.exit({err.code!r}); a reward must return a float)"
-    return f"{type(err).__name__}: {err}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_PACKAGE_DIR)]
+    if not frames:
+        return f"{type(err).__name__}: {err}"
+    last = frames[-1]
+    return (f"{type(err).__name__}: {err} (at {last.filename}:{last.lineno} in {last.name})\n"
+            "Traceback of the reward (most recent call last):\n" + "".join(traceback.format_list(frames)).rstrip())

@@ -24,7 +24,8 @@ from itertools import repeat
 from typing import Any
 
 from loomrl.config import SandboxConfig, TaskConfig
-from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch, load_object
+from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch
+from loomrl.envs.reward_list import drain_stats, load_reward
 from loomrl.runtime.endpoints import endpoint
 from loomrl.types import Completions, Group, Rollout
 
@@ -125,11 +126,9 @@ class RewardExecutor(RewardEndpoints):
         from loomrl.sandbox.default import configure_default_pool
 
         try:  # (the controller loaded it already: what fails here fails in this process only)
-            self.fn = load_object(task.reward)
+            self.fn = load_reward(task)
         except UserCodeError as err:
-            raise UserCodeError(f"scorer executor {_this_executor()} cannot load task.reward: {err}") from err
-        if not callable(self.fn):
-            raise TypeError(f"task.reward {task.reward!r} is not callable")
+            raise UserCodeError(f"scorer executor {_this_executor()} cannot load the task's reward: {err}") from err
         self.timeout_s = task.reward_timeout_s
         if sandbox is not None:
             configure_default_pool(sandbox)
@@ -147,7 +146,7 @@ class RewardExecutor(RewardEndpoints):
             done = batch.result()
         finally:
             self._pending.discard(batch)
-        return reward_outcomes(done), default_pool_metrics()
+        return reward_outcomes(done), {**default_pool_metrics(), **drain_stats(self.fn)}
 
     def close(self) -> None:
         """Cancel the batches still scoring (a job that stops does not wait for a hung
@@ -196,11 +195,11 @@ class Scorer:
 
     def __init__(self, task: TaskConfig) -> None:
         self.task = task
-        function = task.scorer.path if task.scorer is not None and task.scorer.type == "function" else task.reward
-        self.fn = load_object(function) if function else None
-        if self.fn is not None and not callable(self.fn):
-            raise TypeError(f"task.reward {function!r} is not callable")
-        self.scores = task.reward is not None or task.scorer is not None  # (an environment scores in its episodes)
+        if task.scorer is not None and task.scorer.type == "function":  # the same as task.reward = path
+            task = task.model_copy(update={"reward": task.scorer.path, "scorer": None})
+        self.fn = load_reward(task) if task.scorer is None else None  # a model or judge scores in its executors
+        self.scores = task.environment is None  # (an environment scores in its episodes)
+        self._reward_sums: dict[str, float] = {}  # a reward list's reward/<name>_{sum,count} since the last step
         # Scorer executors (``Supervised`` slots), attached by the session; without them
         # the reward runs here, on this process's reward threads (a library user's Scorer).
         self.executors: list[Any] = []
@@ -208,6 +207,7 @@ class Scorer:
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self._merged_pool_metrics: dict[str, float] | None = None
         self.failures_by_reason: Counter[str] = Counter()
+        self.first_errors: dict[str, str] = {}  # each failure reason's first message (with its traceback)
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
@@ -217,6 +217,7 @@ class Scorer:
         into training's ``rollout/failed_*`` or its failure-rate limit."""
         twin = copy.copy(self)
         twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
+        twin._reward_sums, twin.first_errors = {}, {}
         return twin
 
     def attach(self, executors: list[Any], fault_stats: Any) -> None:
@@ -276,7 +277,20 @@ class Scorer:
         if self.fn is None:
             raise RuntimeError("a task.scorer model or judge scores in scorer executors (loomrl.scoring.executor."
                                "start_scorer_executor); attach them with Scorer.attach")  # fmt: skip
-        return reward_outcomes(await call_reward_batch(self.fn, items, self.task.reward_timeout_s))
+        done = await call_reward_batch(self.fn, items, self.task.reward_timeout_s)
+        self._add_reward_sums(drain_stats(self.fn))
+        return reward_outcomes(done)
+
+    def _add_reward_sums(self, sums: dict[str, float]) -> None:
+        for key, value in sums.items():
+            self._reward_sums[key] = self._reward_sums.get(key, 0.0) + value
+
+    def reward_metrics(self) -> dict[str, float]:
+        """Each part of a reward list as ``reward/<name>_mean``, over the rollouts scored
+        since the last call (empty for a single reward)."""
+        sums, self._reward_sums = self._reward_sums, {}
+        return {key.removesuffix("_sum") + "_mean": value / sums[key.removesuffix("_sum") + "_count"]
+                for key, value in sums.items() if key.endswith("_sum")}  # fmt: skip
 
     def _apply(self, rollouts: list[Rollout], outcomes: list[ScoreOutcome]) -> None:
         if set(map(_first, outcomes)) <= {"ok"}:  # the common case: every reward set at C speed
@@ -307,10 +321,17 @@ class Scorer:
                 self.fault_stats.lost_rollouts += count
                 outcomes = lost(f"{SCORER_LOST}: {err}")
                 return outcomes if post is None else post((outcomes, None))[0]
+            if self.fn is not None and hasattr(self.fn, "reward_stats") and pool_metrics:
+                pool_metrics = self._take_reward_sums(pool_metrics)
             if self._pool_metrics.get(slot.name) != pool_metrics:
                 self._pool_metrics[slot.name], self._merged_pool_metrics = pool_metrics, None
             return outcomes
         raise AssertionError("unreachable")
+
+    def _take_reward_sums(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` less the reward list's sums a scorer executor sent with them (added up here)."""
+        self._add_reward_sums({k: v for k, v in metrics.items() if k.startswith("reward/")})
+        return {k: v for k, v in metrics.items() if not k.startswith("reward/")}
 
     def pool_metrics(self) -> dict[str, float]:
         """The scorer executors' sandbox pools, as one (see ``merge_pool_metrics``); merged
@@ -322,11 +343,13 @@ class Scorer:
     def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
         """Mark ``rollout`` failed and count it; the 1st, 2nd, 4th, 8th ... failure of each
         reason is logged with its message (which holds the value), so the log stays short."""
-        rollout.status, rollout.error, rollout.reward = "failed", message, None
+        headline = message.partition("\n")[0]  # (a raised error's traceback follows its first line)
+        rollout.status, rollout.error, rollout.reward = "failed", headline, None
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
-        self.last_error = message
-        if count & (count - 1) == 0:
-            logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message)
+        self.last_error = headline
+        self.first_errors.setdefault(reason, message)
+        if count & (count - 1) == 0:  # the first one of a reason with its traceback, the later ones without
+            logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message if count == 1 else headline)
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which

@@ -21,6 +21,7 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
     return HFGenerator(
         model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype,
         trace=gen.resolve_trace(cfg.runtime, device_type), static_cache=cuda_graphs, cuda_graphs=cuda_graphs,
+        stop=gen.stop,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -72,10 +73,16 @@ class HFGenerator(Generator):
         static_cache: bool = False,
         cuda_graphs: bool = False,
         eos_check_every: int | None = None,
+        stop: list[str] | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
+        # Every EOS id: the tokenizer's and the generation config's (an int or a list; an
+        # instruct model's lists its end-of-turn token there).
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self._eos_tensor = None if len(self.eos_ids) == 1 else torch.tensor(sorted(self.eos_ids), device=module_device(model))
+        self.stop = list(stop or [])  # stop strings: completions are cut at the first (cut_at_stop)
         self.pad_id = tokenizer.pad_token_id
         self.device = module_device(model)
         mirror = published_state(model, DTYPES[publish_dtype])
@@ -193,6 +200,8 @@ class HFGenerator(Generator):
             ids, logprobs, finish = self._sample(prompts, seeds, sampling)
             # Detokenized here, as vLLM does, in one call per batch: not on the controller's loop.
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            if self.stop:
+                cut_at_stop(self.tokenizer, self.stop, ids, logprobs, finish, texts)
             start = 0
             for i in indices:  # (each request's samples are consecutive): columns, no object per completion
                 end = start + requests[i].num_samples
@@ -220,7 +229,9 @@ class HFGenerator(Generator):
             step_tokens.append(chosen)
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
-            done = done | (chosen == self.eos_id)
+            done = done | (chosen == self.eos_id if self._eos_tensor is None else torch.isin(chosen, self._eos_tensor))
+            if self.stop and (step + 1) % self.eos_check_every == 0:
+                done = done | self._holds_stop(step_tokens, done)
             if step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
                 break
             if (step + 1) % self.eos_check_every == 0 and bool(done.all()):  # (a host sync)
@@ -234,6 +245,16 @@ class HFGenerator(Generator):
                 logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
+
+    def _holds_stop(self, step_tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """[sequences] bool: live sequences whose last tokens hold a stop string (they stop
+        here; ``cut_at_stop`` cuts them exactly afterwards). The window covers the longest
+        stop string and the steps since the last look (a token is at least one character)."""
+        window = max(map(len, self.stop)) + self.eos_check_every
+        tails = self.tokenizer.batch_decode(torch.stack(step_tokens[-window:], dim=1).tolist(), skip_special_tokens=True)
+        live = (~done).tolist()
+        hits = [alive and any(s in text for s in self.stop) for alive, text in zip(live, tails)]
+        return torch.tensor(hits, dtype=torch.bool, device=self.device)
 
     def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
         """[steps, sequences] uniforms on the device, each sequence's from its own seed, drawn
@@ -323,7 +344,7 @@ class HFGenerator(Generator):
             t = row_tokens[:length]
             ids.append(t)
             lps.append(row_logprobs[:length])
-            finish.append("stop" if t and t[-1] == self.eos_id else "length")
+            finish.append("stop" if t and t[-1] in self.eos_ids else "length")
         return ids, lps, finish
 
     @staticmethod
@@ -343,3 +364,35 @@ class HFGenerator(Generator):
             chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1)).squeeze(1)
             chosen = chosen.clamp(max=logits.shape[-1] - 1)
         return chosen, logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS id and every one of the model's ``generation_config.eos_token_id``."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(i) for i in configured)
+    return ids
+
+
+def cut_at_stop(tokenizer: Any, stop: list[str], ids: list[list[int]], logprobs: list[list[float]],
+                finish: list[str], texts: list[str]) -> None:  # fmt: skip
+    """Cut each completion whose text holds a stop string, in place: its text before the
+    first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
+    so training sees what was sampled up to the stop (vLLM's rule: the stop string is
+    trained on, not shown to the reward); finish reason 'stop'. The sampling loop stops a
+    sequence once it looks and sees a stop string (``_holds_stop``); the tokens sampled past
+    the stop before it looked are dropped here."""
+    for row, text in enumerate(texts):
+        found = [at for at in (text.find(s) for s in stop) if at >= 0]
+        if not found:
+            continue
+        texts[row], finish[row] = text[: min(found)], "stop"
+        lo, hi = 1, len(ids[row])  # the shortest prefix that decodes to text holding a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            prefix = tokenizer.decode(ids[row][:mid], skip_special_tokens=True)
+            lo, hi = (lo, mid) if any(s in prefix for s in stop) else (mid + 1, hi)
+        ids[row], logprobs[row] = ids[row][:lo], logprobs[row][:lo]

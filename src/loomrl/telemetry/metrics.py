@@ -1,4 +1,5 @@
-"""Metrics sinks: one JSON line per record in ``metrics.jsonl``, and TensorBoard scalars."""
+"""Metrics sinks: one JSON line per record in ``metrics.jsonl``, and TensorBoard scalars;
+completion samples in ``samples.jsonl`` (and TensorBoard text)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class MetricsLogger:
         wrote at or after it before the crash (metrics.jsonl is cut by the caller)."""
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
+        self.samples_path = run_dir / "samples.jsonl"
+        self._samples_file = None  # opened at the first samples
         self._tb = None
         if tensorboard:
             try:
@@ -53,6 +56,12 @@ class MetricsLogger:
         went away)."""
         self._raise_write_error()
         self._queue.put((record if owned else record.copy(), step))
+
+    def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Queue a step's (prompt, completion, reward) samples: one JSON line each in
+        ``samples.jsonl`` (with ``step``), and one TensorBoard text entry per step."""
+        self._raise_write_error()
+        self._queue.put((_Samples(samples), step))
 
     def flush(self) -> None:
         """Wait until every record logged so far is in ``metrics.jsonl`` (before a
@@ -89,6 +98,9 @@ class MetricsLogger:
                 item.set()
                 continue
             record, step = item
+            if isinstance(record, _Samples):
+                self._write_samples(record.samples, step)
+                continue
             try:  # the common case, all in C: no value is NaN or infinite
                 line = json.dumps(record, sort_keys=True, allow_nan=False)
             except ValueError:  # JSON has no NaN or infinity: they are written as null
@@ -109,6 +121,20 @@ class MetricsLogger:
                     logger.warning("TensorBoard write failed at step %d (%s); metrics.jsonl is complete", step, err)
                 tb_failed = True
 
+    def _write_samples(self, samples: list[dict[str, Any]], step: int) -> None:
+        lines = "".join(json.dumps({"step": step, **s}, default=str) + "\n" for s in samples)
+        try:
+            if self._samples_file is None:
+                self._samples_file = self.samples_path.open("a", buffering=1)
+            self._samples_file.write(lines)
+        except Exception as err:  # noqa: BLE001 - raised on the caller's next log or flush
+            self._error = self._error or err
+        if self._tb is not None and hasattr(self._tb, "add_text"):
+            try:  # markdown: a prompt and its completion per sample, as code blocks
+                self._tb.add_text("samples", "\n\n".join(_as_markdown(s) for s in samples), step)
+            except Exception as err:  # noqa: BLE001 - samples.jsonl has them
+                logger.warning("TensorBoard text write failed at step %d (%s); samples.jsonl has the samples", step, err)
+
     def _write_step(self, scalars: list[tuple[str, float]], step: int) -> None:
         """A step's scalars as one event of many values (TensorBoard reads it as the same
         scalar series as one event per scalar; one event costs about what one scalar did)."""
@@ -124,8 +150,32 @@ class MetricsLogger:
         self._kick.set()
         self._thread.join()
         self._file.close()
+        if self._samples_file is not None:
+            self._samples_file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class _Samples:
+    """A step's samples on the writer's queue (told apart from a metrics record)."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self, samples: list[dict[str, Any]]) -> None:
+        self.samples = samples
+
+
+def _as_markdown(sample: dict[str, Any]) -> str:
+    prompt = sample["prompt"] if isinstance(sample["prompt"], str) else json.dumps(sample["prompt"])
+    return f"**reward {sample['reward']}**\n\n```\n{prompt}\n```\n```\n{sample['completion']}\n```"
+
+
+def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The samples a run wrote, in order (``samples.jsonl``)."""
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
