@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_once(runtime: str, event_loop: str, max_staleness: int, args: argparse.Namespace,
-             out: Path) -> dict[str, float]:  # fmt: skip
+def run_once(
+    runtime: str, event_loop: str, max_staleness: int, args: argparse.Namespace, out: Path
+) -> dict[str, float]:
     from loomrl.job import Job
     from loomrl.telemetry.metrics import read_metrics
 
@@ -67,16 +68,25 @@ def run_once(runtime: str, event_loop: str, max_staleness: int, args: argparse.N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--async-staleness", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=16)
-    parser.add_argument("--model", default="tiny:llama", help="model spec (default: random tiny Llama)")
+    parser.add_argument(
+        "--model", default="tiny:llama", help="model spec (default: random tiny Llama)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the job's (4)")
-    parser.add_argument("--runtimes", default="local,process", help="comma-separated: local, process")
-    parser.add_argument("--event-loops", default="auto",
-                        help="comma-separated event_loop settings to compare: auto, uvloop, asyncio")  # fmt: skip
+    parser.add_argument(
+        "--runtimes", default="local,process", help="comma-separated: local, process"
+    )
+    parser.add_argument(
+        "--event-loops",
+        default="auto",
+        help="comma-separated event_loop settings to compare: auto, uvloop, asyncio",
+    )
     args = parser.parse_args()
     import logging
 
@@ -100,23 +110,47 @@ def main() -> None:
         return statistics.median(r[key] for r in results[config])
 
     baseline = med(configs[0], "samples_per_s")
-    table = Table(title=f"async vs sync: {args.steps} steps x {args.groups_per_step} groups, median of {args.repeats}")
-    cols = ("runtime", "event loop", "mode", "samples/s", f"vs {runtimes[0]} {loops[0]} sync", "gen busy s",
-            "train busy s", "sync s", "staleness", "wall s", "loop overhead", "loop CPU ms/step",
-            "controller process CPU s")  # fmt: skip
+    table = Table(
+        title=f"async vs sync: {args.steps} steps x {args.groups_per_step} groups, median of {args.repeats}"
+    )
+    cols = (
+        "runtime",
+        "event loop",
+        "mode",
+        "samples/s",
+        f"vs {runtimes[0]} {loops[0]} sync",
+        "gen busy s",
+        "train busy s",
+        "sync s",
+        "staleness",
+        "wall s",
+        "loop overhead",
+        "loop CPU ms/step",
+        "controller process CPU s",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     for c in configs:
         table.add_row(
-            *c, f"{med(c, 'samples_per_s'):.1f}", f"{med(c, 'samples_per_s') / baseline:.2f}x",
-            f"{med(c, 'gen_s'):.2f}", f"{med(c, 'train_s'):.2f}", f"{med(c, 'sync_s'):.2f}",
-            f"{med(c, 'staleness_mean'):.2f}", f"{med(c, 'elapsed_s'):.2f}", f"{med(c, 'controller_overhead'):.2%}",
-            f"{med(c, 'controller_cpu_ms_per_step'):.3f}", f"{med(c, 'controller_process_cpu_s'):.2f}",
-        )  # fmt: skip
+            *c,
+            f"{med(c, 'samples_per_s'):.1f}",
+            f"{med(c, 'samples_per_s') / baseline:.2f}x",
+            f"{med(c, 'gen_s'):.2f}",
+            f"{med(c, 'train_s'):.2f}",
+            f"{med(c, 'sync_s'):.2f}",
+            f"{med(c, 'staleness_mean'):.2f}",
+            f"{med(c, 'elapsed_s'):.2f}",
+            f"{med(c, 'controller_overhead'):.2%}",
+            f"{med(c, 'controller_cpu_ms_per_step'):.3f}",
+            f"{med(c, 'controller_process_cpu_s'):.2f}",
+        )
     console = Console(width=max(Console().width, 120))
     console.print(table)
     for rt, ev in pairs:
-        sync_sps, async_sps = med((rt, ev, "sync"), "samples_per_s"), med((rt, ev, "async"), "samples_per_s")
+        sync_sps, async_sps = (
+            med((rt, ev, "sync"), "samples_per_s"),
+            med((rt, ev, "async"), "samples_per_s"),
+        )
         gen, train, sync = (med((rt, ev, "sync"), k) for k in ("gen_s", "train_s", "sync_s"))
         ideal = (gen + train + sync) / max(gen, train)
         console.print(

@@ -64,7 +64,9 @@ def run_once(gens: int, scorers: int, args: argparse.Namespace, out: Path) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runtime", default="ray", choices=["ray", "process", "local"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
@@ -89,22 +91,48 @@ def main() -> None:
 
     base = med((1, 1), "completions_per_s")
     console = Console(width=max(Console().width, 120))
-    table = Table(title=f"code task on runtime={args.runtime}: {args.steps} steps, median of {args.repeats}")
-    for col in ("generators", "scorers", "completions/s", "vs 1 x 1", "gen s/compl", "score s/compl",
-                "train s/compl", "failed", "wall s"):
+    table = Table(
+        title=f"code task on runtime={args.runtime}: {args.steps} steps, median of {args.repeats}"
+    )
+    for col in (
+        "generators",
+        "scorers",
+        "completions/s",
+        "vs 1 x 1",
+        "gen s/compl",
+        "score s/compl",
+        "train s/compl",
+        "failed",
+        "wall s",
+    ):
         table.add_column(col, justify="right")
     for c in CONFIGS:
-        table.add_row(str(c[0]), str(c[1]), f"{med(c, 'completions_per_s'):.1f}",
-                      f"{med(c, 'completions_per_s') / base:.2f}x",
-                      f"{1e3 * med(c, 'gen_per_completion_s'):.2f} ms", f"{1e3 * med(c, 'score_per_completion_s'):.2f} ms",
-                      f"{1e3 * med(c, 'train_per_completion_s'):.2f} ms", f"{med(c, 'failed'):.0f}",
-                      f"{med(c, 'elapsed_s'):.1f}")  # fmt: skip
+        table.add_row(
+            str(c[0]),
+            str(c[1]),
+            f"{med(c, 'completions_per_s'):.1f}",
+            f"{med(c, 'completions_per_s') / base:.2f}x",
+            f"{1e3 * med(c, 'gen_per_completion_s'):.2f} ms",
+            f"{1e3 * med(c, 'score_per_completion_s'):.2f} ms",
+            f"{1e3 * med(c, 'train_per_completion_s'):.2f} ms",
+            f"{med(c, 'failed'):.0f}",
+            f"{med(c, 'elapsed_s'):.1f}",
+        )
     console.print(table)
-    gen, score, train = (med((1, 1), k) for k in ("gen_per_completion_s", "score_per_completion_s",
-                                                   "train_per_completion_s"))
+    gen, score, train = (
+        med((1, 1), k)
+        for k in ("gen_per_completion_s", "score_per_completion_s", "train_per_completion_s")
+    )
     proj = Table(title="projection: one machine per executor, stage times of the 1 x 1 run")
-    for col in ("generators", "scorers", "completions/s", "vs 1 x 1", "bound by", "rollouts/s (gen + score)",
-                "rollouts vs 1 x 1"):
+    for col in (
+        "generators",
+        "scorers",
+        "completions/s",
+        "vs 1 x 1",
+        "bound by",
+        "rollouts/s (gen + score)",
+        "rollouts vs 1 x 1",
+    ):
         proj.add_column(col, justify="right")
     one = min(1 / gen, 1 / score, 1 / train)
     rollouts_one = min(1 / gen, 1 / score)
@@ -112,8 +140,15 @@ def main() -> None:
         stages = {"generation": g / gen, "scoring": s / score, "training": 1 / train}
         bound = min(stages, key=stages.get)
         rollouts = min(stages["generation"], stages["scoring"])  # what the rollout side can feed
-        proj.add_row(str(g), str(s), f"{stages[bound]:.0f}", f"{stages[bound] / one:.2f}x", bound,
-                     f"{rollouts:.0f}", f"{rollouts / rollouts_one:.2f}x")
+        proj.add_row(
+            str(g),
+            str(s),
+            f"{stages[bound]:.0f}",
+            f"{stages[bound] / one:.2f}x",
+            bound,
+            f"{rollouts:.0f}",
+            f"{rollouts / rollouts_one:.2f}x",
+        )
     console.print(proj)
 
 

@@ -40,8 +40,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT / "examples/arithmetic"
-PHASE_ORDER = ["generate", "score", "train forward", "train backward", "optimizer", "publish", "trainer busy",
-               "wait for batch"]
+PHASE_ORDER = [
+    "generate",
+    "score",
+    "train forward",
+    "train backward",
+    "optimizer",
+    "publish",
+    "trainer busy",
+    "wait for batch",
+]
 SYSTEMS = ("trl", "sync-local", "async-local", "async-process")
 
 
@@ -111,29 +119,54 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in _rows("train.jsonl")])
+    dataset = Dataset.from_list(
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in _rows("train.jsonl")]
+    )
 
     def exact_match(prompts, completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
     config = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=args.groups_per_step * 8, num_generations=8,
-        max_completion_length=4, temperature=1.0, learning_rate=2e-4, lr_scheduler_type="linear",
-        warmup_steps=20, max_steps=args.steps, beta=0.0, num_iterations=1, use_cpu=True, bf16=False,
-        report_to="none", save_strategy="no", logging_steps=max(1, args.steps // 10), seed=args.seed,
-        dataloader_num_workers=0, disable_dropout=True,
+        output_dir=str(out),
+        per_device_train_batch_size=args.groups_per_step * 8,
+        num_generations=8,
+        max_completion_length=4,
+        temperature=1.0,
+        learning_rate=2e-4,
+        lr_scheduler_type="linear",
+        warmup_steps=20,
+        max_steps=args.steps,
+        beta=0.0,
+        num_iterations=1,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=max(1, args.steps // 10),
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_dropout=True,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
-                          processing_class=tok)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=exact_match,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     phases = _time_trl_phases(trainer)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0  # TRL's loop: its start-up is done before train()
     trainer.model.save_pretrained(out / "final")
     tok.save_pretrained(out / "final")
-    return {"wall_s": wall, "loop_s": wall, "completions": args.steps * args.groups_per_step * 8,
-            "final": out / "final",
-            "phases": {k: v / args.steps for k, v in phases.items()}}
+    return {
+        "wall_s": wall,
+        "loop_s": wall,
+        "completions": args.steps * args.groups_per_step * 8,
+        "final": out / "final",
+        "phases": {k: v / args.steps for k, v in phases.items()},
+    }
 
 
 def _time_trl_phases(trainer) -> dict[str, float]:
@@ -143,7 +176,13 @@ def _time_trl_phases(trainer) -> dict[str, float]:
         register_optimizer_step_pre_hook,
     )
 
-    phases = {"generate": 0.0, "score": 0.0, "train forward": 0.0, "train backward": 0.0, "optimizer": 0.0}
+    phases = {
+        "generate": 0.0,
+        "score": 0.0,
+        "train forward": 0.0,
+        "train backward": 0.0,
+        "optimizer": 0.0,
+    }
 
     def timed(obj, name: str, phase: str) -> None:
         inner = getattr(obj, name)
@@ -181,10 +220,15 @@ def _loomrl_phases(run_dir: Path, steps: int) -> dict[str, float]:
     def total(key: str) -> float:
         return sum(r.get(key, 0.0) for r in records) / steps
 
-    return {"generate": summary["generator_busy_s"] / steps, "train forward": total("timing/train_forward_s"),
-            "train backward": total("timing/train_backward_s"), "optimizer": total("timing/train_optimizer_s"),
-            "publish": total("timing/publish_s"), "trainer busy": summary["trainer_busy_s"] / steps,
-            "wait for batch": total("timing/wait_for_batch_s")}
+    return {
+        "generate": summary["generator_busy_s"] / steps,
+        "train forward": total("timing/train_forward_s"),
+        "train backward": total("timing/train_backward_s"),
+        "optimizer": total("timing/train_optimizer_s"),
+        "publish": total("timing/publish_s"),
+        "trainer busy": summary["trainer_busy_s"] / steps,
+        "wait for batch": total("timing/wait_for_batch_s"),
+    }
 
 
 def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
@@ -195,42 +239,77 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
     logging.disable(logging.INFO)
     mode, runtime = system.split("-")
     overrides = [
-        f'model.path="{args.model}"', f'runtime="{runtime}"', f"seed={args.seed}",
-        f"algorithm.max_staleness={0 if mode == 'sync' else 1}", f"trainer.num_steps={args.steps}",
-        f"algorithm.groups_per_step={args.groups_per_step}", f'output_dir="{out}"',
-        "eval.every_steps=100000", "checkpoint.every_steps=100000", "data.max_eval_examples=8",
+        f'model.path="{args.model}"',
+        f'runtime="{runtime}"',
+        f"seed={args.seed}",
+        f"algorithm.max_staleness={0 if mode == 'sync' else 1}",
+        f"trainer.num_steps={args.steps}",
+        f"algorithm.groups_per_step={args.groups_per_step}",
+        f'output_dir="{out}"',
+        "eval.every_steps=100000",
+        "checkpoint.every_steps=100000",
+        "data.max_eval_examples=8",
     ]
     t0 = time.perf_counter()
     result = Job.from_toml(DATA / "job.toml", overrides).run()
     wall = time.perf_counter() - t0
     run_dir = Path(result.summary["run_dir"])
-    return {"wall_s": wall, "loop_s": result.summary["elapsed_s"], "completions": result.summary["trained"], "final": run_dir / "final",
-            "phases": _loomrl_phases(run_dir, args.steps), "executor_rss_mb": result.summary["peak_rss_mb"],
-            "controller_overhead": result.summary["controller_overhead"]}
+    return {
+        "wall_s": wall,
+        "loop_s": result.summary["elapsed_s"],
+        "completions": result.summary["trained"],
+        "final": run_dir / "final",
+        "phases": _loomrl_phases(run_dir, args.steps),
+        "executor_rss_mb": result.summary["peak_rss_mb"],
+        "controller_overhead": result.summary["controller_overhead"],
+    }
 
 
 def child(system: str, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        r = run_trl(args, Path(tmp)) if system == "trl" else run_loomrl(system, args, Path(tmp) / "run")
+        r = (
+            run_trl(args, Path(tmp))
+            if system == "trl"
+            else run_loomrl(system, args, Path(tmp) / "run")
+        )
         accuracy = final_accuracy(r["final"])
     rss_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(json.dumps({"wall_s": r["wall_s"], "loop_s": r["loop_s"], "completions": r["completions"], "accuracy": accuracy,
-                      "rss_mb": rss_self, "child_rss_mb": rss_children, "phases": r["phases"],
-                      "executor_rss_mb": r.get("executor_rss_mb"), "controller_overhead": r.get("controller_overhead")}))
+    print(
+        json.dumps(
+            {
+                "wall_s": r["wall_s"],
+                "loop_s": r["loop_s"],
+                "completions": r["completions"],
+                "accuracy": accuracy,
+                "rss_mb": rss_self,
+                "child_rss_mb": rss_children,
+                "phases": r["phases"],
+                "executor_rss_mb": r.get("executor_rss_mb"),
+                "controller_overhead": r.get("controller_overhead"),
+            }
+        )
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--model", default=".cache/arithmetic-warmstart",
-                        help="warm-started model folder (python -m examples.arithmetic.warmstart builds it)")
-    parser.add_argument("--json", type=Path, help="also write {\"results\": per system, \"matmul_rates\": per repeat}")
+    parser.add_argument(
+        "--model",
+        default=".cache/arithmetic-warmstart",
+        help="warm-started model folder (python -m examples.arithmetic.warmstart builds it)",
+    )
+    parser.add_argument(
+        "--json", type=Path, help='also write {"results": per system, "matmul_rates": per repeat}'
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
@@ -242,24 +321,47 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     if not Path(args.model, "config.json").is_file():
-        parser.error(f"no model at {args.model}; build it with: python -m examples.arithmetic.warmstart")
+        parser.error(
+            f"no model at {args.model}; build it with: python -m examples.arithmetic.warmstart"
+        )
     results: dict[str, list[dict]] = {s: [] for s in systems}
     rates: list[float] = []  # the matmul rate, probed once a repeat (between systems, like them)
     for rep in range(args.repeats):  # interleaved, so the machine's noise hits every system
-        rates.append(matmul_rate(Path(args.model), rows=args.groups_per_step * 8 * 11, threads=args.threads))
-        print(f"repeat {rep} fp32 matmul rate at the model's shapes: {rates[-1] / 1e9:.1f} GFLOP/s", flush=True)
+        rates.append(
+            matmul_rate(Path(args.model), rows=args.groups_per_step * 8 * 11, threads=args.threads)
+        )
+        print(
+            f"repeat {rep} fp32 matmul rate at the model's shapes: {rates[-1] / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
         for system in systems:
-            cmd = [sys.executable, __file__, "--child", system, "--steps", str(args.steps), "--threads",
-                   str(args.threads), "--seed", str(args.seed), "--groups-per-step", str(args.groups_per_step),
-                   "--model", args.model]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                system,
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "--seed",
+                str(args.seed),
+                "--groups-per-step",
+                str(args.groups_per_step),
+                "--model",
+                args.model,
+            ]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             results[system].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             r = results[system][-1]
-            print(f"repeat {rep} {system}: {r['completions'] / r['loop_s']:.0f} completions/s "
-                  f"({r['completions'] / r['wall_s']:.0f} with start-up), "
-                  f"accuracy {r['accuracy']:.1%}", flush=True)
+            print(
+                f"repeat {rep} {system}: {r['completions'] / r['loop_s']:.0f} completions/s "
+                f"({r['completions'] / r['wall_s']:.0f} with start-up), "
+                f"accuracy {r['accuracy']:.1%}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps({"results": results, "matmul_rates": rates}, indent=2))
     report(results, args, rates)
@@ -282,41 +384,72 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
     cps = {s: med(s, lambda r: r["completions"] / r["loop_s"]) for s in results}
     cps_e2e = {s: med(s, lambda r: r["completions"] / r["wall_s"]) for s in results}
     base = cps.get("trl")
-    table = Table(title=f"loomrl vs TRL GRPOTrainer: {args.steps} steps x {args.groups_per_step * 8} completions, "
-                        f"{args.threads} threads, median of {args.repeats}")
-    for col in ("system", "completions/s", "tokens/s (<=4 each)", "vs TRL", "MFU", "with start-up", "held-out acc",
-                "peak RSS MB"):
+    table = Table(
+        title=f"loomrl vs TRL GRPOTrainer: {args.steps} steps x {args.groups_per_step * 8} completions, "
+        f"{args.threads} threads, median of {args.repeats}"
+    )
+    for col in (
+        "system",
+        "completions/s",
+        "tokens/s (<=4 each)",
+        "vs TRL",
+        "MFU",
+        "with start-up",
+        "held-out acc",
+        "peak RSS MB",
+    ):
         table.add_column(col, justify="right")
     for s in results:
         rss = med(s, lambda r: max(r["rss_mb"], r["child_rss_mb"]))
-        table.add_row(s, f"{cps[s]:.0f}", f"{4 * cps[s]:.0f}", f"{cps[s] / base:.2f}x" if base else "-",
-                      f"{cps[s] * flops / rate:.0%}",
-                      f"{cps_e2e[s]:.0f} ({cps_e2e[s] / cps_e2e['trl']:.2f}x)" if base else f"{cps_e2e[s]:.0f}",
-                      f"{med(s, lambda r: r['accuracy']):.1%}", f"{rss:.0f}")
+        table.add_row(
+            s,
+            f"{cps[s]:.0f}",
+            f"{4 * cps[s]:.0f}",
+            f"{cps[s] / base:.2f}x" if base else "-",
+            f"{cps[s] * flops / rate:.0%}",
+            f"{cps_e2e[s]:.0f} ({cps_e2e[s] / cps_e2e['trl']:.2f}x)"
+            if base
+            else f"{cps_e2e[s]:.0f}",
+            f"{med(s, lambda r: r['accuracy']):.1%}",
+            f"{rss:.0f}",
+        )
     console = Console(width=max(Console().width, 120))
     console.print(table)
     phases = sorted({p for s in results for p in results[s][0]["phases"]}, key=PHASE_ORDER.index)
-    by_phase = Table(title="seconds per step in each phase (median; loomrl's executors overlap in async mode)")
+    by_phase = Table(
+        title="seconds per step in each phase (median; loomrl's executors overlap in async mode)"
+    )
     for col in ("system", *phases, "wall"):
         by_phase.add_column(col, justify="right")
     for s in results:
-        cells = [f"{med(s, lambda r, p=p: r['phases'][p]):.3f}" if p in results[s][0]["phases"] else "-"
-                 for p in phases]
+        cells = [
+            f"{med(s, lambda r, p=p: r['phases'][p]):.3f}" if p in results[s][0]["phases"] else "-"
+            for p in phases
+        ]
         by_phase.add_row(s, *cells, f"{med(s, lambda r: r['loop_s']) / args.steps:.3f}")
     console.print(by_phase)
     for s in results:
         if results[s][0].get("executor_rss_mb"):
-            rss = {name: med(s, lambda r, n=name: r["executor_rss_mb"][n]) for name in results[s][0]["executor_rss_mb"]}
-            console.print(f"{s}: controller loop overhead {med(s, lambda r: r['controller_overhead']):.1%} of wall; "
-                          "peak RSS MB " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items()))
-    console.print(f"model FLOPs per completion {flops / 1e6:.1f} M; fp32 matmul rate at the model's shapes "
-                  f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads (the fastest of {len(rates)} probes, one a "
-                  f"repeat: {', '.join(f'{r / 1e9:.1f}' for r in rates)}); machine limit "
-                  f"~{rate / flops:.0f} completions/s")
+            rss = {
+                name: med(s, lambda r, n=name: r["executor_rss_mb"][n])
+                for name in results[s][0]["executor_rss_mb"]
+            }
+            console.print(
+                f"{s}: controller loop overhead {med(s, lambda r: r['controller_overhead']):.1%} of wall; "
+                "peak RSS MB " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items())
+            )
+    console.print(
+        f"model FLOPs per completion {flops / 1e6:.1f} M; fp32 matmul rate at the model's shapes "
+        f"{rate / 1e9:.1f} GFLOP/s on {args.threads} threads (the fastest of {len(rates)} probes, one a "
+        f"repeat: {', '.join(f'{r / 1e9:.1f}' for r in rates)}); machine limit "
+        f"~{rate / flops:.0f} completions/s"
+    )
     over = [s for s in results if cps[s] * flops > rate]
     if over:
-        console.print(f"[yellow]warning: MFU over 100% for {', '.join(over)}: every matmul probe ran slower than "
-                      "the systems did (a noisy machine); rerun with more repeats[/yellow]")
+        console.print(
+            f"[yellow]warning: MFU over 100% for {', '.join(over)}: every matmul probe ran slower than "
+            "the systems did (a noisy machine); rerun with more repeats[/yellow]"
+        )
 
 
 if __name__ == "__main__":

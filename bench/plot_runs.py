@@ -13,8 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_METRICS = ("rollout/reward_mean,eval/mean_reward,train/grad_norm,train/update_rms,train/entropy,"
-                   "train/importance_ratio_mean,train/importance_ratio_max,train/clip_fraction")
+DEFAULT_METRICS = (
+    "rollout/reward_mean,eval/mean_reward,train/grad_norm,train/update_rms,train/entropy,"
+    "train/importance_ratio_mean,train/importance_ratio_max,train/clip_fraction"
+)
 
 
 def read_series(run_dir: Path, metric: str, smooth: int) -> tuple[list[int], list[float]]:
@@ -34,7 +36,9 @@ def read_series(run_dir: Path, metric: str, smooth: int) -> tuple[list[int], lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run folder, optionally =LABEL")
     parser.add_argument("--metrics", default=DEFAULT_METRICS)
     parser.add_argument("--smooth", type=int, default=20, help="steps per averaged point")
@@ -54,11 +58,16 @@ def main() -> None:
         for spec in args.runs:
             path, _, label = spec.partition("=")
             steps, values = read_series(Path(path), metric, args.smooth)
-            ax.plot(steps, values, label=label or Path(path).name, marker="o" if metric.startswith("eval/") else None)
+            ax.plot(
+                steps,
+                values,
+                label=label or Path(path).name,
+                marker="o" if metric.startswith("eval/") else None,
+            )
         ax.set_title(metric, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     if args.title:

@@ -32,9 +32,17 @@ def save_reward_model(folder: Path, hidden: int, layers: int) -> str:
 
     hf_logging.disable_progress_bar()
     tok = build_char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -42,12 +50,19 @@ def save_reward_model(folder: Path, hidden: int, layers: int) -> str:
 
 
 def items(n: int) -> list[tuple[str, str, dict]]:
-    rows = [json.loads(line) for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()]
-    return [(r["prompt"], f" {r['answer']}. Add the ones, carry the ten, then add the tens.", {})
-            for r in (rows * (n // len(rows) + 1))[:n]]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()
+    ]
+    return [
+        (r["prompt"], f" {r['answer']}. Add the ones, carry the ten, then add the tens.", {})
+        for r in (rows * (n // len(rows) + 1))[:n]
+    ]
 
 
-async def scores_per_s(task, num_executors: int, pairs: list, call_items: int, rounds: int) -> float:
+async def scores_per_s(
+    task, num_executors: int, pairs: list, call_items: int, rounds: int
+) -> float:
     from loomrl.envs.scorer import RewardEndpoints, Scorer
     from loomrl.runtime.process import ProcessRuntime
     from loomrl.runtime.supervision import FaultStats, Supervised
@@ -56,17 +71,25 @@ async def scores_per_s(task, num_executors: int, pairs: list, call_items: int, r
 
     runtime = ProcessRuntime(torch_threads=1)
     try:
-        handles = [runtime.start(f"scorer{i}", partial(start_scorer_executor, task, None), RewardEndpoints)
-                   for i in range(num_executors)]  # fmt: skip
+        handles = [
+            runtime.start(f"scorer{i}", partial(start_scorer_executor, task, None), RewardEndpoints)
+            for i in range(num_executors)
+        ]
         await runtime.wait_ready()
         scorer = Scorer(task)
-        scorer.attach([Supervised(None, h, deadlines=None, stats=FaultStats()) for h in handles], FaultStats())
-        rollouts = [Rollout(0, [], [], [], [], 0, prompt=p, completion=c, row=row) for p, c, row in pairs]
-        calls = [rollouts[i:i + call_items] for i in range(0, len(rollouts), call_items)]
+        scorer.attach(
+            [Supervised(None, h, deadlines=None, stats=FaultStats()) for h in handles], FaultStats()
+        )
+        rollouts = [
+            Rollout(0, [], [], [], [], 0, prompt=p, completion=c, row=row) for p, c, row in pairs
+        ]
+        calls = [rollouts[i : i + call_items] for i in range(0, len(rollouts), call_items)]
 
         async def one_round() -> None:
             await asyncio.gather(*(scorer.score(call) for call in calls))
-            assert all(r.status == "ok" for r in rollouts), [r.error for r in rollouts if r.status != "ok"][:1]
+            assert all(r.status == "ok" for r in rollouts), [
+                r.error for r in rollouts if r.status != "ok"
+            ][:1]
 
         await one_round()  # warm-up: the first forwards of each shape
         t0 = time.perf_counter()
@@ -88,13 +111,26 @@ def main(args) -> None:
         longest = max(len(tok(reward_model_text(tok, p, c)[0]).input_ids) for p, c, _ in pairs)
         rows = []
         for num_executors, batch in [(1, 1), (1, 8), (1, 64), (2, 1), (2, 8), (2, 64)]:
-            task = TaskConfig(scorer={"type": "model", "path": path, "device": "cpu",
-                                      "max_tokens_per_batch": batch * longest})  # fmt: skip
-            rate = asyncio.run(scores_per_s(task, num_executors, pairs, args.call_items, args.rounds))
+            task = TaskConfig(
+                scorer={
+                    "type": "model",
+                    "path": path,
+                    "device": "cpu",
+                    "max_tokens_per_batch": batch * longest,
+                }
+            )
+            rate = asyncio.run(
+                scores_per_s(task, num_executors, pairs, args.call_items, args.rounds)
+            )
             rows.append((num_executors, batch, batch * longest, rate))
-            print(f"  {num_executors} executor(s), {batch:>2} rows a forward: {rate:8.0f} scores/s", flush=True)
-    print(f"\nreward model: Qwen2 hidden {args.hidden}, {args.layers} layers; {args.items} pairs of <= {longest} "
-          f"tokens a round, calls of {args.call_items}, {args.rounds} rounds\n")  # fmt: skip
+            print(
+                f"  {num_executors} executor(s), {batch:>2} rows a forward: {rate:8.0f} scores/s",
+                flush=True,
+            )
+    print(
+        f"\nreward model: Qwen2 hidden {args.hidden}, {args.layers} layers; {args.items} pairs of <= {longest} "
+        f"tokens a round, calls of {args.call_items}, {args.rounds} rounds\n"
+    )
     print("| scorer executors | rows a forward | max_tokens_per_batch | scores/s | vs first row |")
     print("|---:|---:|---:|---:|---:|")
     for num_executors, batch, budget, rate in rows:
@@ -104,7 +140,9 @@ def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=512, help="pairs scored per round")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds (after one warm-up round)"
+    )
     parser.add_argument("--call-items", type=int, default=64, help="pairs per Scorer.score call")
     parser.add_argument("--hidden", type=int, default=128, help="reward model hidden size")
     parser.add_argument("--layers", type=int, default=4, help="reward model layers")

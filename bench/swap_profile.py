@@ -43,23 +43,51 @@ def rss_bytes() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--swaps", type=int, default=40)
-    p.add_argument("--groups", type=int, default=8, help="prompts per step (x4 rollouts), as the bench's 1x job")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=8,
+        help="prompts per step (x4 rollouts), as the bench's 1x job",
+    )
     p.add_argument("--core", type=int, help="run on this core only")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     model, tok = load_model_and_tokenizer(MODEL, seed=0)
-    trainer = Trainer(model, tok, AlgorithmConfig(group_size=GROUP_SIZE), TrainerConfig(lr=1e-4, micro_batch_size=64), 1.0)
+    trainer = Trainer(
+        model,
+        tok,
+        AlgorithmConfig(group_size=GROUP_SIZE),
+        TrainerConfig(lr=1e-4, micro_batch_size=64),
+        1.0,
+    )
     gen = torch.Generator().manual_seed(0)
 
     def train_step() -> int:  # the minor faults it took
-        groups = [Group(g, 0, [Rollout(g, [3, 4, 5, 6, 7, 8], torch.randint(3, model.config.vocab_size, (16,),
-                                                                              generator=gen).tolist(),
-                                       [-1.0] * 16, [1] * 16, 0, reward=float(i % 2)) for i in range(GROUP_SIZE)])
-                  for g in range(args.groups)]  # fmt: skip
+        groups = [
+            Group(
+                g,
+                0,
+                [
+                    Rollout(
+                        g,
+                        [3, 4, 5, 6, 7, 8],
+                        torch.randint(3, model.config.vocab_size, (16,), generator=gen).tolist(),
+                        [-1.0] * 16,
+                        [1] * 16,
+                        0,
+                        reward=float(i % 2),
+                    )
+                    for i in range(GROUP_SIZE)
+                ],
+            )
+            for g in range(args.groups)
+        ]
         before = minor_faults()
         trainer.train_step(groups)
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -69,8 +97,18 @@ def main() -> None:
     first = offload(trainer.model, trainer.optimizer)
     first_s, num_mappings = first.seconds, len(first.mappings)
     first_restore_s = restore(first)
-    rows: dict[str, list[float]] = {k: [] for k in ("offload_ms", "restore_ms", "restore_faults", "rss_freed_mb",
-                                                     "copied_mb", "step_faults_after_swap", "step_faults_no_swap")}  # fmt: skip
+    rows: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "offload_ms",
+            "restore_ms",
+            "restore_faults",
+            "rss_freed_mb",
+            "copied_mb",
+            "step_faults_after_swap",
+            "step_faults_no_swap",
+        )
+    }
     for _ in range(args.swaps):
         rows["step_faults_no_swap"].append(train_step())
         rss = rss_bytes()
@@ -82,12 +120,16 @@ def main() -> None:
         rows["offload_ms"].append(1e3 * state.seconds)
         rows["copied_mb"].append(state.bytes_copied / 1e6)
         rows["step_faults_after_swap"].append(train_step())
-    print(f"state: {first.bytes_moved / 1e6:.2f} MB in {num_mappings} mappings; first swap (copies it "
-          f"into shared memory): offload {1e3 * first_s:.1f} ms, restore {1e3 * first_restore_s:.1f} ms")  # fmt: skip
+    print(
+        f"state: {first.bytes_moved / 1e6:.2f} MB in {num_mappings} mappings; first swap (copies it "
+        f"into shared memory): offload {1e3 * first_s:.1f} ms, restore {1e3 * first_restore_s:.1f} ms"
+    )
     print(f"median of {args.swaps} swaps after it:")
     for key, values in rows.items():
         print(f"  {key:<24} {statistics.median(values):8.2f}")
-    print(f"  {'swap_ms':<24} {statistics.median(rows['offload_ms']) + statistics.median(rows['restore_ms']):8.2f}")
+    print(
+        f"  {'swap_ms':<24} {statistics.median(rows['offload_ms']) + statistics.median(rows['restore_ms']):8.2f}"
+    )
 
 
 if __name__ == "__main__":

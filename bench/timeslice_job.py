@@ -45,7 +45,7 @@ def sample(model, prompts: torch.Tensor, new_tokens: int, gen: torch.Generator):
             nxt = torch.multinomial(probs, 1, generator=gen)
             logps.append(torch.log(probs.gather(-1, nxt)))
             ids = torch.cat([ids, nxt], dim=1)
-    return ids[:, prompts.shape[1]:], torch.cat(logps, dim=1)
+    return ids[:, prompts.shape[1] :], torch.cat(logps, dim=1)
 
 
 def main() -> None:
@@ -55,15 +55,25 @@ def main() -> None:
     p.add_argument("--sync", required=True, type=Path)
     p.add_argument("--groups", type=int, default=4, help="prompts per step (x4 rollouts)")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--tool-s", type=float, default=0.4, help="the environment's tool calls per step")
+    p.add_argument(
+        "--tool-s", type=float, default=0.4, help="the environment's tool calls per step"
+    )
     p.add_argument("--heartbeat-s", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model, tok = load_model_and_tokenizer(MODEL, seed=args.seed)
-    trainer = Trainer(model, tok, AlgorithmConfig(group_size=GROUP_SIZE), TrainerConfig(lr=1e-4, micro_batch_size=64), 1.0)
-    client = SchedulerClient(args.url, args.name, heartbeat_timeout_s=10.0, heartbeat_interval_s=args.heartbeat_s)
+    trainer = Trainer(
+        model,
+        tok,
+        AlgorithmConfig(group_size=GROUP_SIZE),
+        TrainerConfig(lr=1e-4, micro_batch_size=64),
+        1.0,
+    )
+    client = SchedulerClient(
+        args.url, args.name, heartbeat_timeout_s=10.0, heartbeat_interval_s=args.heartbeat_s
+    )
     client.attach(Swappable(trainer.model, trainer.optimizer))
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
@@ -77,20 +87,46 @@ def main() -> None:
             out = fn()
             t_end = time.time()
         t_rel = time.time()
-        leases.append({"phase": name, "requested": t_req, "body_start": t_body, "body_end": t_end,
-                       "released": t_rel, "restore_s": lease.restore_s,
-                       "offload_s": client.stats["offload_s"] - stats0["offload_s"]})  # fmt: skip
+        leases.append(
+            {
+                "phase": name,
+                "requested": t_req,
+                "body_start": t_body,
+                "body_end": t_end,
+                "released": t_rel,
+                "restore_s": lease.restore_s,
+                "offload_s": client.stats["offload_s"] - stats0["offload_s"],
+            }
+        )
         return out
 
     def cycle(step: int) -> None:
         prompts = torch.randint(3, vocab, (args.groups * GROUP_SIZE, 6), generator=gen)
-        completion, logp = phase("generate", lambda: sample(trainer.model, prompts, args.new_tokens, gen))
+        completion, logp = phase(
+            "generate", lambda: sample(trainer.model, prompts, args.new_tokens, gen)
+        )
         time.sleep(args.tool_s)  # the environment's tool calls: off the device
         rewards = torch.rand(len(prompts), generator=gen).round().tolist()
-        groups = [Group(g, 0, [Rollout(g, prompts[i].tolist(), completion[i].tolist(), logp[i].tolist(),
-                                       [1] * args.new_tokens, step, reward=rewards[i])
-                               for i in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)])
-                  for g in range(args.groups)]  # fmt: skip
+        groups = [
+            Group(
+                g,
+                0,
+                [
+                    Rollout(
+                        g,
+                        prompts[i].tolist(),
+                        completion[i].tolist(),
+                        logp[i].tolist(),
+                        [1] * args.new_tokens,
+                        step,
+                        reward=rewards[i],
+                    )
+                    for i in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)
+                ],
+            )
+            for g in range(args.groups)
+        ]
+
         def train() -> None:
             trainer.train_step(groups)
             # the gradients are dead once the step is taken (the next step starts with
@@ -115,8 +151,15 @@ def main() -> None:
         cycles.append(time.time())
         step += 1
     client.close()
-    out = {"name": args.name, "groups": args.groups, "tool_s": args.tool_s, "leases": leases, "cycles": cycles,
-           "offload_s_total": client.stats["offload_s"] - offload_before, "rollouts_per_cycle": args.groups * GROUP_SIZE}  # fmt: skip
+    out = {
+        "name": args.name,
+        "groups": args.groups,
+        "tool_s": args.tool_s,
+        "leases": leases,
+        "cycles": cycles,
+        "offload_s_total": client.stats["offload_s"] - offload_before,
+        "rollouts_per_cycle": args.groups * GROUP_SIZE,
+    }
     (args.sync / f"{args.name}.json").write_text(json.dumps(out))
 
 

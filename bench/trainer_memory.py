@@ -67,9 +67,19 @@ def _model(layers: int, device):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
 
@@ -78,8 +88,18 @@ def _groups(row_tokens: int, rows: int, prompt_tokens: int):
     from loomrl.types import Group, Rollout
 
     n = row_tokens - prompt_tokens
-    rollouts = [Rollout(i, [2 + i % 7] * prompt_tokens, [(11 * i + j) % 151_000 + 5 for j in range(n)], [-3.0] * n,
-                        [1] * n, 0, reward=float(i % 2)) for i in range(rows)]
+    rollouts = [
+        Rollout(
+            i,
+            [2 + i % 7] * prompt_tokens,
+            [(11 * i + j) % 151_000 + 5 for j in range(n)],
+            [-3.0] * n,
+            [1] * n,
+            0,
+            reward=float(i % 2),
+        )
+        for i in range(rows)
+    ]
     return [Group(0, 0, rollouts)]
 
 
@@ -93,12 +113,22 @@ def child(variant: str, layers: int, device_name: str) -> dict:
 
     device = resolve_device(device_name)
     model = _model(layers, device)
-    cfg = TrainerConfig(lr=1e-5, micro_batch_size=ROWS, shared_prefix=False, trace=False, **VARIANTS[variant])
-    trainer = Trainer(model, type("Tok", (), {"pad_token_id": 0})(), AlgorithmConfig(group_size=ROWS), cfg, 1.0)
-    trainer.train_step(_groups(PROMPT_TOKENS + 8, ROWS, PROMPT_TOKENS))  # gradients and AdamW state exist now
+    cfg = TrainerConfig(
+        lr=1e-5, micro_batch_size=ROWS, shared_prefix=False, trace=False, **VARIANTS[variant]
+    )
+    trainer = Trainer(
+        model, type("Tok", (), {"pad_token_id": 0})(), AlgorithmConfig(group_size=ROWS), cfg, 1.0
+    )
+    trainer.train_step(
+        _groups(PROMPT_TOKENS + 8, ROWS, PROMPT_TOKENS)
+    )  # gradients and AdamW state exist now
     groups = _groups(ROW_TOKENS, ROWS, PROMPT_TOKENS)
-    out = {"variant": variant, "precision": trainer.precision, "device": str(device),
-           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    out = {
+        "variant": variant,
+        "precision": trainer.precision,
+        "device": str(device),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
     if device.type == "cuda":
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()
@@ -115,14 +145,30 @@ def child(variant: str, layers: int, device_name: str) -> dict:
     else:
         peak = (_proc_status_kb("VmHWM") or 0) * 1024 if out["hwm_reset"] else None
         out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out.update(resident=resident, step_peak=peak, transient=None if peak is None else peak - resident,
-               grad_norm=metrics["train/grad_norm"])
+    out.update(
+        resident=resident,
+        step_peak=peak,
+        transient=None if peak is None else peak - resident,
+        grad_norm=metrics["train/grad_norm"],
+    )
     return out
 
 
 def _run_variant(variant: str, layers: int, device: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, __file__, "--child", variant, "--layers", str(layers), "--device", device]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--layers",
+        str(layers),
+        "--device",
+        device,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -135,11 +181,16 @@ def _gib(n) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (24 is the 0.5B shape)")
+    parser.add_argument(
+        "--layers", type=int, default=24, help="decoder layers (24 is the 0.5B shape)"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--variants", default=",".join(str(i) for i in range(len(VARIANTS))),
-                        help="indices of the variants to run, comma-separated: " +
-                        "; ".join(f"{i}={v}" for i, v in enumerate(VARIANTS)))
+    parser.add_argument(
+        "--variants",
+        default=",".join(str(i) for i in range(len(VARIANTS))),
+        help="indices of the variants to run, comma-separated: "
+        + "; ".join(f"{i}={v}" for i, v in enumerate(VARIANTS)),
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -148,21 +199,31 @@ def main() -> None:
     names = [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
     rows = [_run_variant(v, args.layers, args.device) for v in names]
     cuda = rows[0]["device"].startswith("cuda")
-    print(f"\nQwen2-shaped, {args.layers} layers, {rows[0]['params_m']:.0f}M parameters, vocabulary 151,936, "
-          f"one micro-batch of {ROWS} x {ROW_TOKENS} = {ROWS * ROW_TOKENS} tokens, precision {rows[0]['precision']}, "
-          f"device {rows[0]['device']}\n")
+    print(
+        f"\nQwen2-shaped, {args.layers} layers, {rows[0]['params_m']:.0f}M parameters, vocabulary 151,936, "
+        f"one micro-batch of {ROWS} x {ROW_TOKENS} = {ROWS * ROW_TOKENS} tokens, precision {rows[0]['precision']}, "
+        f"device {rows[0]['device']}\n"
+    )
     peak_name = "step peak allocated GiB" if cuda else "peak RSS GiB (ru_maxrss)"
-    print(f"| variant | {peak_name} | vs before | resident before step GiB | step transient GiB | vs before "
-          "| step s | grad norm |")
+    print(
+        f"| variant | {peak_name} | vs before | resident before step GiB | step transient GiB | vs before "
+        "| step s | grad norm |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = rows[0]
     for r in rows:
         peak = r["step_peak"] if cuda else r["peak_rss"]
         base_peak = base["step_peak"] if cuda else base["peak_rss"]
         ratio = f"{base_peak / peak:.2f}x" if peak else "-"
-        t_ratio = f"{base['transient'] / r['transient']:.2f}x" if r["transient"] and base["transient"] else "-"
-        print(f"| {r['variant']} | {_gib(peak)} | {ratio} | {_gib(r['resident'])} | {_gib(r['transient'])} | {t_ratio} "
-              f"| {r['step_s']:.1f} | {r['grad_norm']:.6g} |")
+        t_ratio = (
+            f"{base['transient'] / r['transient']:.2f}x"
+            if r["transient"] and base["transient"]
+            else "-"
+        )
+        print(
+            f"| {r['variant']} | {_gib(peak)} | {ratio} | {_gib(r['resident'])} | {_gib(r['transient'])} | {t_ratio} "
+            f"| {r['step_s']:.1f} | {r['grad_norm']:.6g} |"
+        )
 
 
 if __name__ == "__main__":

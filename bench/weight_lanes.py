@@ -49,9 +49,16 @@ def build_model(size: str, device: str, seed: int) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv, inter, vocab = SIZES[size]
-    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                      tie_word_embeddings=True, max_position_embeddings=512)  # fmt: skip
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         return Qwen2ForCausalLM(cfg).float().eval()
@@ -90,8 +97,12 @@ def _generator_process(kind: str, kwargs: dict, size: str, device: str, conn) ->
     """A generator in another process: applies each version the parent names, answers."""
     model = build_model(size, device, seed=1)
     transport = make_transport(kind, **kwargs)
-    receiver = WeightReceiver(published_state(model, torch.bfloat16), _loader(model),
-                              Subscriber(transport.receiver(1)), wait_timeout_s=60)  # fmt: skip
+    receiver = WeightReceiver(
+        published_state(model, torch.bfloat16),
+        _loader(model),
+        Subscriber(transport.receiver(1)),
+        wait_timeout_s=60,
+    )
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
         applied = receiver.apply_newest(int(msg))
@@ -108,8 +119,9 @@ def run_lane(lane: str, kind: str, kwargs: dict, trainer: torch.nn.Module, args)
     transport = make_transport(kind, **kwargs)
     if remote:
         parent, child = mp.get_context("spawn").Pipe()
-        proc = mp.get_context("spawn").Process(target=_generator_process,
-                                               args=(kind, kwargs, args.size, args.device, child))  # fmt: skip
+        proc = mp.get_context("spawn").Process(
+            target=_generator_process, args=(kind, kwargs, args.size, args.device, child)
+        )
         conn = parent
     publisher = Publisher(transport.sender(), codec="full", publish_dtype="bfloat16")
     if remote:
@@ -117,10 +129,13 @@ def run_lane(lane: str, kind: str, kwargs: dict, trainer: torch.nn.Module, args)
         assert conn.recv() == "ready"
     else:
         gen = build_model(args.size, args.device, seed=1)
-        receiver = WeightReceiver(published_state(gen, torch.bfloat16), _loader(gen),
-                                  Subscriber(transport.receiver(1)))  # fmt: skip
+        receiver = WeightReceiver(
+            published_state(gen, torch.bfloat16), _loader(gen), Subscriber(transport.receiver(1))
+        )
     times, publish_s = [], []
-    steps = args.steps if kind == "tensor" else min(args.steps, 2)  # the byte lane takes seconds a step
+    steps = (
+        args.steps if kind == "tensor" else min(args.steps, 2)
+    )  # the byte lane takes seconds a step
     for step in range(steps + 1):
         _train_step(trainer, step)
         _sync(args.device)
@@ -146,10 +161,16 @@ def run_lane(lane: str, kind: str, kwargs: dict, trainer: torch.nn.Module, args)
         mirror_digest = _digest(receiver.mirror)
     transport.close()
     getattr(transport, "unlink", lambda: None)()
-    return {"lane": lane, "transport": kind, **{k: v for k, v in kwargs.items() if k == "mode"},
-            "step_ms": 1e3 * statistics.median(times), "publish_ms": 1e3 * statistics.median(publish_s),
-            "apply_ms": 1e3 * (statistics.median(times) - statistics.median(publish_s)), "steps": steps,
-            "verified": mirror_digest == expected}  # fmt: skip
+    return {
+        "lane": lane,
+        "transport": kind,
+        **{k: v for k, v in kwargs.items() if k == "mode"},
+        "step_ms": 1e3 * statistics.median(times),
+        "publish_ms": 1e3 * statistics.median(publish_s),
+        "apply_ms": 1e3 * (statistics.median(times) - statistics.median(publish_s)),
+        "steps": steps,
+        "verified": mirror_digest == expected,
+    }
 
 
 def lanes(device: str) -> list[tuple[str, str, dict]]:
@@ -168,20 +189,46 @@ def main(args) -> None:
     t_start = time.perf_counter()
     trainer = build_model(args.size, args.device, seed=0)
     nbytes = sum(t.numel() for t in synced_params(trainer).values()) * 2
-    rows = [run_lane(lane, kind, kwargs, trainer, args) for lane, kind, kwargs in lanes(args.device)]
+    rows = [
+        run_lane(lane, kind, kwargs, trainer, args) for lane, kind, kwargs in lanes(args.device)
+    ]
     base = {r["lane"].split(", ")[1]: r["step_ms"] for r in rows if r["lane"].startswith("byte")}
-    header = ["lane", "transport", "steps", "publish ms", "apply ms", "publish+apply ms", "vs byte lane", "verified"]
-    lines = [f"\n## Weight sync per step: {args.size} Qwen2, {nbytes / 1e6:.1f} MB bf16 on {args.device}, "
-             f"median of the timed steps after a warm-up (total {time.perf_counter() - t_start:.0f} s)\n",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    header = [
+        "lane",
+        "transport",
+        "steps",
+        "publish ms",
+        "apply ms",
+        "publish+apply ms",
+        "vs byte lane",
+        "verified",
+    ]
+    lines = [
+        f"\n## Weight sync per step: {args.size} Qwen2, {nbytes / 1e6:.1f} MB bf16 on {args.device}, "
+        f"median of the timed steps after a warm-up (total {time.perf_counter() - t_start:.0f} s)\n",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for r in rows:
         ratio = base[r["lane"].split(", ")[1]] / r["step_ms"]
         kind = r["transport"] + (f" ({r['mode']})" if "mode" in r else "")
-        lines.append(f"| {r['lane']} | {kind} | {r['steps']} | {r['publish_ms']:.1f} | {r['apply_ms']:.1f} | "
-                     f"{r['step_ms']:.1f} | {ratio:.1f}x | {'yes' if r['verified'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['lane']} | {kind} | {r['steps']} | {r['publish_ms']:.1f} | {r['apply_ms']:.1f} | "
+            f"{r['step_ms']:.1f} | {ratio:.1f}x | {'yes' if r['verified'] else 'NO'} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"size": args.size, "device": args.device, "model_bytes": nbytes,
-                                               "steps": args.steps, "rows": rows}, indent=2))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "device": args.device,
+                    "model_bytes": nbytes,
+                    "steps": args.steps,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     print("\n".join(lines))
     if not all(r["verified"] for r in rows):
         raise SystemExit("a generator's mirror does not hold the published weights")

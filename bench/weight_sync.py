@@ -102,22 +102,32 @@ def real_weights(lrs: list[float], rl_steps: int, warm_steps: int) -> dict[float
     tmp = Path(tempfile.mkdtemp(prefix="loomrl-bench-"))
     t0 = time.perf_counter()
     rows = load_rows(ROOT / "examples/arithmetic/train.jsonl")
-    supervised_warmstart(REAL_MODEL, rows, tmp / "warm", steps=warm_steps, batch_size=64, lr=2e-3, seed=0)
+    supervised_warmstart(
+        REAL_MODEL, rows, tmp / "warm", steps=warm_steps, batch_size=64, lr=2e-3, seed=0
+    )
     print(f"# warm start: {warm_steps} supervised steps in {time.perf_counter() - t0:.0f}s")
     runs = {}
     for lr in lrs:
         out = tmp / f"lr{lr:g}"
         overrides = [
-            f'model.path="{tmp / "warm"}"', f"trainer.lr={lr}", 'trainer.lr_schedule="constant"',
-            "trainer.warmup_steps=0", f"trainer.num_steps={rl_steps}", "checkpoint.every_steps=1",
-            f"checkpoint.keep={rl_steps + 1}", "eval.every_steps=1000000", "data.max_eval_examples=8",
+            f'model.path="{tmp / "warm"}"',
+            f"trainer.lr={lr}",
+            'trainer.lr_schedule="constant"',
+            "trainer.warmup_steps=0",
+            f"trainer.num_steps={rl_steps}",
+            "checkpoint.every_steps=1",
+            f"checkpoint.keep={rl_steps + 1}",
+            "eval.every_steps=1000000",
+            "data.max_eval_examples=8",
             f'output_dir="{out}"',
         ]
         result = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run()
         runs[lr] = [_published(c) for c in list_checkpoints(out / "checkpoints")]
-        print(f"# RL lr={lr:g}: {rl_steps} steps of the arithmetic job, reward per step "
-              f"{[round(r['rollout/reward_mean'], 2) for r in _step_records(out)]}, "
-              f"eval {result.summary['eval_start']:.2f} -> {result.summary['eval_end']:.2f}")
+        print(
+            f"# RL lr={lr:g}: {rl_steps} steps of the arithmetic job, reward per step "
+            f"{[round(r['rollout/reward_mean'], 2) for r in _step_records(out)]}, "
+            f"eval {result.summary['eval_start']:.2f} -> {result.summary['eval_end']:.2f}"
+        )
     torch.set_num_threads(1)
     logging.disable(logging.NOTSET)
     return runs
@@ -473,10 +483,23 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="comma-separated parameter counts")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-real", action="store_true", help="skip the RL run (synthetic only)")
-    ap.add_argument("--lane", choices=["byte", "tensor"], default="byte",
-                    help="tensor: publish+apply per step, tensor lane next to the byte lane (bench/weight_lanes.py)")
-    ap.add_argument("--size", choices=["full", "small"], default="full", help="--lane tensor: the 362M Qwen2 or a tiny one")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--lane tensor: device")
+    ap.add_argument(
+        "--lane",
+        choices=["byte", "tensor"],
+        default="byte",
+        help="tensor: publish+apply per step, tensor lane next to the byte lane (bench/weight_lanes.py)",
+    )
+    ap.add_argument(
+        "--size",
+        choices=["full", "small"],
+        default="full",
+        help="--lane tensor: the 362M Qwen2 or a tiny one",
+    )
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="--lane tensor: device",
+    )
     ap.add_argument("--steps", type=int, default=5, help="--lane tensor: timed steps per lane")
     ap.add_argument("--json", default=None, help="--lane tensor: write the rows here")
     args = ap.parse_args()
@@ -499,9 +522,7 @@ def main() -> None:
     )
     rows, observed = [], [0.02, 0.1]
     if not args.no_real:
-        runs = real_weights(
-            [1e-6, 1e-5, 1e-3], rl_steps=3 if args.quick else 5, warm_steps=350
-        )
+        runs = real_weights([1e-6, 1e-5, 1e-3], rl_steps=3 if args.quick else 5, warm_steps=350)
         rows = [
             codec_row(f"real RL, AdamW lr={lr:g}", list(zip(s, s[1:], strict=False)), args.repeats)
             for lr, s in runs.items()

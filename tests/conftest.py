@@ -18,7 +18,10 @@ TINY_MODEL = "tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_si
 
 @pytest.fixture
 def tiny_data(tmp_path: Path) -> tuple[Path, Path]:
-    src = [json.loads(line) for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()]
+    src = [
+        json.loads(line)
+        for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()
+    ]
     train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in src[:400]))
     evals.write_text("".join(json.dumps(r) + "\n" for r in src[400:416]))
@@ -77,9 +80,24 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, object_store_memory=300 << 20, include_dashboard=False, namespace="loomrl-tests",
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                     [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}})
+        ray.init(
+            num_cpus=4,
+            object_store_memory=300 << 20,
+            include_dashboard=False,
+            namespace="loomrl-tests",
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": os.pathsep.join(
+                        [
+                            str(ROOT / "src"),
+                            str(ROOT / "tests"),
+                            str(ROOT),
+                            os.environ.get("PYTHONPATH", ""),
+                        ]
+                    )
+                }
+            },
+        )
     yield ray
     if started:
         ray.shutdown()

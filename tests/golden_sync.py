@@ -23,10 +23,18 @@ TINY_MODEL = "tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_si
 
 # The keys compared per step: what training computes, not how long it took.
 STEP_KEYS = (
-    "train/loss", "train/grad_norm", "train/lr", "train/entropy", "train/update_rms",
-    "train/importance_ratio_mean", "train/advantage_abs_mean", "train/num_tokens",
-    "rollout/reward_mean", "rollout/completion_len_mean", "rollout/staleness_max",
-)  # fmt: skip
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/entropy",
+    "train/update_rms",
+    "train/importance_ratio_mean",
+    "train/advantage_abs_mean",
+    "train/num_tokens",
+    "rollout/reward_mean",
+    "rollout/completion_len_mean",
+    "rollout/staleness_max",
+)
 
 
 def length_reward(prompt: str, completion: str, **row: Any) -> float:
@@ -61,12 +69,17 @@ def _raw(out: Path, data: tuple[Path, Path], **sections: Any) -> dict[str, Any]:
         "task": {"reward": "golden_sync:length_reward", "reward_timeout_s": 10.0},
         "generation": {"max_new_tokens": 4, "prompts_per_request": 2},
         "algorithm": {"group_size": 4, "groups_per_step": 4, "max_staleness": 0},
-        "trainer": {"num_steps": 10, "lr": 3e-3, "micro_batch_size": 8, "warmup_steps": 3,
-                    "lr_schedule": "cosine"},
+        "trainer": {
+            "num_steps": 10,
+            "lr": 3e-3,
+            "micro_batch_size": 8,
+            "warmup_steps": 3,
+            "lr_schedule": "cosine",
+        },
         "weight_sync": {"codec": "delta"},
         "checkpoint": {"every_steps": 100},
         "eval": {"every_steps": 5},
-    }  # fmt: skip
+    }
     for section, values in sections.items():
         if isinstance(values, dict):
             raw.setdefault(section, {}).update(values)
@@ -78,16 +91,24 @@ def _raw(out: Path, data: tuple[Path, Path], **sections: Any) -> dict[str, Any]:
 # name -> config sections over the base above
 CASES: dict[str, dict[str, Any]] = {
     "reward_local": {},
-    "linear_schedule": {"trainer": {"num_steps": 6, "warmup_steps": 2, "lr_schedule": "linear"},
-                        "weight_sync": {"codec": "full"}},
-    "environment_local": {"task": {"reward": None, "environment": "golden_sync:TwoTurns", "max_turns": 3},
-                          "trainer": {"num_steps": 4}, "eval": {"every_steps": 2}},
+    "linear_schedule": {
+        "trainer": {"num_steps": 6, "warmup_steps": 2, "lr_schedule": "linear"},
+        "weight_sync": {"codec": "full"},
+    },
+    "environment_local": {
+        "task": {"reward": None, "environment": "golden_sync:TwoTurns", "max_turns": 3},
+        "trainer": {"num_steps": 4},
+        "eval": {"every_steps": 2},
+    },
     "reward_process_shm": {"runtime": "process", "trainer": {"num_steps": 4}},
-}  # fmt: skip
+}
 
 
 def write_data(folder: Path) -> tuple[Path, Path]:
-    rows = [json.loads(line) for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()
+    ]
     train, evals = folder / "train.jsonl", folder / "eval.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows[:200]))
     evals.write_text("".join(json.dumps(r) + "\n" for r in rows[200:208]))
@@ -104,10 +125,15 @@ def run_case(name: str, folder: Path) -> dict[str, Any]:
     data = write_data(folder)
     result = Job(build_config(_raw(folder / "run", data, **CASES[name]))).run()
     records = read_metrics(result.run_dir)
-    steps = [{k: r.get(k) for k in STEP_KEYS} | {"step": r["step"]} for r in records if "train/loss" in r]
+    steps = [
+        {k: r.get(k) for k in STEP_KEYS} | {"step": r["step"]} for r in records if "train/loss" in r
+    ]
     # eval/accuracy (7a184df) and eval/mean_reward (later) are the same number: the mean reward
-    evals = [{"step": r["step"], "mean_reward": r.get("eval/mean_reward", r.get("eval/accuracy"))}
-             for r in records if "eval/version" in r]  # fmt: skip
+    evals = [
+        {"step": r["step"], "mean_reward": r.get("eval/mean_reward", r.get("eval/accuracy"))}
+        for r in records
+        if "eval/version" in r
+    ]
     return {"steps": steps, "evals": evals}
 
 
@@ -131,7 +157,9 @@ def _cpu_flags() -> set[str]:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:  # not Linux: the kernel level alone names the record
         return set()
-    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return next(
+        (set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set()
+    )
 
 
 def main() -> None:

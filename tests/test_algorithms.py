@@ -90,7 +90,9 @@ def test_pg_loss_ignores_the_behaviour_policy():
     expected = (-(logp[0, :3] * 1.0).sum() - (logp[1, :2] * -2.0).sum()) / 5
     loss, stats = policy_loss_with_stats("pg", logp, beh, adv, mask)
     assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5)
-    assert math.isclose(policy_loss("pg", logp, beh + 3.0, adv, mask).item(), loss.item(), rel_tol=1e-6)
+    assert math.isclose(
+        policy_loss("pg", logp, beh + 3.0, adv, mask).item(), loss.item(), rel_tol=1e-6
+    )
     assert stats.weight_mean == 1.0 and stats.clip_fraction == 0.0
     logp = logp.clone().requires_grad_(True)
     policy_loss("pg", logp, beh, adv, mask).backward()
@@ -124,4 +126,6 @@ def test_kl_penalty_is_zero_at_equal_policies_and_positive_otherwise():
     ref = torch.log(torch.tensor([[0.25, 0.4]]))
     # k3: exp(d) - d - 1 with d = ref - lp = [-ln 2, ln 2]
     d = torch.tensor([-math.log(2), math.log(2)])
-    assert math.isclose(kl_penalty(lp, ref, mask).item(), (torch.exp(d) - d - 1).mean().item(), rel_tol=1e-6)
+    assert math.isclose(
+        kl_penalty(lp, ref, mask).item(), (torch.exp(d) - d - 1).mean().item(), rel_tol=1e-6
+    )

@@ -21,14 +21,31 @@ MIN_GAIN = 0.30
 
 
 def _warmstart(out, seed: int):
-    subprocess.run([sys.executable, "-m", "examples.arithmetic.warmstart", "--out", str(out), "--seed", str(seed)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.arithmetic.warmstart",
+            "--out",
+            str(out),
+            "--seed",
+            str(seed),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def _rl(model, seed: int, codec: str, out) -> tuple[float, float]:
-    overrides = [f'model.path="{model}"', f"seed={seed}", f'weight_sync.codec="{codec}"',
-                 f'output_dir="{out}"', "eval.every_steps=1000"]
+    overrides = [
+        f'model.path="{model}"',
+        f"seed={seed}",
+        f'weight_sync.codec="{codec}"',
+        f'output_dir="{out}"',
+        "eval.every_steps=1000",
+    ]
     s = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run().summary
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
     return s["eval_start"], s["eval_end"]

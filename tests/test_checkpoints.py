@@ -51,14 +51,18 @@ class _RunsCode:
 
 def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "marker"
-    path = save_checkpoint(tmp_path / "ckpt", 1, {"trainer": {"version": 1}, "x": _RunsCode(str(marker))}, keep=2)
+    path = save_checkpoint(
+        tmp_path / "ckpt", 1, {"trainer": {"version": 1}, "x": _RunsCode(str(marker))}, keep=2
+    )
     with pytest.raises(CheckpointError, match="more than tensors and plain data, refused"):
         load_checkpoint(path)
     assert not marker.exists()
 
 
 def test_null_manifest_and_missing_files_are_named(tmp_path):
-    path = save_checkpoint(tmp_path / "ckpt", 3, {"trainer": {"version": 3}, "t": torch.ones(2)}, keep=2)
+    path = save_checkpoint(
+        tmp_path / "ckpt", 3, {"trainer": {"version": 3}, "t": torch.ones(2)}, keep=2
+    )
     assert load_checkpoint(path)["trainer"]["version"] == 3  # plain data loads with weights_only
     (path / "manifest.json").write_text("null")
     with pytest.raises(CheckpointError, match="manifest.json has no 'sha256'"):
@@ -75,8 +79,11 @@ def test_corrupted_newest_checkpoint_names_the_newest_that_verifies_and_resume_f
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"step_000004 is corrupted.*newest checkpoint that verifies is "
-                       rf"step_000002: `loomrl resume {result.run_dir} --from 2`"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_000004 is corrupted.*newest checkpoint that verifies is "
+        rf"step_000002: `loomrl resume {result.run_dir} --from 2`",
+    ):
         resume_job(result.run_dir)
     with pytest.raises(CheckpointError, match=r"no checkpoint of step 3 .*steps there: 2, 4"):
         resume_job(result.run_dir, from_step=3)
@@ -100,7 +107,9 @@ def _disk_full_at_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(torch, "save", save)
 
 
-@pytest.mark.parametrize("metrics_fail_too", [False, True], ids=["checkpoint", "checkpoint+metrics"])
+@pytest.mark.parametrize(
+    "metrics_fail_too", [False, True], ids=["checkpoint", "checkpoint+metrics"]
+)
 def test_disk_full_while_checkpointing_leaves_no_partial_folder_frees_shm_and_names_the_good_step(
     tiny_job, monkeypatch, metrics_fail_too
 ):
@@ -109,15 +118,29 @@ def test_disk_full_while_checkpointing_leaves_no_partial_folder_frees_shm_and_na
 
     made = []
     real_make = loomrl.session.make_transport
-    monkeypatch.setattr(loomrl.session, "make_transport", lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+    monkeypatch.setattr(
+        loomrl.session,
+        "make_transport",
+        lambda *a, **k: made.append(real_make(*a, **k)) or made[-1],
+    )
     _disk_full_at_step(monkeypatch, 4)
     if metrics_fail_too:  # the disk stays full: closing the metrics log fails as well
-        monkeypatch.setattr(MetricsLogger, "close", lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
-    cfg = tiny_job(trainer={"num_steps": 4}, checkpoint={"every_steps": 2, "keep": 5},
-                   weight_sync={"transport": "shm"})  # fmt: skip
+        monkeypatch.setattr(
+            MetricsLogger,
+            "close",
+            lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")),
+        )
+    cfg = tiny_job(
+        trainer={"num_steps": 4},
+        checkpoint={"every_steps": 2, "keep": 5},
+        weight_sync={"transport": "shm"},
+    )
     run_dir = Path(cfg.output_dir)
-    with pytest.raises(CheckpointError, match=r"checkpoint of step 4 could not be written .*No space left on device"
-                       rf".*newest checkpoint that verifies is step_000002: `loomrl resume {run_dir} --from 2`"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint of step 4 could not be written .*No space left on device"
+        rf".*newest checkpoint that verifies is step_000002: `loomrl resume {run_dir} --from 2`",
+    ):
         Job(cfg).run()
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # no partial folder, no .tmp-*
@@ -133,7 +156,11 @@ def test_a_run_stopped_while_saving_its_final_model_is_not_taken_as_finished(tin
     result = Job(tiny_job(trainer={"num_steps": 2}, checkpoint={"every_steps": 2})).run()
     summary_path = result.run_dir / "summary.json"
     stopped = {**json.loads(summary_path.read_text()), "interrupted": True, "stopped_by": "SIGTERM"}
-    summary_path.write_text(json.dumps(stopped))  # as a second SIGTERM during save_pretrained leaves it
+    summary_path.write_text(
+        json.dumps(stopped)
+    )  # as a second SIGTERM during save_pretrained leaves it
     resumed = resume_job(result.run_dir)
     assert not resumed.summary.get("already_finished") and resumed.summary["steps"] == 2
-    assert not resumed.summary["interrupted"] and (result.run_dir / "final" / "config.json").is_file()
+    assert (
+        not resumed.summary["interrupted"] and (result.run_dir / "final" / "config.json").is_file()
+    )

@@ -17,8 +17,12 @@ BASE = {"data": {"train": "t.jsonl"}, "task": {"reward": "m:f"}}
 def test_defaults_and_dotted_overrides(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('[data]\ntrain = "t.jsonl"\n[task]\nreward = "m:f"\n[trainer]\nlr = 1e-4\n')
-    cfg = load_config(job, ["trainer.lr=3e-4", "algorithm.max_staleness=0", 'algorithm.loss="grpo"'])
-    assert cfg.trainer.lr == 3e-4 and cfg.algorithm.max_staleness == 0 and cfg.algorithm.loss == "grpo"
+    cfg = load_config(
+        job, ["trainer.lr=3e-4", "algorithm.max_staleness=0", 'algorithm.loss="grpo"']
+    )
+    assert (
+        cfg.trainer.lr == 3e-4 and cfg.algorithm.max_staleness == 0 and cfg.algorithm.loss == "grpo"
+    )
     assert cfg.generation.temperature == 1.0
     assert parse_override("name=my-run") == (["name"], "my-run")  # bare strings need no quotes
 
@@ -61,7 +65,9 @@ def test_cli_help_is_fast_and_imports_no_torch():
     code = "import sys, loomrl.cli; loomrl.cli.build_parser(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "loomrl.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert time.perf_counter() - t0 < 3.0  # generous for a loaded CI machine; ~0.1 s idle
     assert "run" in out.stdout and "resume" in out.stdout
 
@@ -69,12 +75,18 @@ def test_cli_help_is_fast_and_imports_no_torch():
 def test_cli_reports_bad_config_key_without_traceback(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('[data]\ntrain = "t.jsonl"\n[task]\nreward = "m:f"\n[trainer]\nlrr = 1\n')
-    out = subprocess.run([sys.executable, "-m", "loomrl.cli", "run", str(job)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job)], capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert "trainer.lrr: unknown key" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_docs_list_every_config_key_as_loomrl_config_prints_it():
-    out = subprocess.run([sys.executable, "-m", "loomrl.cli", "config"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "config"], capture_output=True, text=True, check=True
+    )
     docs = (Path(__file__).resolve().parents[1] / "docs/config.md").read_text()
-    assert out.stdout.strip() and out.stdout.strip() in docs, "docs/config.md is stale: paste `loomrl config`"
+    assert out.stdout.strip() and out.stdout.strip() in docs, (
+        "docs/config.md is stale: paste `loomrl config`"
+    )

@@ -57,8 +57,10 @@ class FakeGenerator(Generator):
         digits = [c for c in range(5, 15)]
         return [
             GenerationResult(
-                [Completion([self.rng.choice(digits) for _ in range(2)], [-1.0, -1.0], "length")
-                 for _ in range(r.num_samples)],
+                [
+                    Completion([self.rng.choice(digits) for _ in range(2)], [-1.0, -1.0], "length")
+                    for _ in range(r.num_samples)
+                ],
                 version,
             )
             for r in requests
@@ -101,14 +103,25 @@ def run_fake(cfg, tmp_path, gen_delays, train_delays, reward_path=None, trainer_
     runtime = LocalRuntime()
     published = Published()
     trainer_cls = trainer_cls or FakeTrainer
-    trainer = runtime.start("trainer", lambda: trainer_cls(published, train_delays), TrainerEndpoints)
-    gens = [runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i), Generator)
-            for i in range(cfg.generation.num_generators)]
+    trainer = runtime.start(
+        "trainer", lambda: trainer_cls(published, train_delays), TrainerEndpoints
+    )
+    gens = [
+        runtime.start(f"g{i}", lambda i=i: FakeGenerator(published, gen_delays, i), Generator)
+        for i in range(cfg.generation.num_generators)
+    ]
     rows = load_rows(cfg.data.train)
     metrics = MetricsLogger(tmp_path, tensorboard=False)
     ctl = Controller(
-        cfg, trainer=trainer, generators=gens, scorer=Scorer(cfg.task), tokenizer=build_char_tokenizer(),
-        train_rows=rows, eval_rows=[], stream=PromptStream(len(rows), 0), metrics=metrics,
+        cfg,
+        trainer=trainer,
+        generators=gens,
+        scorer=Scorer(cfg.task),
+        tokenizer=build_char_tokenizer(),
+        train_rows=rows,
+        eval_rows=[],
+        stream=PromptStream(len(rows), 0),
+        metrics=metrics,
     )
     run_fake.last = ctl  # (for a test whose run raises)
     try:
@@ -124,11 +137,16 @@ class PublishFailsAtStep3(FakeTrainer):
         if self.version + 1 < 3:
             return super().train_step(groups, publish)
         super().train_step(groups)
-        raise PublishAfterStepError("step 3 was trained but publishing it failed: OSError: disk full")
+        raise PublishAfterStepError(
+            "step 3 was trained but publishing it failed: OSError: disk full"
+        )
 
 
 def test_a_step_whose_fused_publish_fails_is_counted_before_the_job_fails(tiny_job, tmp_path):
-    cfg = tiny_job(algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 2}, trainer={"num_steps": 6})
+    cfg = tiny_job(
+        algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 2},
+        trainer={"num_steps": 6},
+    )
     with pytest.raises(PublishAfterStepError, match="disk full"):
         run_fake(cfg, tmp_path, [0.0], [0.0], trainer_cls=PublishFailsAtStep3)
     ctl = run_fake.last
@@ -136,7 +154,10 @@ def test_a_step_whose_fused_publish_fails_is_counted_before_the_job_fails(tiny_j
     # step's rollouts count as trained, not in flight
     assert ctl.version == 3 and ctl.published_version == 2
     c = ctl.counters
-    assert c.trained == 3 * 2 * 2 and c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+    assert (
+        c.trained == 3 * 2 * 2
+        and c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
+    )
 
 
 class RecordingTrainer(FakeTrainer):
@@ -159,7 +180,10 @@ class RecordingGenerator(FakeGenerator):
 
 def test_trained_rollouts_carry_what_the_generator_and_the_dataset_gave(tiny_job, tmp_path):
     """The controller builds rollouts positionally (speed): each field lands where it belongs."""
-    cfg = tiny_job(algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 3}, trainer={"num_steps": 3})
+    cfg = tiny_job(
+        algorithm={"max_staleness": 1, "groups_per_step": 2, "group_size": 3},
+        trainer={"num_steps": 3},
+    )
     import test_controller as me
 
     real = me.FakeGenerator
@@ -175,16 +199,27 @@ def test_trained_rollouts_carry_what_the_generator_and_the_dataset_gave(tiny_job
         assert len(group.rollouts) == 3
         for r in group.rollouts:
             assert r.prompt_index == group.prompt_index and r.row == rows[r.prompt_index]
-            assert r.prompt == rows[r.prompt_index]["prompt"] and r.prompt_ids == tok(r.prompt).input_ids
-            assert r.completion == "t" + "".join(map(str, r.completion_ids)) and len(r.completion_ids) == 2
+            assert (
+                r.prompt == rows[r.prompt_index]["prompt"]
+                and r.prompt_ids == tok(r.prompt).input_ids
+            )
+            assert (
+                r.completion == "t" + "".join(map(str, r.completion_ids))
+                and len(r.completion_ids) == 2
+            )
             assert r.behaviour_logprobs == [-1.0, -1.0] and r.loss_mask == [1, 1]
             assert r.finish_reason == "stop" and r.status == "ok" and r.error is None
             assert r.reward is not None and 0 <= r.version <= 3 and r.num_turns == 1
 
 
-def test_a_generator_behind_the_published_version_applies_it_in_its_generate_call(tiny_job, tmp_path):
-    cfg = tiny_job(algorithm={"max_staleness": 0, "groups_per_step": 2, "group_size": 2},
-                   generation={"prompts_per_request": 2}, trainer={"num_steps": 4})
+def test_a_generator_behind_the_published_version_applies_it_in_its_generate_call(
+    tiny_job, tmp_path
+):
+    cfg = tiny_job(
+        algorithm={"max_staleness": 0, "groups_per_step": 2, "group_size": 2},
+        generation={"prompts_per_request": 2},
+        trainer={"num_steps": 4},
+    )
     import test_controller as me
 
     real = me.FakeGenerator
@@ -201,7 +236,9 @@ def test_a_generator_behind_the_published_version_applies_it_in_its_generate_cal
     assert [v for _, v in training] == list(range(cfg.trainer.num_steps))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     max_staleness=st.integers(0, 3),
     num_generators=st.integers(1, 2),
@@ -254,21 +291,35 @@ def test_a_requests_groups_enter_the_buffer_and_leave_the_gate_together():
         return Group(index, 0, [Rollout(index, [1], [5], [-1.0], [1], 0, reward=1.0)])
 
     async def scenario():
-        gate, buf = StalenessGate(max_staleness=0, groups_per_step=4), RolloutBuffer(max_staleness=0)
+        gate, buf = (
+            StalenessGate(max_staleness=0, groups_per_step=4),
+            RolloutBuffer(max_staleness=0),
+        )
         started = await gate.acquire(4)
         take = asyncio.create_task(buf.take(3, version=0, on_drop=None))
         await asyncio.sleep(0)  # the trainer waits for its batch
-        await buf.put_many([group(2), group(0), group(1)])  # one request's groups (one failed: 3 of 4)
+        await buf.put_many(
+            [group(2), group(0), group(1)]
+        )  # one request's groups (one failed: 3 of 4)
         await gate.finish_many(4, accepted=3)
         batch = await take
-        return started, gate.running, gate.accepted, gate.capacity(), [g.prompt_index for g in batch.groups]
+        return (
+            started,
+            gate.running,
+            gate.accepted,
+            gate.capacity(),
+            [g.prompt_index for g in batch.groups],
+        )
 
     assert asyncio.run(scenario()) == (4, 0, 3, 1, [0, 1, 2])
 
 
 def test_the_gate_wakes_a_waiting_generator_when_a_place_frees_and_a_stop_ends_a_waiting_take():
     async def scenario():
-        gate, buf = StalenessGate(max_staleness=0, groups_per_step=2), RolloutBuffer(max_staleness=0)
+        gate, buf = (
+            StalenessGate(max_staleness=0, groups_per_step=2),
+            RolloutBuffer(max_staleness=0),
+        )
         await gate.acquire(2)
         waiting = asyncio.create_task(gate.acquire(2))
         await gate.finish_many(2, accepted=2)  # all accepted: no place frees until the step
@@ -330,13 +381,20 @@ def test_prompts_handed_out_and_marked_in_batches_follow_one_at_a_time():
         for pick in singles[1:]:
             one.mark_trained(*pick)
         many.mark_trained_many(singles[1:])
-        assert (one.epoch, one.trained, one.trained_twice, one.state_dict()) == \
-            (many.epoch, many.trained, many.trained_twice, many.state_dict())  # fmt: skip
+        assert (one.epoch, one.trained, one.trained_twice, one.state_dict()) == (
+            many.epoch,
+            many.trained,
+            many.trained_twice,
+            many.state_dict(),
+        )
         assert one._outstanding == many._outstanding and list(one._pending) == list(many._pending)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=12), st.lists(st.integers(0, 5), max_size=4))
+@given(
+    st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=12),
+    st.lists(st.integers(0, 5), max_size=4),
+)
 def test_marking_a_steps_prompts_at_once_counts_as_marking_them_one_by_one(picks, before):
     """``mark_trained_many`` (sets at C speed) against the rule it stands for, applied one
     pick at a time: a pick of another epoch is ignored; an index trained before in this
@@ -353,14 +411,23 @@ def test_marking_a_steps_prompts_at_once_counts_as_marking_them_one_by_one(picks
             trained.append(index)
     stream.mark_trained_many(picks)
     assert (stream.trained, stream._trained_set, stream.trained_twice, stream._outstanding) == (
-        trained, seen, twice, outstanding)
+        trained,
+        seen,
+        twice,
+        outstanding,
+    )
 
 
 def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
     """``num_rollouts`` is kept as groups come and go (no pass over the buffer a step), and
     a batch carries its groups' sizes in its own (sorted) order."""
+
     def group(index, version, size):
-        return Group(index, 0, [Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0) for _ in range(size)])
+        return Group(
+            index,
+            0,
+            [Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0) for _ in range(size)],
+        )
 
     async def scenario():
         buf = RolloutBuffer(max_staleness=1)
@@ -368,7 +435,9 @@ def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
         for i, (v, n) in enumerate([(2, 3), (0, 2), (3, 1), (2, 4), (3, 5)]):
             await buf.put_many([group(i, v, n)])
             counts.append(buf.num_rollouts)
-        batch = await buf.take(2, version=3, on_drop=lambda g: asyncio.sleep(0))  # drops the version-0 group
+        batch = await buf.take(
+            2, version=3, on_drop=lambda g: asyncio.sleep(0)
+        )  # drops the version-0 group
         counts.append(buf.num_rollouts)
         rest = await buf.take(2, version=3, on_drop=None)
         return counts, batch, rest, buf.num_rollouts
@@ -381,7 +450,9 @@ def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
 
 
 @pytest.mark.parametrize("reward,reason", [("raising_reward", "raised"), ("nan_reward", "invalid")])
-def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(tiny_job, tmp_path, reward, reason):
+def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(
+    tiny_job, tmp_path, reward, reason
+):
     cfg = tiny_job(task={"reward": f"test_controller:{reward}", "max_failure_rate": 0.5})
     with pytest.raises(JobFailedError, match=r"rollouts failed scoring .*max_failure_rate=0.5"):
         run_fake(cfg, tmp_path, [0.0], [0.0])
@@ -389,7 +460,11 @@ def test_failing_reward_marks_rollouts_failed_and_stops_job_clearly(tiny_job, tm
 
 def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_path):
     cfg = tiny_job(
-        task={"reward": "test_controller:sometimes_hangs", "reward_timeout_s": 0.2, "max_failure_rate": 0.9},
+        task={
+            "reward": "test_controller:sometimes_hangs",
+            "reward_timeout_s": 0.2,
+            "max_failure_rate": 0.9,
+        },
         trainer={"num_steps": 3},
     )
     ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0], [0.0])
@@ -400,11 +475,16 @@ def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_
     assert c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
     records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     seen = [r.get("rollout/failed_timeout", 0) for r in records]
-    assert seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed  # (counted before the step that lost them)
+    assert (
+        seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed
+    )  # (counted before the step that lost them)
     # The step record's failures by reason are cached: a new count or reason shows at once.
     ctl.scorer.failures_by_reason["timeout"] += 2
     ctl.scorer.failures_by_reason["raised"] += 1
-    assert ctl._failed_metrics() == {"rollout/failed_timeout": ctl.counters.failed + 2, "rollout/failed_raised": 1}
+    assert ctl._failed_metrics() == {
+        "rollout/failed_timeout": ctl.counters.failed + 2,
+        "rollout/failed_raised": 1,
+    }
 
 
 def test_async_reward_functions_are_awaited(tiny_job, tmp_path):
@@ -419,7 +499,9 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
         ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
     stalls = [r.getMessage() for r in caplog.records if "past stall_warning_s" in r.getMessage()]
     assert len(stalls) == ctl.stall_warnings >= 1  # once per slow call, however long it runs
-    assert all(m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls)
+    assert all(
+        m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls
+    )
     records = [r for r in read_metrics(tmp_path) if "executor/stall_warnings" in r]
     assert records[-1]["executor/stall_warnings"] == ctl.stall_warnings
     quiet = tiny_job(trainer={"num_steps": 3})  # the default (300 s) stays quiet
@@ -441,6 +523,7 @@ def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
         def __call__(self, texts):
             class Out:
                 input_ids = [[1, len(t)] for t in texts]
+
             return Out()
 
     c = Controller.__new__(Controller)
@@ -463,8 +546,23 @@ def test_rollouts_and_completions_pickle_and_copy_field_for_field():
     from loomrl.types import Completion
 
     row = {"prompt": "1+2=", "answer": "3"}
-    rollout = Rollout(7, [1, 2], [5, 2], [-0.5, -0.25], [1, 0], 3, "1+2=", "3", row, 1.0, "failed", "boom",
-                      "length", 2, {"episode_s": 0.5})  # fmt: skip
+    rollout = Rollout(
+        7,
+        [1, 2],
+        [5, 2],
+        [-0.5, -0.25],
+        [1, 0],
+        3,
+        "1+2=",
+        "3",
+        row,
+        1.0,
+        "failed",
+        "boom",
+        "length",
+        2,
+        {"episode_s": 0.5},
+    )
     completion = Completion([5, 2], [-0.5, -0.25], "length", "3")
     for thing in (rollout, completion, Group(7, 1, [rollout])):
         for back in (pickle.loads(pickle.dumps(thing, protocol=5)), copy.deepcopy(thing)):

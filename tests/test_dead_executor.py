@@ -84,7 +84,9 @@ def forking_reward(prompt: str, completion: str, answer: str, **row) -> float:
     if not _HELPERS:
         pid = os.fork()
         if pid == 0:
-            time.sleep(300)  # past the call deadline below: only watching the process finds the death
+            time.sleep(
+                300
+            )  # past the call deadline below: only watching the process finds the death
             os._exit(0)
         _HELPERS.append(pid)
         with open(os.environ["LOOMRL_TEST_HELPERS"], "a") as f:
@@ -92,14 +94,19 @@ def forking_reward(prompt: str, completion: str, answer: str, **row) -> float:
     return 1.0 if completion.strip() == str(answer) else 0.0
 
 
-def test_a_scorer_killed_while_its_forked_helper_holds_the_pipe_is_replaced_in_seconds(tiny_job, tmp_path,
-                                                                                        monkeypatch):  # fmt: skip
+def test_a_scorer_killed_while_its_forked_helper_holds_the_pipe_is_replaced_in_seconds(
+    tiny_job, tmp_path, monkeypatch
+):
     helpers_file = tmp_path / "helpers"
     monkeypatch.setenv("LOOMRL_TEST_HELPERS", str(helpers_file))
     # Deadlines far longer than the test may take: only watching the process finds the death.
-    cfg = tiny_job(runtime="process", trainer={"num_steps": 4}, checkpoint={"every_steps": 100},
-                   task={"reward": "test_dead_executor:forking_reward", "reward_timeout_s": 2.0},
-                   faults={"min_deadline_s": 120.0, "deadline_factor": 10.0})  # fmt: skip
+    cfg = tiny_job(
+        runtime="process",
+        trainer={"num_steps": 4},
+        checkpoint={"every_steps": 100},
+        task={"reward": "test_dead_executor:forking_reward", "reward_timeout_s": 2.0},
+        faults={"min_deadline_s": 120.0, "deadline_factor": 10.0},
+    )
     killed = []
 
     def on_record(record):
@@ -118,6 +125,8 @@ def test_a_scorer_killed_while_its_forked_helper_holds_the_pipe_is_replaced_in_s
     s = result.summary
     assert s["steps"] == 4 and not s.get("job_failed")
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
-    assert s["faults"]["executor/scorer_failures"] == 1 and s["faults"]["executor/scorer_restarts"] == 1
+    assert (
+        s["faults"]["executor/scorer_failures"] == 1
+        and s["faults"]["executor/scorer_restarts"] == 1
+    )
     assert s["faults"]["executor/hung_kills"] == 0  # found dead, not waited out
-

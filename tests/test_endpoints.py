@@ -67,7 +67,10 @@ async def _start(runtime, factory, interface):
 def test_an_executor_missing_an_endpoint_fails_at_start_up(kind):
     runtime = _runtime(kind)
     try:
-        with pytest.raises(MissingEndpointError, match=r"MisspeltCounter does not implement Counter: no method 'add' \(did you mean 'ad'\?\)"):
+        with pytest.raises(
+            MissingEndpointError,
+            match=r"MisspeltCounter does not implement Counter: no method 'add' \(did you mean 'ad'\?\)",
+        ):
             asyncio.run(_start(runtime, MisspeltCounter, Counter))
     finally:
         runtime.shutdown()
@@ -77,11 +80,15 @@ def test_an_executor_missing_an_endpoint_fails_at_start_up(kind):
 def test_a_handle_has_the_endpoints_as_methods_and_refuses_other_names_at_once(kind):
     runtime = _runtime(kind)
     try:
+
         async def scenario():
             handle = await _start(runtime, GoodCounter, Counter)
             assert await handle.add(2) == 2 and await handle.add(3) == 5
             assert await handle.call("add", 1) == 6  # by name: checked the same way
-            with pytest.raises(UnknownEndpointError, match="Counter has no endpoint 'addd' \\(did you mean 'add'\\?\\)"):
+            with pytest.raises(
+                UnknownEndpointError,
+                match="Counter has no endpoint 'addd' \\(did you mean 'add'\\?\\)",
+            ):
                 handle.addd  # noqa: B018 - fails on lookup, before any call is made
             with pytest.raises(UnknownEndpointError):
                 await handle.call("addd", 1)
@@ -97,6 +104,7 @@ def test_a_handle_has_the_endpoints_as_methods_and_refuses_other_names_at_once(k
 def test_concurrent_endpoints_overlap_on_the_local_runtime():
     runtime = LocalRuntime()
     try:
+
         async def scenario():
             handle = await _start(runtime, GoodCounter, Counter)
             t0 = time.perf_counter()
@@ -111,9 +119,18 @@ def test_concurrent_endpoints_overlap_on_the_local_runtime():
 
 
 def test_the_job_interfaces_declare_what_the_controller_calls():
-    assert {"train_step", "publish", "save_checkpoint", "load_state_dict", "save_pretrained", "offload",
-            "restore"} <= set(endpoints_of(TrainerEndpoints))  # fmt: skip
-    assert {"generate", "apply_weights", "update_weights", "offload", "restore"} <= set(endpoints_of(Generator))
+    assert {
+        "train_step",
+        "publish",
+        "save_checkpoint",
+        "load_state_dict",
+        "save_pretrained",
+        "offload",
+        "restore",
+    } <= set(endpoints_of(TrainerEndpoints))
+    assert {"generate", "apply_weights", "update_weights", "offload", "restore"} <= set(
+        endpoints_of(Generator)
+    )
     assert issubclass(TrainerExecutor, TrainerEndpoints)
 
 
@@ -145,7 +162,9 @@ def test_controller_and_session_call_only_declared_endpoints():
                     owner = func.value
                     if isinstance(owner, ast.Subscript):
                         owner = owner.value
-                    owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                    owner_name = (
+                        owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                    )
                     if owner_name in handles:
                         if func.attr in ("call", "call_then") and call is not None:
                             names = [a.value for a in call.args if isinstance(a, ast.Constant)]
@@ -172,9 +191,12 @@ def test_a_local_call_cancelled_before_it_starts_never_runs_and_on_done_still_ru
     handle = runtime.start("w", Recorder)
     done: list[str] = []
     try:
+
         async def scenario():
             first = handle.submit("work", ("first", 0.3), {}, on_done=lambda: done.append("first"))
-            queued = handle.submit("work", ("queued", 0.0), {}, on_done=lambda: done.append("queued"))
+            queued = handle.submit(
+                "work", ("queued", 0.0), {}, on_done=lambda: done.append("queued")
+            )
             queued.cancel()
             failing = handle.submit("work", ("bad", "not seconds"), {})
             assert await first == "first"

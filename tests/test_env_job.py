@@ -22,7 +22,9 @@ class GuessTwice(Environment):
         self.turn += 1
         if self.turn == 1:
             return StepResult(observation=" again:", reward=0.0, done=False)
-        return StepResult(observation="", reward=len(completion.strip()) / 3 + self.bonus, done=True)
+        return StepResult(
+            observation="", reward=len(completion.strip()) / 3 + self.bonus, done=True
+        )
 
 
 class Broken(Environment):
@@ -42,9 +44,15 @@ def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_jo
         return real_step(self, groups, publish)
 
     monkeypatch.setattr(TrainerExecutor, "train_step", recording_step)
-    cfg = tiny_job(task={"reward": None, "environment": "test_env_job:GuessTwice",
-                         "environment_args": {"bonus": 0.5}, "max_turns": 3},
-                   trainer={"num_steps": 2})
+    cfg = tiny_job(
+        task={
+            "reward": None,
+            "environment": "test_env_job:GuessTwice",
+            "environment_args": {"bonus": 0.5},
+            "max_turns": 3,
+        },
+        trainer={"num_steps": 2},
+    )
     result = Job(cfg).run()
     tok = build_char_tokenizer()
     assert len(trained) == 2 * 4 * 4
@@ -82,9 +90,11 @@ async def sandboxed_length(prompt, completion, **row):
 def test_sandboxed_reward_job_reports_pool_metrics(tiny_job):
     import json
 
-    cfg = tiny_job(task={"reward": "test_env_job:sandboxed_length"},
-                   sandbox={"min_warm": 1, "max_warm": 2, "max_sandboxes": 4},
-                   trainer={"num_steps": 2})
+    cfg = tiny_job(
+        task={"reward": "test_env_job:sandboxed_length"},
+        sandbox={"min_warm": 1, "max_warm": 2, "max_sandboxes": 4},
+        trainer={"num_steps": 2},
+    )
     result = Job(cfg).run()
     records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     assert records[-1]["sandbox/exec_p50_ms"] > 0

@@ -65,10 +65,17 @@ def run(envs, max_turns=4, seed=5):
     gen = FakeGenerator()
     rollouts = asyncio.run(
         run_group_episodes(
-            envs, {"prompt": "P?", "extra": 1}, 7, generate=gen, encode=encode, decode=decode,
-            sampling=SamplingParams(max_new_tokens=2), max_turns=max_turns, seed=seed,
+            envs,
+            {"prompt": "P?", "extra": 1},
+            7,
+            generate=gen,
+            encode=encode,
+            decode=decode,
+            sampling=SamplingParams(max_new_tokens=2),
+            max_turns=max_turns,
+            seed=seed,
         )
-    )  # fmt: skip
+    )
     return rollouts, gen
 
 

@@ -38,7 +38,9 @@ def test_a_reward_that_calls_sys_exit_fails_at_once_as_raised(fn):
         asyncio.run(call_reward(fn, "p", "c", {}, timeout_s=5.0))
     assert info.value.reason == "raised"  # not "timeout"
     assert time.perf_counter() - t0 < 1.0  # and no wait for the whole timeout
-    assert asyncio.run(call_reward(lambda p, c: 1.0, "p", "c", {}, 5.0)) == 1.0  # the worker still works
+    assert (
+        asyncio.run(call_reward(lambda p, c: 1.0, "p", "c", {}, 5.0)) == 1.0
+    )  # the worker still works
 
 
 def test_dataset_errors_name_file_and_line_counted_from_one(tmp_path):
@@ -58,7 +60,9 @@ def test_dataset_errors_name_file_and_line_counted_from_one(tmp_path):
 
 
 def test_sandbox_sizes_are_checked_at_load_time():
-    with pytest.raises(ConfigError, match=r"min_warm <= max_warm <= max_sandboxes, got min_warm=4, max_warm=2"):
+    with pytest.raises(
+        ConfigError, match=r"min_warm <= max_warm <= max_sandboxes, got min_warm=4, max_warm=2"
+    ):
         build_config({**BASE, "sandbox": {"min_warm": 4, "max_warm": 2}})
     with pytest.raises(ConfigError, match=r"max_warm=16, max_sandboxes=8"):
         build_config({**BASE, "sandbox": {"max_sandboxes": 8}})
@@ -72,10 +76,17 @@ def fails_on_eval_rows(prompt, completion, **row):
 
 def test_a_small_dataset_warns_and_eval_failures_are_counted_apart(tiny_job, tiny_data, caplog):
     train, evals = tiny_data
-    train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
-    evals.write_text("".join(json.dumps({"prompt": f"{i}+2=", "held_out": True}) + "\n" for i in range(4)))
-    cfg = tiny_job(task={"reward": "test_errors:fails_on_eval_rows"}, trainer={"num_steps": 1},
-                   algorithm={"groups_per_step": 4, "max_staleness": 0})  # fmt: skip
+    train.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3))
+    )
+    evals.write_text(
+        "".join(json.dumps({"prompt": f"{i}+2=", "held_out": True}) + "\n" for i in range(4))
+    )
+    cfg = tiny_job(
+        task={"reward": "test_errors:fails_on_eval_rows"},
+        trainer={"num_steps": 1},
+        algorithm={"groups_per_step": 4, "max_staleness": 0},
+    )
     with caplog.at_level(logging.WARNING):
         result = Job(cfg).run()
     messages = [r.getMessage() for r in caplog.records]
@@ -106,14 +117,19 @@ def test_a_torch_dist_receiver_whose_group_broke_says_so_instead_of_going_stale(
     receiver.stats, receiver.store, receiver.pool = TransferStats(), UpdateStore(), BufferPool()
     receiver.group, receiver.stop, receiver.error = BrokenGroup(), threading.Event(), None
     receiver._run()  # returns: the group is broken
-    with pytest.raises(TransportError, match="receiver stopped after RuntimeError: Connection closed by peer"):
+    with pytest.raises(
+        TransportError, match="receiver stopped after RuntimeError: Connection closed by peer"
+    ):
         receiver.receive(0)
 
 
 def test_a_sandbox_cli_that_fails_to_import_is_reported(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "loomrl.sandbox.cli", None)  # import raises ImportError
     assert cli.main(["sandbox", "exec", "x.py"]) == 2
-    assert "error: the sandbox commands could not be loaded: ModuleNotFoundError: import of loomrl.sandbox.cli" in capsys.readouterr().err
+    assert (
+        "error: the sandbox commands could not be loaded: ModuleNotFoundError: import of loomrl.sandbox.cli"
+        in capsys.readouterr().err
+    )
 
 
 # -- issue 41, finding 10: unclear errors ---------------------------------------------------
@@ -124,17 +140,24 @@ def test_deep_or_non_string_prompts_are_dataset_errors_naming_file_and_line(tmp_
     path.write_text('{"prompt": "a"}\n' + '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     with pytest.raises(DatasetError, match=rf"{path}:2: nested too deeply"):
         load_rows(path)
-    for line, shown in [('{"prompt": null}', "null"), ('{"prompt": 3}', "an int"),
-                        ('{"prompt": {"a": 1}}', "a dict")]:  # fmt: skip
+    for line, shown in [
+        ('{"prompt": null}', "null"),
+        ('{"prompt": 3}', "an int"),
+        ('{"prompt": {"a": 1}}', "a dict"),
+    ]:
         path.write_text('{"prompt": "a"}\n\n' + line + "\n")
-        with pytest.raises(DatasetError, match=rf"{path}:3: .prompt. is {shown}, expected a string"):
+        with pytest.raises(
+            DatasetError, match=rf"{path}:3: .prompt. is {shown}, expected a string"
+        ):
             load_rows(path)
     path.write_text("[1, 2]\n")
     with pytest.raises(DatasetError, match=rf"{path}:1: row is a list, expected a JSON object"):
         load_rows(path)
 
 
-def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_module(tmp_path, monkeypatch):
+def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_module(
+    tmp_path, monkeypatch
+):
     from functools import partial
 
     from loomrl.config import TaskConfig
@@ -142,9 +165,16 @@ def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_m
     from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
     from loomrl.runtime.process import ProcessRuntime
 
-    cases = {"scorer_only_missing": ("import no_such_module_for_loomrl_tests",
-                                     "No module named 'no_such_module_for_loomrl_tests'"),
-             "scorer_only_raises": ("raise RuntimeError('needs a GPU')", "raised RuntimeError: needs a GPU")}  # fmt: skip
+    cases = {
+        "scorer_only_missing": (
+            "import no_such_module_for_loomrl_tests",
+            "No module named 'no_such_module_for_loomrl_tests'",
+        ),
+        "scorer_only_raises": (
+            "raise RuntimeError('needs a GPU')",
+            "raised RuntimeError: needs a GPU",
+        ),
+    }
     for name, (failure, _) in cases.items():
         (tmp_path / f"{name}.py").write_text(
             "import multiprocessing\n"
@@ -158,11 +188,17 @@ def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_m
         for name, (_, cause) in cases.items():
             assert callable(load_object(f"{name}:reward"))  # here (the controller) it imports
             task = TaskConfig(reward=f"{name}:reward")
-            handle = runtime.start("scorer0", partial(start_reward_executor, task, None), RewardEndpoints)
+            handle = runtime.start(
+                "scorer0", partial(start_reward_executor, task, None), RewardEndpoints
+            )
             with pytest.raises(UserCodeError) as info:
                 asyncio.run(handle.ready())
             text = str(info.value)  # what the CLI prints: one line naming the scorer and the module
-            assert "scorer executor 'scorer0' (pid" in text and f"module {name!r}" in text and cause in text, text
+            assert (
+                "scorer executor 'scorer0' (pid" in text
+                and f"module {name!r}" in text
+                and cause in text
+            ), text
     finally:
         runtime.shutdown()
 
@@ -180,15 +216,23 @@ def test_an_async_reward_that_blocks_the_loop_past_its_timeout_has_its_late_valu
 
     done = asyncio.run(call_reward_batch(_blocks_the_loop, [("p", "c", {})], 0.2))
     assert isinstance(done[0][0], RewardFailure) and done[0][0].reason == "timeout"
-    assert asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=5.0)) == 1.0  # in time: kept
+    assert (
+        asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=5.0)) == 1.0
+    )  # in time: kept
 
 
 def test_an_async_sandbox_exec_is_bounded_by_its_claim_timeout_and_its_own_timeout():
     from loomrl.sandbox import SandboxError, SandboxLimits, SandboxPool
 
     claim_s, own_s = 0.5, 1.0
-    with SandboxPool("process", min_warm=1, max_warm=1, max_sandboxes=1, claim_timeout_s=claim_s,
-                     limits=SandboxLimits(timeout_s=own_s)) as pool:  # fmt: skip
+    with SandboxPool(
+        "process",
+        min_warm=1,
+        max_warm=1,
+        max_sandboxes=1,
+        claim_timeout_s=claim_s,
+        limits=SandboxLimits(timeout_s=own_s),
+    ) as pool:
         pool.exec("print(0)")  # started and warm
 
         async def one() -> float:

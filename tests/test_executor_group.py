@@ -39,8 +39,15 @@ class PairEndpoints:
 class PairRank:
     """One rank: joins the gloo group in its constructor (blocking until every rank has)."""
 
-    def __init__(self, rank: int, world_size: int, rendezvous: str, default_group: bool, timeout_s: float,
-                 broken_rank: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: str,
+        default_group: bool,
+        timeout_s: float,
+        broken_rank: int | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         if rank == broken_rank:
@@ -48,11 +55,15 @@ class PairRank:
         self.rank, self.default_group = rank, default_group
         timeout = datetime.timedelta(seconds=timeout_s)
         if default_group:
-            dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(
+                "gloo", init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout
+            )
             self.group = dist.group.WORLD
         else:
             address = urlsplit(rendezvous)
-            self.store = dist.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout=timeout)
+            self.store = dist.TCPStore(
+                address.hostname, address.port, world_size, rank == 0, timeout=timeout
+            )
             self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
     def all_reduce(self, value: float, sleep_s: float = 0.0) -> tuple[int, float]:
@@ -85,8 +96,15 @@ class PairRank:
             dist.destroy_process_group()
 
 
-def pair_rank(rank: int, world_size: int, rendezvous: str, *, default_group: bool, timeout_s: float = 30.0,
-              broken_rank: int | None = None) -> partial:  # fmt: skip
+def pair_rank(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    *,
+    default_group: bool,
+    timeout_s: float = 30.0,
+    broken_rank: int | None = None,
+) -> partial:
     """The rank factory: the (picklable) zero-argument factory of rank ``rank``."""
     return partial(PairRank, rank, world_size, rendezvous, default_group, timeout_s, broken_rank)
 
@@ -126,11 +144,18 @@ def test_a_call_goes_to_every_rank_and_returns_rank_0s_answer(runtime):
 
     async def main():
         await group.ready()
-        return await group.all_reduce(1.5), await group.worker_pid(), [await r.worker_pid() for r in group.ranks]
+        return (
+            await group.all_reduce(1.5),
+            await group.worker_pid(),
+            [await r.worker_pid() for r in group.ranks],
+        )
 
     answer, pid, rank_pids = run(main())
     assert answer == (0, 4.5)  # rank 0's answer, and the all-reduce saw both ranks (1.5 + 2 * 1.5)
-    assert [r.name for r in group.ranks] == ["trainer.rank0", "trainer.rank1"] and runtime.handles == group.ranks
+    assert [r.name for r in group.ranks] == [
+        "trainer.rank0",
+        "trainer.rank1",
+    ] and runtime.handles == group.ranks
     assert pid == rank_pids[0] and group.pid == group.ranks[0].pid
     if runtime.kind == "local":
         assert rank_pids == [os.getpid()] * 2
@@ -138,11 +163,15 @@ def test_a_call_goes_to_every_rank_and_returns_rank_0s_answer(runtime):
         assert len(set(rank_pids)) == 2 and os.getpid() not in rank_pids
     assert group.busy_s == group.ranks[0].busy_s > 0 and group.where.endswith("rank 0 of 2")
     assert group.alive and not group.calls.running()
-    with pytest.raises(TypeError, match="all_reduce"):  # arguments are checked against the interface
+    with pytest.raises(
+        TypeError, match="all_reduce"
+    ):  # arguments are checked against the interface
         run(group.all_reduce())
 
 
-@pytest.mark.parametrize("runtime", ["process", pytest.param("ray", marks=pytest.mark.ray)], indirect=True)
+@pytest.mark.parametrize(
+    "runtime", ["process", pytest.param("ray", marks=pytest.mark.ray)], indirect=True
+)
 def test_a_killed_rank_takes_the_group_down_and_a_restart_brings_both_back(runtime):
     group = _start_pair(runtime)
     run(group.ready())
@@ -156,7 +185,10 @@ def test_a_killed_rank_takes_the_group_down_and_a_restart_brings_both_back(runti
         return await pending
 
     t0 = time.monotonic()
-    with pytest.raises(ExecutorDiedError, match=r"executor group 'trainer': rank 1 of 2 .*the group's other ranks were killed"):
+    with pytest.raises(
+        ExecutorDiedError,
+        match=r"executor group 'trainer': rank 1 of 2 .*the group's other ranks were killed",
+    ):
         run(main())
     assert time.monotonic() - t0 < 20  # rank 0 was killed, not waited on for its 30 s
     assert not group.alive and not group.ranks[0].alive
@@ -164,7 +196,11 @@ def test_a_killed_rank_takes_the_group_down_and_a_restart_brings_both_back(runti
         run(group.worker_pid())
 
     fresh = runtime.restart(group)
-    assert isinstance(fresh, ExecutorGroup) and fresh is not group and fresh.rendezvous != group.rendezvous
+    assert (
+        isinstance(fresh, ExecutorGroup)
+        and fresh is not group
+        and fresh.rendezvous != group.rendezvous
+    )
     assert runtime.handles == fresh.ranks  # the old ranks are forgotten
     run(fresh.ready())
     assert run(fresh.all_reduce(2.0)) == (0, 6.0)
@@ -176,15 +212,24 @@ def test_on_local_a_rank_that_raises_takes_the_group_down_and_a_restart_recovers
 
     runtime = LocalRuntime()
     try:
-        group = start_group(runtime, "trainer", partial(pair_rank, default_group=False, timeout_s=3.0), 2,
-                            PairEndpoints)  # fmt: skip
-        with pytest.raises(ExecutorDiedError, match=r"rank 1 of 2 .*ValueError: rank 1 cannot go on") as info:
+        group = start_group(
+            runtime,
+            "trainer",
+            partial(pair_rank, default_group=False, timeout_s=3.0),
+            2,
+            PairEndpoints,
+        )
+        with pytest.raises(
+            ExecutorDiedError, match=r"rank 1 of 2 .*ValueError: rank 1 cannot go on"
+        ) as info:
             run(group.fail_on(1))
         assert isinstance(info.value.__cause__, ValueError)
         assert not group.alive
         with pytest.raises(ExecutorDiedError):  # at once: the group is gone
             run(group.all_reduce(1.0))
-        fresh = runtime.restart(group)  # (waits for rank 0's collective to time out: a thread cannot be killed)
+        fresh = runtime.restart(
+            group
+        )  # (waits for rank 0's collective to time out: a thread cannot be killed)
         assert run(fresh.all_reduce(1.0)) == (0, 3.0) and runtime.handles == fresh.ranks
     finally:
         runtime.shutdown()
@@ -206,8 +251,13 @@ def test_process_a_rank_that_fails_to_build_ends_the_others():
 
     runtime = ProcessRuntime()
     try:
-        group = start_group(runtime, "trainer", partial(pair_rank, default_group=True, broken_rank=1), 2,
-                            PairEndpoints)  # fmt: skip
+        group = start_group(
+            runtime,
+            "trainer",
+            partial(pair_rank, default_group=True, broken_rank=1),
+            2,
+            PairEndpoints,
+        )
         t0 = time.monotonic()
         with pytest.raises(FileNotFoundError, match="rank 1: model weights missing"):
             run(group.ready())
@@ -232,7 +282,9 @@ def test_supervision_kills_a_hung_group_and_restarts_all_its_ranks():
 
     runtime = ProcessRuntime()
     try:
-        group = start_group(runtime, "trainer", partial(pair_rank, default_group=True), 2, PairEndpoints)
+        group = start_group(
+            runtime, "trainer", partial(pair_rank, default_group=True), 2, PairEndpoints
+        )
         run(group.ready())
         old_pids = {r.pid for r in group.ranks}
         stats = FaultStats()
@@ -243,8 +295,13 @@ def test_supervision_kills_a_hung_group_and_restarts_all_its_ranks():
             run(slot.all_reduce(1.0, sleep_s=60))
         assert info.value.restarted and time.monotonic() - t0 < 40
         assert stats.hung_kills == 1 and stats.restarts["trainer"] == 1
-        assert isinstance(slot.handle, ExecutorGroup) and slot.handle is not group and not group.alive
+        assert (
+            isinstance(slot.handle, ExecutorGroup) and slot.handle is not group and not group.alive
+        )
         assert run(slot.all_reduce(2.0)) == (0, 6.0)
-        assert not {r.pid for r in slot.handle.ranks} & old_pids and runtime.handles == slot.handle.ranks
+        assert (
+            not {r.pid for r in slot.handle.ranks} & old_pids
+            and runtime.handles == slot.handle.ranks
+        )
     finally:
         runtime.shutdown()

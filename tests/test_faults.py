@@ -118,8 +118,15 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
         return await slot.generate([4])
 
     assert asyncio.run(main()) == ("generate", ([4],))
-    assert runtime.started == 2 and slot.handle is not old and refreshed == [0] and slot.incarnation == 1
-    assert stats.failures["generator"] == 1 and stats.restarts["generator"] == 1  # two calls lost, one restart
+    assert (
+        runtime.started == 2
+        and slot.handle is not old
+        and refreshed == [0]
+        and slot.incarnation == 1
+    )
+    assert (
+        stats.failures["generator"] == 1 and stats.restarts["generator"] == 1
+    )  # two calls lost, one restart
     assert slot.busy_s == 2.0  # both incarnations' busy time
     assert slot.handle.name == "generator0"
 
@@ -137,7 +144,9 @@ def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
 
 
 def test_the_deadline_check_survives_a_closed_loop_and_a_cancelled_caller_leaves_its_call_running():
-    runtime, handle, stats, slot = _slot_over(FakeHandle("generator0", factory=lambda: None, delay=0.0))
+    runtime, handle, stats, slot = _slot_over(
+        FakeHandle("generator0", factory=lambda: None, delay=0.0)
+    )
 
     async def quick():  # ends long before the check it armed (0.5 s) fires: that loop closes armed
         return await slot.generate([0])
@@ -192,8 +201,12 @@ def test_deadlines_are_kept_per_batch_size():
     d = Deadlines(factor=10.0, min_s=1.0, first_s=100.0, calls=1)
     d.observe("generator", call_key("generate", ([0] * 8,)), 0.5)
     assert d.limit("generator", call_key("generate", ([0] * 8,))) == 5.0
-    assert d.limit("generator", call_key("generate", ([0] * 200,))) == 100.0  # eval's big batch: its own
-    assert d.limit("trainer", "save_checkpoint") is None  # checkpoint I/O: warned about, never killed
+    assert (
+        d.limit("generator", call_key("generate", ([0] * 200,))) == 100.0
+    )  # eval's big batch: its own
+    assert (
+        d.limit("trainer", "save_checkpoint") is None
+    )  # checkpoint I/O: warned about, never killed
 
 
 def test_restarts_stop_at_the_limit():
@@ -267,7 +280,9 @@ def _executor_pid(runtime: str, name: str) -> int:
         return proc.pid
     import ray
 
-    (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"-{name}-" in a["name"]]
+    (actor,) = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if f"-{name}-" in a["name"]
+    ]
     handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
     status, (_, where), _, _ = ray.get(handle.ready.remote(), timeout=60)
     return where["pid"]
@@ -285,10 +300,14 @@ def _fault_job(tiny_job, tmp_path, runtime, **faults):
     # Sync rewards on one scorer, 8 steps, a checkpoint every 2; short deadlines so that a
     # stopped executor is found in seconds. Delta weight sync with no periodic full: a
     # restarted generator has only the full snapshot published for it.
-    return tiny_job(runtime=runtime, trainer={"num_steps": 8}, checkpoint={"every_steps": 2},
-                    faults={"min_deadline_s": 3.0, "deadline_factor": 10.0, **faults},
-                    weight_sync={"codec": "delta", "full_every": 1000},
-                    output_dir=str(tmp_path / "run"))  # fmt: skip
+    return tiny_job(
+        runtime=runtime,
+        trainer={"num_steps": 8},
+        checkpoint={"every_steps": 2},
+        faults={"min_deadline_s": 3.0, "deadline_factor": 10.0, **faults},
+        weight_sync={"codec": "delta", "full_every": 1000},
+        output_dir=str(tmp_path / "run"),
+    )
 
 
 def _kill_at(step: int, runtime: str, name: str, sig: int = signal.SIGKILL):
@@ -306,14 +325,19 @@ def _assert_complete_and_accounted(result, cfg):
     s = result.summary
     assert s["steps"] == cfg.trainer.num_steps and not s.get("job_failed")
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
-    assert s["trained"] == cfg.trainer.num_steps * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
+    assert (
+        s["trained"]
+        == cfg.trainer.num_steps * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
+    )
     assert s["prompts_trained_twice"] == 0
     assert not multiprocessing.active_children()  # (on ray: the tests' cluster keeps its workers)
     return s["faults"]
 
 
 @pytest.mark.parametrize("name", ["generator0", "scorer0"])
-def test_a_killed_generator_or_scorer_is_replaced_and_the_job_completes(tiny_job, tmp_path, runtime, name):
+def test_a_killed_generator_or_scorer_is_replaced_and_the_job_completes(
+    tiny_job, tmp_path, runtime, name
+):
     cfg = _fault_job(tiny_job, tmp_path, runtime)
     on_record, killed = _kill_at(3, runtime, name)
     result = Job(cfg).run(on_record=on_record)
@@ -336,14 +360,20 @@ def test_a_killed_generator_or_scorer_is_replaced_and_the_job_completes(tiny_job
     assert [r for r in records if "train/loss" in r][-1]["executor/restarts"] == 1
 
 
-def test_a_generator_that_stops_answering_is_replaced_after_its_deadline(tiny_job, tmp_path, runtime):
+def test_a_generator_that_stops_answering_is_replaced_after_its_deadline(
+    tiny_job, tmp_path, runtime
+):
     cfg = _fault_job(tiny_job, tmp_path, runtime)
-    on_record, stopped = _kill_at(3, runtime, "generator0", signal.SIGSTOP)  # alive, but never answers
+    on_record, stopped = _kill_at(
+        3, runtime, "generator0", signal.SIGSTOP
+    )  # alive, but never answers
     result = Job(cfg).run(on_record=on_record)
     assert stopped
     faults = _assert_complete_and_accounted(result, cfg)
     assert faults["executor/hung_kills"] == 1 and faults["executor/generator_restarts"] == 1
-    for _ in range(100):  # the stopped process was killed, not left behind (Ray reaps it a bit later)
+    for _ in range(
+        100
+    ):  # the stopped process was killed, not left behind (Ray reaps it a bit later)
         try:
             os.kill(stopped[0], 0)
         except ProcessLookupError:
@@ -364,7 +394,9 @@ def test_a_killed_trainer_restarts_the_job_from_its_checkpoint(tiny_job, tmp_pat
     assert "restarting the job from step_000004" in caplog.text and "'trainer'" in caplog.text
     records = read_metrics(result.run_dir)
     assert [r for r in records if r.get("event") == "resume"][0]["resume/from_step"] == 4
-    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))  # 5 ran again, once
+    assert [r["step"] for r in records if "train/loss" in r] == list(
+        range(1, 9)
+    )  # 5 ran again, once
 
 
 def test_the_job_stops_when_it_may_not_restart(tiny_job, tmp_path):

@@ -54,10 +54,17 @@ def test_behaviour_logprobs_match_the_trainer_at_equal_weights(model_and_tok):
     model, tok = model_and_tok
     gen = make_generator(model, tok)  # fp32 publishing: identical weights
     sp = SamplingParams(temperature=0.7, max_new_tokens=6)
-    result = gen.generate([GenerationRequest(tok("45+17=").input_ids, 4, sp, seed=1),
-                           GenerationRequest(tok("3+4=").input_ids, 4, sp, seed=2)])
-    rollouts = [Rollout(0, tok(p).input_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0)
-                for p, res in zip(["45+17=", "3+4="], result) for c in res.completions]
+    result = gen.generate(
+        [
+            GenerationRequest(tok("45+17=").input_ids, 4, sp, seed=1),
+            GenerationRequest(tok("3+4=").input_ids, 4, sp, seed=2),
+        ]
+    )
+    rollouts = [
+        Rollout(0, tok(p).input_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0)
+        for p, res in zip(["45+17=", "3+4="], result)
+        for c in res.completions
+    ]
     batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, tok.pad_token_id)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature=0.7)
@@ -93,13 +100,20 @@ def _traced_and_eager(seed: int, trace_after: int = 1):
         gens[-1].trace = trace
     traced = gens[0]
     traced._start_tracing()
-    traced._traced = ShapeTraces(KVForward(traced.model), what="forward", params_as_constants=True, trace_after=trace_after)
+    traced._traced = ShapeTraces(
+        KVForward(traced.model), what="forward", params_as_constants=True, trace_after=trace_after
+    )
     return traced, gens[1], tok
 
 
 def _same_completions(a: list, b: list) -> bool:
-    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.finish_reason == y.finish_reason
-               for ra, rb in zip(a, b, strict=True) for x, y in zip(ra.completions, rb.completions, strict=True))
+    return all(
+        x.token_ids == y.token_ids
+        and x.logprobs == y.logprobs
+        and x.finish_reason == y.finish_reason
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra.completions, rb.completions, strict=True)
+    )
 
 
 def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates(monkeypatch):
@@ -109,18 +123,33 @@ def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates(monke
     traced, eager, tok = _traced_and_eager(seed=3)
     sp = SamplingParams(temperature=1.0, max_new_tokens=6)
     batches = [
-        [GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=7), GenerationRequest(tok("1+1=").input_ids, 3, sp, seed=8)],
-        [GenerationRequest(tok("45+17=").input_ids, 2, sp, seed=9)],  # no padding, one prompt shared
-        [GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=1), GenerationRequest(tok("7+8=").input_ids, 3, sp, seed=2)],
+        [
+            GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=7),
+            GenerationRequest(tok("1+1=").input_ids, 3, sp, seed=8),
+        ],
+        [
+            GenerationRequest(tok("45+17=").input_ids, 2, sp, seed=9)
+        ],  # no padding, one prompt shared
+        [
+            GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=1),
+            GenerationRequest(tok("7+8=").input_ids, 3, sp, seed=2),
+        ],
     ]
     for requests in batches + batches:  # the second pass runs from the traces the first made
         assert _same_completions(traced.generate(requests), eager.generate(requests))
     m = traced.generate(batches[0])[0].engine_metrics
-    assert m["generation/traces"] >= 4 and m["generation/traced_forwards"] > m["generation/eager_forwards"] == 0
-    assert m["generation/trace_failures"] == 0 and eager.generate(batches[0])[0].engine_metrics == {}
+    assert (
+        m["generation/traces"] >= 4
+        and m["generation/traced_forwards"] > m["generation/eager_forwards"] == 0
+    )
+    assert (
+        m["generation/trace_failures"] == 0 and eager.generate(batches[0])[0].engine_metrics == {}
+    )
     assert all(p.requires_grad for p in traced.model.parameters())  # as they were before tracing
     before = traced.generate(batches[0])
-    state = {k: v * 1.5 for k, v in traced.mirror.items()}  # weights written in place under the traces
+    state = {
+        k: v * 1.5 for k, v in traced.mirror.items()
+    }  # weights written in place under the traces
     for gen in (traced, eager):
         assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
     after = traced.generate(batches[0])
@@ -145,7 +174,11 @@ def _prefill_forwards(widths, **kwargs):
 def test_a_shape_is_traced_on_its_nth_use_and_old_traces_are_dropped():
     fwd = _prefill_forwards([3, 3, 4, 4, 5, 5, 5], trace_after=2, max_traces=2)
     m = fwd.metrics("generation")
-    assert (m["generation/traces"], m["generation/eager_forwards"], m["generation/traced_forwards"]) == (3, 3, 4)
+    assert (
+        m["generation/traces"],
+        m["generation/eager_forwards"],
+        m["generation/traced_forwards"],
+    ) == (3, 3, 4)
     assert [key[1] for key in fwd._traces] == [torch.Size([2, 4]), torch.Size([2, 5])]
 
 
@@ -155,7 +188,9 @@ def test_tracing_stops_when_traces_are_dropped_before_they_pay(monkeypatch, capl
     monkeypatch.setattr(traces, "TRACE_BUDGET_S", 1e9)
     with caplog.at_level("INFO", logger="loomrl.models.traces"):
         # Every width twice, never again: each trace serves one call and is dropped later.
-        fwd = _prefill_forwards([w for w in range(2, 16) for _ in range(2)], trace_after=2, max_traces=2)
+        fwd = _prefill_forwards(
+            [w for w in range(2, 16) for _ in range(2)], trace_after=2, max_traces=2
+        )
     assert not fwd.enabled and fwd.wasted == traces.WASTED_TRACES_MAX
     assert fwd.traces_made == 2 + traces.WASTED_TRACES_MAX  # the widths after stayed eager
     assert fwd.metrics("g")["g/traces_wasted"] == traces.WASTED_TRACES_MAX
@@ -179,12 +214,18 @@ def test_a_failing_trace_leaves_the_engine_eager_and_is_counted(monkeypatch, cap
         raise RuntimeError("tracer says no")
 
     monkeypatch.setattr(torch.jit, "trace", broken)
-    requests = [GenerationRequest(tok("5+5=").input_ids, 3, SamplingParams(max_new_tokens=4), seed=5)]
+    requests = [
+        GenerationRequest(tok("5+5=").input_ids, 3, SamplingParams(max_new_tokens=4), seed=5)
+    ]
     with caplog.at_level("WARNING", logger="loomrl.models.traces"):
         for _ in range(3):
             assert _same_completions(traced.generate(requests), eager.generate(requests))
     m = traced.generate(requests)[0].engine_metrics
-    assert m["generation/trace_failures"] == 1 and m["generation/traces"] == 0 and m["generation/traced_forwards"] == 0
+    assert (
+        m["generation/trace_failures"] == 1
+        and m["generation/traces"] == 0
+        and m["generation/traced_forwards"] == 0
+    )
     assert "runs eager from now on" in caplog.text and "tracer says no" in caplog.text
 
 
@@ -196,7 +237,14 @@ class ScriptedLM(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.vocab, self.eos = vocab, eos
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=True,
+    ):
         from types import SimpleNamespace
 
         logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], self.vocab)
@@ -207,33 +255,58 @@ class ScriptedLM(torch.nn.Module):
 def test_generation_stops_at_eos_per_sequence(model_and_tok):
     _, tok = model_and_tok
     gen = HFGenerator(ScriptedLM(len(tok), tok.eos_token_id), tok, publish_dtype="float32")
-    out = gen.generate([GenerationRequest(tok("1+2=").input_ids, 2, SamplingParams(max_new_tokens=8), 3)])[0]
+    out = gen.generate(
+        [GenerationRequest(tok("1+2=").input_ids, 2, SamplingParams(max_new_tokens=8), 3)]
+    )[0]
     for c in out.completions:
         assert c.token_ids == [5, tok.eos_token_id] and c.finish_reason == "stop"
         assert c.logprobs[1] > -1e-6  # EOS was near-certain
 
 
 def test_micro_batching_matches_one_big_batch():
-    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-    rollouts = [Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * (1 + i % 3), [-1.5] * (1 + i % 3),
-                        [1] * (1 + i % 3), 0, reward=float(i % 2)) for i in range(8)]
-    groups = [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(2)]
+    model, tok = build_tiny_model(
+        "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    rollouts = [
+        Rollout(
+            i,
+            [1, 5 + i % 3, 6],
+            [7 + i % 4] * (1 + i % 3),
+            [-1.5] * (1 + i % 3),
+            [1] * (1 + i % 3),
+            0,
+            reward=float(i % 2),
+        )
+        for i in range(8)
+    ]
+    groups = [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
     grads = []
     for micro in (8, 3):
-        m = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)[0]
-        trainer = Trainer(m, tok, AlgorithmConfig(), TrainerConfig(micro_batch_size=micro, lr=1e-3), 1.0)
+        m = build_tiny_model(
+            "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )[0]
+        trainer = Trainer(
+            m, tok, AlgorithmConfig(), TrainerConfig(micro_batch_size=micro, lr=1e-3), 1.0
+        )
         metrics = trainer.train_step(groups)
         grads.append((metrics["train/loss"], [p.detach().clone() for p in m.parameters()]))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
     for a, b in zip(grads[0][1], grads[1][1]):
         assert torch.allclose(a, b, atol=1e-6)
     assert trainer.version == 1
-    assert torch.equal(group_advantages(torch.tensor([[0.0, 1, 0, 1]])), torch.tensor([[-0.5, 0.5, -0.5, 0.5]]))
+    assert torch.equal(
+        group_advantages(torch.tensor([[0.0, 1, 0, 1]])), torch.tensor([[-0.5, 0.5, -0.5, 0.5]])
+    )
 
 
 def test_tiny_specs_and_bad_specs():
-    assert parse_tiny_spec("tiny:qwen2?hidden_size=64&num_layers=2") == ("qwen2", {"hidden_size": 64, "num_layers": 2})
-    model, tok = load_model_and_tokenizer("tiny:qwen2?hidden_size=32&num_layers=1&num_heads=2&intermediate_size=32")
+    assert parse_tiny_spec("tiny:qwen2?hidden_size=64&num_layers=2") == (
+        "qwen2",
+        {"hidden_size": 64, "num_layers": 2},
+    )
+    model, tok = load_model_and_tokenizer(
+        "tiny:qwen2?hidden_size=32&num_layers=1&num_heads=2&intermediate_size=32"
+    )
     assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
     with pytest.raises(ValueError, match="unknown option"):
         parse_tiny_spec("tiny:llama?hidden=3")

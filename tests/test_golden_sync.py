@@ -24,8 +24,10 @@ def test_sync_run_is_bit_identical_to_the_golden_record(case, tmp_path):
 
     records = json.loads(GOLDEN.read_text())
     if record_key() not in records:
-        pytest.skip(f"no golden record for {record_key()} (there are: {', '.join(records)}); another machine "
-                    "sums in another order: write one (PYTHONPATH=src python tests/golden_sync.py) before a refactor")
+        pytest.skip(
+            f"no golden record for {record_key()} (there are: {', '.join(records)}); another machine "
+            "sums in another order: write one (PYTHONPATH=src python tests/golden_sync.py) before a refactor"
+        )
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -18,8 +18,11 @@ ROW = {"prompt": "1+2=", "answer": "3"}
 
 
 def _completions() -> list[Completion]:
-    return [Completion([5, 2], [-0.5, -0.25], "length", "3"), Completion([7], [-1.5], "stop", "4"),
-            Completion([8, 9, 4], [-0.1, -0.2, -0.3], "length", "x")]  # fmt: skip
+    return [
+        Completion([5, 2], [-0.5, -0.25], "length", "3"),
+        Completion([7], [-1.5], "stop", "4"),
+        Completion([8, 9, 4], [-0.1, -0.2, -0.3], "length", "x"),
+    ]
 
 
 def _no_decode(ids):
@@ -28,7 +31,9 @@ def _no_decode(ids):
 
 def _from_result(index: int, epoch: int, result: GenerationResult, decode=_no_decode) -> Group:
     """The group of one result, for prompt ``[1, 2]`` of row ``index`` (``ROW``)."""
-    return Group.from_results([(epoch, index)], [[1, 2]], {index: ROW}, "prompt", [result], decode)[0]
+    return Group.from_results([(epoch, index)], [[1, 2]], {index: ROW}, "prompt", [result], decode)[
+        0
+    ]
 
 
 def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
@@ -37,8 +42,24 @@ def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
 
 def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
     """What the controller built per completion before groups held columns."""
-    return [Rollout(index, [1, 2], c.token_ids, c.logprobs, [1] * len(c.token_ids), version, ROW["prompt"], c.text,
-                    ROW, None, "ok", None, c.finish_reason) for c in _completions()]  # fmt: skip
+    return [
+        Rollout(
+            index,
+            [1, 2],
+            c.token_ids,
+            c.logprobs,
+            [1] * len(c.token_ids),
+            version,
+            ROW["prompt"],
+            c.text,
+            ROW,
+            None,
+            "ok",
+            None,
+            c.finish_reason,
+        )
+        for c in _completions()
+    ]
 
 
 def test_a_columnar_group_reads_as_the_rollouts_it_stands_for_without_building_them():
@@ -61,7 +82,11 @@ def test_rollouts_are_built_once_and_from_then_on_are_the_group():
     group.columns.rewards = [1.0, 0.0, 0.5]
     rollouts = group.rollouts
     assert group.columns is None and group.rollouts is rollouts
-    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.5] and [r.loss_mask for r in rollouts] == [[1, 1], [1], [1] * 3]
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.5] and [r.loss_mask for r in rollouts] == [
+        [1, 1],
+        [1],
+        [1] * 3,
+    ]
     rollouts[1].status, rollouts[1].reward = "failed", None
     assert not group.all_ok and group.num_failed == 1 and group.rewards == [1.0, None, 0.5]
     assert group.ok_rollouts() == [rollouts[0], rollouts[2]]
@@ -145,8 +170,15 @@ def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with
         assert slot.methods == ["score_groups"]  # one call for both groups, no ScoreItem built here
         (rc, rf), (lc, lf) = groups[id(remote)], groups[id(local)]
         assert rc.columns is not None and rc.rewards == lc.rewards == [1.0, 0.0, 1.0]
-        assert rf.columns is None and [r.status for r in rf.rollouts] == ["ok", "ok", "failed"] and rf == lf
-        assert remote.failures_by_reason == local.failures_by_reason and sum(remote.failures_by_reason.values()) == 1
+        assert (
+            rf.columns is None
+            and [r.status for r in rf.rollouts] == ["ok", "ok", "failed"]
+            and rf == lf
+        )
+        assert (
+            remote.failures_by_reason == local.failures_by_reason
+            and sum(remote.failures_by_reason.values()) == 1
+        )
     finally:
         executor.close()
 
@@ -158,7 +190,9 @@ class _LostSlot(_Slot):
         from loomrl.runtime.supervision import ExecutorLostError
 
         self.methods.append(method)
-        raise ExecutorLostError("executor 'scorer0' (pid 1) killed by SIGKILL", "scorer", restarted=True)
+        raise ExecutorLostError(
+            "executor 'scorer0' (pid 1) killed by SIGKILL", "scorer", restarted=True
+        )
 
 
 def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
@@ -174,14 +208,20 @@ def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
     asyncio.run(scorer.score_groups(groups))
     assert slot.methods == ["score_groups", "score_groups"]
     assert stats.rescored_rollouts == stats.lost_rollouts == 6
-    assert all(g.columns is None and g.num_failed == 3 and all(map(lost_by_scorer, g.rollouts)) for g in groups)
+    assert all(
+        g.columns is None and g.num_failed == 3 and all(map(lost_by_scorer, g.rollouts))
+        for g in groups
+    )
     assert "SIGKILL" in groups[0].rollouts[0].error
 
 
 def test_per_group_outcomes_split_at_the_group_sizes():
     outcomes = [("ok", 1.0, 0.0), ("ok", 0.0, 0.0), ("timeout", "slow", 1.0), ("ok", 1.0, 0.0)]
     assert per_group_outcomes(outcomes, [2, 2, 0]) == [
-        ("ok", [1.0, 0.0]), ("outcomes", outcomes[2:]), ("ok", [])]
+        ("ok", [1.0, 0.0]),
+        ("outcomes", outcomes[2:]),
+        ("ok", []),
+    ]
 
 
 def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
@@ -195,38 +235,77 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
         decoded.append(ids)
         return [f"d{len(i)}" for i in ids]
 
-    results = [GenerationResult(cs, 3),
-               GenerationResult.from_columns([[4, 4]], [[-0.3, -0.6]], ["stop"], None, 2),
-               GenerationResult.from_columns([c.token_ids for c in cs[:2]], [c.logprobs for c in cs[:2]],
-                                             ["stop", "length"], ["a", "b"], 1)]  # fmt: skip
-    groups = Group.from_results([(1, 7), (0, 3), (2, 7)], [[1, 2], [9], [1, 2]], rows, "prompt", results, decode)
+    results = [
+        GenerationResult(cs, 3),
+        GenerationResult.from_columns([[4, 4]], [[-0.3, -0.6]], ["stop"], None, 2),
+        GenerationResult.from_columns(
+            [c.token_ids for c in cs[:2]],
+            [c.logprobs for c in cs[:2]],
+            ["stop", "length"],
+            ["a", "b"],
+            1,
+        ),
+    ]
+    groups = Group.from_results(
+        [(1, 7), (0, 3), (2, 7)], [[1, 2], [9], [1, 2]], rows, "prompt", results, decode
+    )
     assert decoded == [[[4, 4]]]  # only the result without texts
-    assert [(g.epoch, g.prompt_index, g.size, g.min_version) for g in groups] == [(1, 7, 3, 3), (0, 3, 1, 2), (2, 7, 2, 1)]
+    assert [(g.epoch, g.prompt_index, g.size, g.min_version) for g in groups] == [
+        (1, 7, 3, 3),
+        (0, 3, 1, 2),
+        (2, 7, 2, 1),
+    ]
     assert groups[0] == Group(7, 1, _one_by_one())
-    assert groups[1].rollouts == [Rollout(3, [9], [4, 4], [-0.3, -0.6], [1, 1], 2, "2+2=", "d2", rows[3], None, "ok",
-                                          None, "stop")]  # fmt: skip
-    assert [r.completion for r in groups[2].rollouts] == ["a", "b"] and groups[2].rollouts[1].finish_reason == "length"
+    assert groups[1].rollouts == [
+        Rollout(
+            3, [9], [4, 4], [-0.3, -0.6], [1, 1], 2, "2+2=", "d2", rows[3], None, "ok", None, "stop"
+        )
+    ]
+    assert [r.completion for r in groups[2].rollouts] == ["a", "b"] and groups[2].rollouts[
+        1
+    ].finish_reason == "length"
     assert all(g.rewards == [None] * g.size for g in groups[:1])
     # Without a decode (built off the loop, where the tokenizer is not to be used): None
     # for a call with a result to decode, the same groups for one without.
-    assert Group.from_results([(1, 7), (0, 3)], [[1, 2], [9]], rows, "prompt", results[:2], None) is None
-    assert Group.from_results([(1, 7), (2, 7)], [[1, 2], [1, 2]], rows, "prompt", results[::2], None) == [
-        groups[0], groups[2]]
+    assert (
+        Group.from_results([(1, 7), (0, 3)], [[1, 2], [9]], rows, "prompt", results[:2], None)
+        is None
+    )
+    assert Group.from_results(
+        [(1, 7), (2, 7)], [[1, 2], [1, 2]], rows, "prompt", results[::2], None
+    ) == [groups[0], groups[2]]
 
 
 def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
     cs = _completions()
     as_objects = GenerationResult(cs, 3)
-    as_columns = GenerationResult.from_columns([c.token_ids for c in cs], [c.logprobs for c in cs],
-                                               [c.finish_reason for c in cs], [c.text for c in cs], 3)  # fmt: skip
+    as_columns = GenerationResult.from_columns(
+        [c.token_ids for c in cs],
+        [c.logprobs for c in cs],
+        [c.finish_reason for c in cs],
+        [c.text for c in cs],
+        3,
+    )
     assert len(as_objects) == len(as_columns) == 3 and as_objects == as_columns
-    assert as_columns.columns() == as_objects.columns() == (
-        [[5, 2], [7], [8, 9, 4]], [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]], ["length", "stop", "length"], ["3", "4", "x"])
+    assert (
+        as_columns.columns()
+        == as_objects.columns()
+        == (
+            [[5, 2], [7], [8, 9, 4]],
+            [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]],
+            ["length", "stop", "length"],
+            ["3", "4", "x"],
+        )
+    )
     for back in (pickle.loads(pickle.dumps(as_columns)), copy.deepcopy(as_columns)):
-        assert back == as_columns and back._columns is not None  # (still columns: nothing built to pickle)
+        assert (
+            back == as_columns and back._columns is not None
+        )  # (still columns: nothing built to pickle)
     group_a, group_b = _from_result(7, 1, as_objects), _from_result(7, 1, as_columns)
     assert group_a == group_b == Group(7, 1, _one_by_one())
-    assert as_columns.completions == cs and as_columns._columns is None  # built once, then the result's own
+    assert (
+        as_columns.completions == cs and as_columns._columns is None
+    )  # built once, then the result's own
     as_columns.completions.append(Completion([3], [-0.2], "stop"))
     assert len(as_columns) == 4
     untexted = GenerationResult.from_columns([[1]], [[-0.1]], ["stop"], None, 0)

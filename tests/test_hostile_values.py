@@ -32,7 +32,9 @@ def _async(value):
 
 
 @pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
-@pytest.mark.parametrize("value", HOSTILE, ids=lambda v: f"{v:.3g}" if isinstance(v, float) else f"int{v.bit_length()}b")
+@pytest.mark.parametrize(
+    "value", HOSTILE, ids=lambda v: f"{v:.3g}" if isinstance(v, float) else f"int{v.bit_length()}b"
+)
 def test_an_out_of_range_reward_is_a_counted_failure_at_once(make, value):
     t0 = time.perf_counter()
     with pytest.raises(RewardFailure, match="out of range") as info:
@@ -59,12 +61,25 @@ def test_a_batch_with_hostile_values_scores_the_rest(make):
 
     fn = pick if make is _sync else apick
     t0 = time.perf_counter()
-    done = asyncio.run(call_reward_batch(fn, [("p", "c", {"i": i}) for i in range(len(values))], 5.0))
+    done = asyncio.run(
+        call_reward_batch(fn, [("p", "c", {"i": i}) for i in range(len(values))], 5.0)
+    )
     assert time.perf_counter() - t0 < 2.0
     outcomes = [v if not isinstance(v, RewardFailure) else v.reason for v, _ in done]
-    assert outcomes == [1.0, "out_of_range", 0.5, "out_of_range", "invalid", "invalid", 3.4e38, -2.0]
+    assert outcomes == [
+        1.0,
+        "out_of_range",
+        0.5,
+        "out_of_range",
+        "invalid",
+        "invalid",
+        3.4e38,
+        -2.0,
+    ]
     # the reward's worker threads survived: the next batch is scored as usual
-    assert [v for v, _ in asyncio.run(call_reward_batch(pick, [("p", "c", {"i": 0})] * 4, 5.0))] == [1.0] * 4
+    assert [
+        v for v, _ in asyncio.run(call_reward_batch(pick, [("p", "c", {"i": 0})] * 4, 5.0))
+    ] == [1.0] * 4
 
 
 def bigint_on_odd_answers(prompt: str, completion: str, answer: str, **row) -> float:
@@ -79,11 +94,15 @@ def fp32_overflow_on_odd_answers(prompt: str, completion: str, answer: str, **ro
     return 1e39 if int(answer) % 2 else 1.0
 
 
-@pytest.mark.parametrize("reward", ["bigint_on_odd_answers", "async_bigint_on_odd_answers",
-                                    "fp32_overflow_on_odd_answers"])  # fmt: skip
+@pytest.mark.parametrize(
+    "reward",
+    ["bigint_on_odd_answers", "async_bigint_on_odd_answers", "fp32_overflow_on_odd_answers"],
+)
 def test_a_job_with_hostile_rewards_completes_and_its_accounting_adds_up(tiny_job, reward, caplog):
-    cfg = tiny_job(task={"reward": f"test_hostile_values:{reward}", "max_failure_rate": 1.0},
-                   trainer={"num_steps": 2})  # fmt: skip
+    cfg = tiny_job(
+        task={"reward": f"test_hostile_values:{reward}", "max_failure_rate": 1.0},
+        trainer={"num_steps": 2},
+    )
     t0 = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="loomrl.envs.scorer"):
         result = Job(cfg).run()
@@ -107,8 +126,14 @@ class HugeOnOddAnswers(Environment):
 
 
 def test_an_environment_step_reward_out_of_range_fails_its_episode_not_the_job(tiny_job):
-    cfg = tiny_job(task={"reward": None, "environment": "test_hostile_values:HugeOnOddAnswers",
-                         "max_failure_rate": 1.0}, trainer={"num_steps": 2})  # fmt: skip
+    cfg = tiny_job(
+        task={
+            "reward": None,
+            "environment": "test_hostile_values:HugeOnOddAnswers",
+            "max_failure_rate": 1.0,
+        },
+        trainer={"num_steps": 2},
+    )
     result = Job(cfg).run()
     s = result.summary
     assert s["steps"] == 2 and not s.get("job_failed")

@@ -63,12 +63,24 @@ def test_run_writes_run_folder_and_final_model_loads_with_transformers(tiny_job)
     assert s["trained"] == 2 * 4 * 4
     records = read_metrics(run)
     keys = set().union(*records)
-    for key in ("rollout/staleness_mean", "throughput/samples_per_s", "executor/trainer_busy_frac",
-                "train/entropy", "train/clip_fraction", "weight_sync/bytes_sent", "eval/mean_reward",
-                "generation/traced_forwards", "train/traced_forwards"):  # traces: 'auto' is on for local
+    for key in (
+        "rollout/staleness_mean",
+        "throughput/samples_per_s",
+        "executor/trainer_busy_frac",
+        "train/entropy",
+        "train/clip_fraction",
+        "weight_sync/bytes_sent",
+        "eval/mean_reward",
+        "generation/traced_forwards",
+        "train/traced_forwards",
+    ):  # traces: 'auto' is on for local
         assert key in keys, key
     # The generator's side of weight sync, renamed, with what it applied by the last step.
-    applied = [r["weight_sync/generator_num_applied"] for r in records if "weight_sync/generator_num_applied" in r]
+    applied = [
+        r["weight_sync/generator_num_applied"]
+        for r in records
+        if "weight_sync/generator_num_applied" in r
+    ]
     assert applied and applied[-1] >= 1
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,8 +93,16 @@ def test_job_keyword_api(tmp_path, tiny_data):
     from conftest import TINY_MODEL
 
     train, evals = tiny_data
-    job = Job(model=TINY_MODEL, dataset=str(train), reward="examples.arithmetic.reward:exact_match",
-              group_size=4, groups_per_step=2, max_staleness=2, num_steps=2, output_dir=str(tmp_path / "kw"))
+    job = Job(
+        model=TINY_MODEL,
+        dataset=str(train),
+        reward="examples.arithmetic.reward:exact_match",
+        group_size=4,
+        groups_per_step=2,
+        max_staleness=2,
+        num_steps=2,
+        output_dir=str(tmp_path / "kw"),
+    )
     result = job.run()
     assert result.summary["steps"] == 2
     with pytest.raises(TypeError, match="unknown Job arguments"):
@@ -118,7 +138,10 @@ def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+            ):
                 found.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue
@@ -140,21 +163,35 @@ def _all_gone(pids: list[int], timeout_s: float = 30.0) -> bool:
 
 
 def _shm_files() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+    return (
+        {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+    )
 
 
 @pytest.mark.parametrize("runtime", ["local", "process"])
 def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, tiny_data, runtime):
     train, evals = tiny_data
-    raw = tiny_job_raw(tmp_path, train, None, algorithm={"max_staleness": 2}, runtime=runtime,
-                       trainer={"num_steps": 40}, checkpoint={"every_steps": 5, "keep": 50})
+    raw = tiny_job_raw(
+        tmp_path,
+        train,
+        None,
+        algorithm={"max_staleness": 2},
+        runtime=runtime,
+        trainer={"num_steps": 40},
+        checkpoint={"every_steps": 5, "keep": 50},
+    )
     job_file = tmp_path / "job.toml"
     job_file.write_text(json_to_toml(raw))
     run_dir = Path(raw["output_dir"])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     shm_at_start = _shm_files()
-    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if max(step_records(run_dir), default=0) >= 12:
@@ -191,15 +228,26 @@ def test_build_config_rejects_unknown_section():
 
 
 def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
-    cfg = tiny_job(model={"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-                   task={"reward": LENGTH_REWARD}, trainer={"num_steps": 2})
+    cfg = tiny_job(
+        model={"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        task={"reward": LENGTH_REWARD},
+        trainer={"num_steps": 2},
+    )
     result = Job(cfg).run()
     records = [r for r in read_metrics(result.run_dir) if "weight_sync/bytes_full" in r]
-    full_model = Job(tiny_job(trainer={"num_steps": 1}, output_dir=str(result.run_dir) + "-full")).run()
+    full_model = Job(
+        tiny_job(trainer={"num_steps": 1}, output_dir=str(result.run_dir) + "-full")
+    ).run()
     full_records = [r for r in read_metrics(full_model.run_dir) if "weight_sync/bytes_full" in r]
     assert records[-1]["weight_sync/bytes_full"] < full_records[-1]["weight_sync/bytes_full"] / 5
-    mismatch = [r["train/logprob_mismatch_same_version"] for r in records if "train/logprob_mismatch_same_version" in r]
-    assert mismatch and max(mismatch) < 0.01  # the generator runs the trainer's adapter (bf16-rounded)
+    mismatch = [
+        r["train/logprob_mismatch_same_version"]
+        for r in records
+        if "train/logprob_mismatch_same_version" in r
+    ]
+    assert (
+        mismatch and max(mismatch) < 0.01
+    )  # the generator runs the trainer's adapter (bf16-rounded)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(result.run_dir / "final")  # merged: loads without peft
@@ -209,17 +257,31 @@ def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
 @pytest.mark.parametrize("runtime", ["local", "process"])
 def test_ctrl_c_checkpoints_the_current_step_and_names_it_for_resume(tmp_path, tiny_data, runtime):
     train, _ = tiny_data
-    raw = tiny_job_raw(tmp_path, train, None, runtime=runtime, trainer={"num_steps": 400},
-                       checkpoint={"every_steps": 1000})  # fmt: skip
+    raw = tiny_job_raw(
+        tmp_path,
+        train,
+        None,
+        runtime=runtime,
+        trainer={"num_steps": 400},
+        checkpoint={"every_steps": 1000},
+    )
     job_file = tmp_path / "job.toml"
     job_file.write_text(json_to_toml(raw))
     run_dir = Path(raw["output_dir"])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and max(step_records(run_dir), default=0) < 3:
+    while (
+        time.time() < deadline and proc.poll() is None and max(step_records(run_dir), default=0) < 3
+    ):
         time.sleep(0.1)
     executors = _children(proc.pid)
     proc.send_signal(signal.SIGINT)
@@ -239,10 +301,19 @@ def test_sync_run_is_bit_identical_on_uvloop_and_asyncio(tiny_job, tmp_path):
     """The controller's event loop orders callbacks its own way; a synchronous run's
     numbers must not depend on it (and the summary names the loop that ran)."""
     pytest.importorskip("uvloop")
-    sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": LENGTH_REWARD}, "trainer": {"num_steps": 3}}
-    runs = {loop: Job(tiny_job(**sync, event_loop=loop, output_dir=str(tmp_path / loop))).run()
-            for loop in ("asyncio", "uvloop")}  # fmt: skip
-    assert {loop: r.summary["event_loop"] for loop, r in runs.items()} == {"asyncio": "asyncio", "uvloop": "uvloop"}
+    sync = {
+        "algorithm": {"max_staleness": 0},
+        "task": {"reward": LENGTH_REWARD},
+        "trainer": {"num_steps": 3},
+    }
+    runs = {
+        loop: Job(tiny_job(**sync, event_loop=loop, output_dir=str(tmp_path / loop))).run()
+        for loop in ("asyncio", "uvloop")
+    }
+    assert {loop: r.summary["event_loop"] for loop, r in runs.items()} == {
+        "asyncio": "asyncio",
+        "uvloop": "uvloop",
+    }
     a, b = (step_records(r.run_dir) for r in runs.values())
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:

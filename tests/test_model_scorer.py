@@ -30,11 +30,19 @@ pytestmark = pytest.mark.timeout(240)
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
 JUDGE = "tiny:llama?hidden_size=32&num_layers=1&num_heads=2&intermediate_size=64"
-PAIRS = [("1+1=", "2", {}), ("12+30=", "42", {}), ("7+8=", "fifteen, I think", {}),
-         ("100+1=", "101", {}), ("3+3=", "", {}), ("a long prompt: 9+9=", "18 and more text here", {})]  # fmt: skip
+PAIRS = [
+    ("1+1=", "2", {}),
+    ("12+30=", "42", {}),
+    ("7+8=", "fifteen, I think", {}),
+    ("100+1=", "101", {}),
+    ("3+3=", "", {}),
+    ("a long prompt: 9+9=", "18 and more text here", {}),
+]
 
 
-def save_reward_model(folder, arch: str = "qwen2", chat_template: str | None = None, seed: int = 0) -> str:
+def save_reward_model(
+    folder, arch: str = "qwen2", chat_template: str | None = None, seed: int = 0
+) -> str:
     """A tiny sequence-classification reward model (num_labels 1) and its character
     tokenizer, saved as a Hugging Face folder."""
     from transformers import AutoModelForSequenceClassification, LlamaConfig, Qwen2Config
@@ -45,9 +53,19 @@ def save_reward_model(folder, arch: str = "qwen2", chat_template: str | None = N
     if chat_template is not None:
         tok.chat_template = chat_template
     config_cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-    config = config_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
@@ -93,20 +111,32 @@ def test_a_reward_model_with_a_chat_template_reads_the_conversation_through_it(t
     texts = [f"<user>{p}\n<assistant>{c}\n" for p, c, _ in PAIRS[:3]]
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tok, model = (
+        AutoTokenizer.from_pretrained(path),
+        AutoModelForSequenceClassification.from_pretrained(path).eval(),
+    )
     with torch.no_grad():
-        expected = [model(**tok(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item() for t in texts]
+        expected = [
+            model(**tok(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+            for t in texts
+        ]
     assert scores == pytest.approx(expected, abs=1e-5)
 
 
 def test_batching_by_a_token_budget_gives_the_scores_of_one_by_one(reward_model):
     items = PAIRS * 3
-    one_by_one = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu", max_tokens_per_batch=1))
-    batched = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu", max_tokens_per_batch=120))
+    one_by_one = RewardModelScorer(
+        ModelScorerConfig(path=reward_model, device="cpu", max_tokens_per_batch=1)
+    )
+    batched = RewardModelScorer(
+        ModelScorerConfig(path=reward_model, device="cpu", max_tokens_per_batch=120)
+    )
     alone, together = _scores(one_by_one, items), _scores(batched, items)
     assert together == pytest.approx(alone, abs=1e-5)
     assert one_by_one.metrics()["scorer/model_batches"] == len(items)
-    assert 1 < batched.metrics()["scorer/model_batches"] < len(items)  # batched, and within the budget
+    assert (
+        1 < batched.metrics()["scorer/model_batches"] < len(items)
+    )  # batched, and within the budget
 
 
 def test_token_budget_batches_keep_within_the_budget_and_cover_every_row_once():
@@ -120,17 +150,30 @@ def test_token_budget_batches_keep_within_the_budget_and_cover_every_row_once():
 
 def test_normalize_and_clip(reward_model):
     raw = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu")), PAIRS)
-    normed = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu", normalize=True)), PAIRS)
-    mean, std = sum(raw) / len(raw), torch.tensor(raw, dtype=torch.float64).std(unbiased=False).item()
+    normed = _scores(
+        RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu", normalize=True)), PAIRS
+    )
+    mean, std = (
+        sum(raw) / len(raw),
+        torch.tensor(raw, dtype=torch.float64).std(unbiased=False).item(),
+    )
     assert normed == pytest.approx([(r - mean) / std for r in raw], abs=1e-6)
-    clipped = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu", normalize=True,
-                                                          clip=0.5)), PAIRS)  # fmt: skip
-    assert clipped == pytest.approx([min(max(v, -0.5), 0.5) for v in normed]) and max(map(abs, normed)) > 0.5
+    clipped = _scores(
+        RewardModelScorer(
+            ModelScorerConfig(path=reward_model, device="cpu", normalize=True, clip=0.5)
+        ),
+        PAIRS,
+    )
+    assert (
+        clipped == pytest.approx([min(max(v, -0.5), 0.5) for v in normed])
+        and max(map(abs, normed)) > 0.5
+    )
 
 
 def test_a_text_longer_than_the_reward_model_reads_is_a_counted_failure(reward_model):
     outcomes, _ = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu")).score(
-        [("x" * 500, "1", {}), ("1+1=", "2", {})])
+        [("x" * 500, "1", {}), ("1+1=", "2", {})]
+    )
     assert outcomes[0][0] == "too_long" and "128" in outcomes[0][1] and outcomes[1][0] == "ok"
 
 
@@ -157,7 +200,9 @@ def _score_with_executor(task: TaskConfig, rollouts: list[Rollout]) -> Scorer:
     """Score ``rollouts`` as a job does: a Scorer over one scorer executor on ``local``."""
     runtime = LocalRuntime()
     try:
-        handle = runtime.start("scorer0", partial(start_scorer_executor, task, None), RewardEndpoints)
+        handle = runtime.start(
+            "scorer0", partial(start_scorer_executor, task, None), RewardEndpoints
+        )
         scorer = Scorer(task)
         scorer.attach([Supervised(None, handle, deadlines=None, stats=FaultStats())], FaultStats())
         asyncio.run(scorer.score(rollouts))
@@ -168,11 +213,21 @@ def _score_with_executor(task: TaskConfig, rollouts: list[Rollout]) -> Scorer:
 
 def test_a_judgement_the_parser_cannot_read_is_a_counted_failure_with_the_text_in_the_log(caplog):
     # This random tiny judge repeats the prompt's last character: a number for some completions.
-    task = TaskConfig(scorer={"type": "judge", "path": JUDGE, "device": "cpu", "max_new_tokens": 6,
-                              "prompt_template": "Judge {prompt}{completion}", "parser": "test_model_scorer:digits"})  # fmt: skip
+    task = TaskConfig(
+        scorer={
+            "type": "judge",
+            "path": JUDGE,
+            "device": "cpu",
+            "max_new_tokens": 6,
+            "prompt_template": "Judge {prompt}{completion}",
+            "parser": "test_model_scorer:digits",
+        }
+    )
     judge = JudgeScorer(task.scorer)
     texts = judge.judge([judge.encode(item) for item in PAIRS])
-    assert judge.judge([judge.encode(PAIRS[2])]) == [texts[2]]  # left-padded in a batch, it writes as alone
+    assert judge.judge([judge.encode(PAIRS[2])]) == [
+        texts[2]
+    ]  # left-padded in a batch, it writes as alone
     rollouts = _rollouts(PAIRS)
     with caplog.at_level(logging.WARNING):
         scorer = _score_with_executor(task, rollouts)
@@ -180,17 +235,33 @@ def test_a_judgement_the_parser_cannot_read_is_a_counted_failure_with_the_text_i
     assert None in parsed and any(p is not None for p in parsed)
     for rollout, value, text in zip(rollouts, parsed, texts):
         if value is None:  # never a silent 0
-            assert rollout.status == "failed" and rollout.reward is None and repr(text) in rollout.error
+            assert (
+                rollout.status == "failed"
+                and rollout.reward is None
+                and repr(text) in rollout.error
+            )
         else:
             assert rollout.status == "ok" and rollout.reward == value
     assert dict(scorer.failures_by_reason) == {"judge_unparsed": parsed.count(None)}
     unparsed = [text for text, value in zip(texts, parsed) if value is None]
-    assert "judge_unparsed" in caplog.text and repr(unparsed[0]) in caplog.text and repr(unparsed[1]) in caplog.text
+    assert (
+        "judge_unparsed" in caplog.text
+        and repr(unparsed[0]) in caplog.text
+        and repr(unparsed[1]) in caplog.text
+    )
 
 
 def test_a_judge_scores_with_its_parser_and_a_missing_column_is_a_counted_failure():
-    task = TaskConfig(scorer={"type": "judge", "path": JUDGE, "device": "cpu", "max_new_tokens": 5,
-                              "prompt_template": "{prompt}{completion} ({answer})", "parser": "test_model_scorer:length"})  # fmt: skip
+    task = TaskConfig(
+        scorer={
+            "type": "judge",
+            "path": JUDGE,
+            "device": "cpu",
+            "max_new_tokens": 5,
+            "prompt_template": "{prompt}{completion} ({answer})",
+            "parser": "test_model_scorer:length",
+        }
+    )
     rollouts = _rollouts([("1+1=", "2", {"answer": "2"}), ("2+2=", "4", {})])
     scorer = _score_with_executor(task, rollouts)
     assert rollouts[0].status == "ok" and isinstance(rollouts[0].reward, float)
@@ -199,8 +270,12 @@ def test_a_judge_scores_with_its_parser_and_a_missing_column_is_a_counted_failur
 
 
 def test_config_needs_exactly_one_way_to_score_and_a_function_scorer_is_task_reward():
-    with pytest.raises(ValueError, match="exactly one of 'reward' or 'environment'.*got 'reward' and 'scorer'"):
-        TaskConfig(reward="examples.arithmetic.reward:exact_match", scorer={"type": "model", "path": "rm"})
+    with pytest.raises(
+        ValueError, match="exactly one of 'reward' or 'environment'.*got 'reward' and 'scorer'"
+    ):
+        TaskConfig(
+            reward="examples.arithmetic.reward:exact_match", scorer={"type": "model", "path": "rm"}
+        )
     with pytest.raises(ValueError, match="not a Python format string"):
         JudgeScorerConfig(path=JUDGE, prompt_template="{prompt", parser="m:f")
     task = TaskConfig(scorer={"type": "function", "path": "examples.arithmetic.reward:exact_match"})
@@ -215,11 +290,16 @@ def test_config_needs_exactly_one_way_to_score_and_a_function_scorer_is_task_rew
 
 
 def _model_job(tiny_job, reward_model: str, runtime: str, **sections):
-    return tiny_job(runtime=runtime, task={"reward": None, "scorer": {"type": "model", "path": reward_model,
-                                                                      "device": "cpu"}}, **sections)  # fmt: skip
+    return tiny_job(
+        runtime=runtime,
+        task={"reward": None, "scorer": {"type": "model", "path": reward_model, "device": "cpu"}},
+        **sections,
+    )
 
 
-@pytest.mark.parametrize("runtime", ["local", "process", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize(
+    "runtime", ["local", "process", pytest.param("ray", marks=pytest.mark.ray)]
+)
 def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime, request):
     if runtime == "ray":
         request.getfixturevalue("ray_cluster")
@@ -228,23 +308,45 @@ def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime, reque
     s = result.summary
     assert s["steps"] == 2 and not s.get("job_failed") and s["failed"] == 0
     assert s["trained"] == 2 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
-    means = [r["rollout/reward_mean"] for r in read_metrics(result.run_dir) if "rollout/reward_mean" in r]
-    assert means and all(abs(m * 16 - round(m * 16)) > 1e-6 for m in means)  # the model's scores, not 0/1 rewards
+    means = [
+        r["rollout/reward_mean"] for r in read_metrics(result.run_dir) if "rollout/reward_mean" in r
+    ]
+    assert means and all(
+        abs(m * 16 - round(m * 16)) > 1e-6 for m in means
+    )  # the model's scores, not 0/1 rewards
 
 
 def test_a_job_trains_with_a_judge(tiny_job):
-    cfg = tiny_job(task={"reward": None, "scorer": {"type": "judge", "path": JUDGE, "device": "cpu", "max_new_tokens": 3,
-                                                    "prompt_template": "{prompt}{completion} ({answer})",
-                                                    "parser": "test_model_scorer:length"}},
-                   trainer={"num_steps": 2})  # fmt: skip
+    cfg = tiny_job(
+        task={
+            "reward": None,
+            "scorer": {
+                "type": "judge",
+                "path": JUDGE,
+                "device": "cpu",
+                "max_new_tokens": 3,
+                "prompt_template": "{prompt}{completion} ({answer})",
+                "parser": "test_model_scorer:length",
+            },
+        },
+        trainer={"num_steps": 2},
+    )
     s = Job(cfg).run().summary
     assert s["steps"] == 2 and not s.get("job_failed") and s["failed"] == 0
     assert s["trained"] == 2 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
 
 
-def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twice(tiny_job, reward_model):
-    cfg = _model_job(tiny_job, reward_model, "process", trainer={"num_steps": 4}, checkpoint={"every_steps": 100},
-                     faults={"min_deadline_s": 3.0, "deadline_factor": 10.0})  # fmt: skip
+def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twice(
+    tiny_job, reward_model
+):
+    cfg = _model_job(
+        tiny_job,
+        reward_model,
+        "process",
+        trainer={"num_steps": 4},
+        checkpoint={"every_steps": 100},
+        faults={"min_deadline_s": 3.0, "deadline_factor": 10.0},
+    )
     killed = []
 
     def on_record(record):
@@ -268,8 +370,14 @@ def test_a_killed_model_scorer_is_replaced_and_no_rollout_is_lost_or_scored_twic
 
 @pytest.mark.slow  # ~15-30 s: waits out a deadline (the same path as test_faults' hung generator)
 def test_a_model_scorer_that_stops_answering_is_replaced_after_its_deadline(tiny_job, reward_model):
-    cfg = _model_job(tiny_job, reward_model, "process", trainer={"num_steps": 6}, checkpoint={"every_steps": 100},
-                     faults={"min_deadline_s": 3.0, "deadline_factor": 10.0})  # fmt: skip
+    cfg = _model_job(
+        tiny_job,
+        reward_model,
+        "process",
+        trainer={"num_steps": 6},
+        checkpoint={"every_steps": 100},
+        faults={"min_deadline_s": 3.0, "deadline_factor": 10.0},
+    )
     stopped = []
 
     def on_record(record):
@@ -296,7 +404,9 @@ def test_a_scorer_table_survives_the_run_folder_config_round_trip(tiny_job, rewa
 @pytest.mark.gpu
 def test_a_reward_model_on_cuda_in_bfloat16_scores_close_to_float32_on_the_cpu(reward_model):
     cpu = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu")), PAIRS)
-    scorer = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cuda"))  # dtype auto: bfloat16
+    scorer = RewardModelScorer(
+        ModelScorerConfig(path=reward_model, device="cuda")
+    )  # dtype auto: bfloat16
     assert next(scorer.model.parameters()).dtype == torch.bfloat16
     assert all(not p.requires_grad for p in scorer.model.parameters())
     gpu = _scores(scorer, PAIRS)

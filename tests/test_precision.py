@@ -17,13 +17,25 @@ from loomrl.types import Group, Rollout
 
 
 def _model():
-    return build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    return build_tiny_model(
+        "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
 
 
 def _groups(n_groups=2, size=4) -> list[Group]:
-    rollouts = [Rollout(i, [1, 5 + i % 3, 6] + [9] * (i % 2), [7 + i % 4] * (1 + i % 3), [-1.5] * (1 + i % 3),
-                        [1] * (1 + i % 3), 0, reward=float(i % 2)) for i in range(n_groups * size)]
-    return [Group(g, 0, rollouts[g * size:(g + 1) * size]) for g in range(n_groups)]
+    rollouts = [
+        Rollout(
+            i,
+            [1, 5 + i % 3, 6] + [9] * (i % 2),
+            [7 + i % 4] * (1 + i % 3),
+            [-1.5] * (1 + i % 3),
+            [1] * (1 + i % 3),
+            0,
+            reward=float(i % 2),
+        )
+        for i in range(n_groups * size)
+    ]
+    return [Group(g, 0, rollouts[g * size : (g + 1) * size]) for g in range(n_groups)]
 
 
 def test_auto_dtype_and_precision_are_fp32_on_the_cpu_and_bf16_on_cuda():
@@ -40,19 +52,30 @@ def test_auto_dtype_and_precision_are_fp32_on_the_cpu_and_bf16_on_cuda():
 
 
 def test_load_policy_loads_the_compute_dtype():
-    model, _ = load_policy(ModelConfig(path="tiny:llama?hidden_size=32&num_layers=1&num_heads=2", dtype="bfloat16",
-                                       device="cpu"))
+    model, _ = load_policy(
+        ModelConfig(
+            path="tiny:llama?hidden_size=32&num_layers=1&num_heads=2",
+            dtype="bfloat16",
+            device="cpu",
+        )
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    model, _ = load_policy(ModelConfig(path="tiny:llama?hidden_size=32&num_layers=1&num_heads=2", device="cpu"))
+    model, _ = load_policy(
+        ModelConfig(path="tiny:llama?hidden_size=32&num_layers=1&num_heads=2", device="cpu")
+    )
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_bf16_mixed_keeps_fp32_masters_and_computes_under_bf16_autocast():
     model, tok = _model()
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, precision="bf16_mixed"), 1.0)
+    trainer = Trainer(
+        model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, precision="bf16_mixed"), 1.0
+    )
     losses = [trainer.train_step(_groups())["train/loss"]]
     seen = []  # after the first step, which also probes the cache outside training
-    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda m, i, out: seen.append(out.dtype)
+    )
     losses.append(trainer.train_step(_groups())["train/loss"])
     assert all(math.isfinite(v) for v in losses)
     assert seen and set(seen) == {torch.bfloat16}
@@ -75,8 +98,14 @@ def test_bf16_trains_bf16_weights_and_state_with_fp32_logprobs():
 
 def test_kl_reference_is_kept_in_the_compute_dtype():
     model, tok = _model()
-    trainer = Trainer(model, tok, AlgorithmConfig(kl_coef=0.1), TrainerConfig(lr=1e-3, precision="bf16_mixed"), 1.0,
-                      reference_dtype=torch.bfloat16)
+    trainer = Trainer(
+        model,
+        tok,
+        AlgorithmConfig(kl_coef=0.1),
+        TrainerConfig(lr=1e-3, precision="bf16_mixed"),
+        1.0,
+        reference_dtype=torch.bfloat16,
+    )
     assert {p.dtype for p in trainer.reference.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert not any(p.requires_grad for p in trainer.reference.parameters())
@@ -94,7 +123,9 @@ def _step_grads(cfg: TrainerConfig, groups):
 def test_token_budget_micro_batches_give_the_row_micro_batches_loss_and_grads():
     groups = _groups(3, 4)
     want, want_grads = _step_grads(TrainerConfig(micro_batch_size=64, trace=False), groups)
-    got, got_grads = _step_grads(TrainerConfig(micro_batch_size=64, max_tokens_per_micro_batch=20, trace=False), groups)
+    got, got_grads = _step_grads(
+        TrainerConfig(micro_batch_size=64, max_tokens_per_micro_batch=20, trace=False), groups
+    )
     assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
     assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
     for a, b in zip(got_grads, want_grads):
@@ -102,12 +133,20 @@ def test_token_budget_micro_batches_give_the_row_micro_batches_loss_and_grads():
 
 
 def test_micro_batch_slices_respect_rows_and_padded_tokens():
-    rollouts = [Rollout(i, [1] * 3, [2] * n, [0.0] * n, [1] * n, 0) for i, n in enumerate([1, 1, 5, 1, 20, 2])]
+    rollouts = [
+        Rollout(i, [1] * 3, [2] * n, [0.0] * n, [1] * n, 0)
+        for i, n in enumerate([1, 1, 5, 1, 20, 2])
+    ]
     lengths = [4, 4, 8, 4, 23, 5]
     assert micro_batch_slices(rollouts, 64, None) == [slice(0, 6)]
     assert micro_batch_slices(rollouts, 4, None) == [slice(0, 4), slice(4, 6)]
     slices = micro_batch_slices(rollouts, 64, 16)
-    assert slices == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]  # the 23-token row goes alone
+    assert slices == [
+        slice(0, 2),
+        slice(2, 4),
+        slice(4, 5),
+        slice(5, 6),
+    ]  # the 23-token row goes alone
     for s in slices:
         rows = lengths[s]
         assert len(rows) == 1 or max(rows) * len(rows) <= 16
@@ -118,8 +157,12 @@ def test_gradient_checkpointing_gives_equal_grads():
     _, want = _step_grads(TrainerConfig(shared_prefix=False, trace=False), groups)
     _, got = _step_grads(TrainerConfig(gradient_checkpointing=True, trace=False), groups)
     model, tok = _model()
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(gradient_checkpointing=True, trace=True), 1.0)
-    assert model.is_gradient_checkpointing and trainer._prefix_ok is False and trainer.traces is None
+    trainer = Trainer(
+        model, tok, AlgorithmConfig(), TrainerConfig(gradient_checkpointing=True, trace=True), 1.0
+    )
+    assert (
+        model.is_gradient_checkpointing and trainer._prefix_ok is False and trainer.traces is None
+    )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
@@ -143,7 +186,13 @@ def test_gradient_checkpointing_on_a_model_without_it_is_a_clear_error():
 
     _, tok = _model()
     with pytest.raises(ValueError, match="NoCheckpointing does not support gradient checkpointing"):
-        Trainer(NoCheckpointing(), tok, AlgorithmConfig(), TrainerConfig(gradient_checkpointing=True), 1.0)
+        Trainer(
+            NoCheckpointing(),
+            tok,
+            AlgorithmConfig(),
+            TrainerConfig(gradient_checkpointing=True),
+            1.0,
+        )
 
 
 @pytest.mark.gpu
@@ -152,9 +201,14 @@ def test_bf16_mixed_train_step_on_cuda():
     model, tok = _model()
     trainer = Trainer(model.cuda(), tok, AlgorithmConfig(kl_coef=0.05), TrainerConfig(lr=1e-3), 1.0)
     assert trainer.precision == "bf16_mixed" and trainer.chunk is not None
-    assert trainer.reference is not None and next(trainer.reference.parameters()).dtype == torch.bfloat16
+    assert (
+        trainer.reference is not None
+        and next(trainer.reference.parameters()).dtype == torch.bfloat16
+    )
     metrics = trainer.train_step(_groups())
-    assert math.isfinite(metrics["train/loss"]) and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert math.isfinite(metrics["train/loss"]) and {p.dtype for p in model.parameters()} == {
+        torch.float32
+    }
 
 
 def test_chunked_logprobs_through_a_lora_model_equal_the_full_ones():

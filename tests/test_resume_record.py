@@ -47,16 +47,35 @@ def test_tensorboard_gets_every_scalar_of_a_record_at_its_step(tmp_path):
     from loomrl.telemetry.metrics import MetricsLogger
 
     metrics = MetricsLogger(tmp_path)
-    metrics.log({"train/loss": 0.5, "rollout/generated": 128, "eval/x y": 2.0, "bad": float("nan"),
-                 "flag": True, "note": "text"}, step=1)  # fmt: skip
+    metrics.log(
+        {
+            "train/loss": 0.5,
+            "rollout/generated": 128,
+            "eval/x y": 2.0,
+            "bad": float("nan"),
+            "flag": True,
+            "note": "text",
+        },
+        step=1,
+    )
     metrics.log({"train/loss": 0.25}, step=2)
     metrics.close()
-    scalars = {(v.tag, e.step): v.simple_value for e in _tb_events(tmp_path / "tb") for v in e.summary.value}
-    assert scalars == {("train/loss", 1): 0.5, ("rollout/generated", 1): 128.0, ("eval/x_y", 1): 2.0,
-                       ("train/loss", 2): 0.25}  # fmt: skip
+    scalars = {
+        (v.tag, e.step): v.simple_value
+        for e in _tb_events(tmp_path / "tb")
+        for v in e.summary.value
+    }
+    assert scalars == {
+        ("train/loss", 1): 0.5,
+        ("rollout/generated", 1): 128.0,
+        ("eval/x_y", 1): 2.0,
+        ("train/loss", 2): 0.25,
+    }
 
 
-def test_metrics_are_written_off_the_caller_flush_waits_for_them_and_a_failed_write_is_raised(tmp_path):
+def test_metrics_are_written_off_the_caller_flush_waits_for_them_and_a_failed_write_is_raised(
+    tmp_path,
+):
     """The controller's loop only queues a record; ``flush`` (before every checkpoint) and
     ``close`` wait until it is in metrics.jsonl, and a write that failed is not silent."""
     from loomrl.telemetry.metrics import MetricsLogger
@@ -97,7 +116,9 @@ def test_a_record_reaches_metrics_jsonl_without_a_flush_and_an_owned_one_is_not_
     record = {"step": 1, "train/loss": 0.5}
     metrics.log(record, step=1, owned=True)
     metrics.log(dict(record), step=1)
-    assert queued[0][0] is record and queued[1][0] is not record  # handed over, not copied; else a snapshot
+    assert (
+        queued[0][0] is record and queued[1][0] is not record
+    )  # handed over, not copied; else a snapshot
     deadline = time.monotonic() + 20 * WRITE_EVERY_S
     while len(read_metrics(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(WRITE_EVERY_S / 4)
@@ -114,11 +135,20 @@ def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job
     records = read_metrics(run)
     steps = [r["step"] for r in records if "train/loss" in r]
     assert steps == [1, 2, 3]  # step 3 once, not once per attempt
-    assert [r["step"] for r in records if "eval/mean_reward" in r] == [0, 3]  # no eval at the resume point
+    assert [r["step"] for r in records if "eval/mean_reward" in r] == [
+        0,
+        3,
+    ]  # no eval at the resume point
     (mark,) = [r for r in records if r.get("event") == "resume"]
-    purges = [e.step for e in _tb_events(run / "tb") if e.HasField("session_log") and e.session_log.status == 1]
+    purges = [
+        e.step
+        for e in _tb_events(run / "tb")
+        if e.HasField("session_log") and e.session_log.status == 1
+    ]
     assert purges == [3]  # TensorBoard drops what the crashed attempt logged from step 3 on
-    assert mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2  # step 3 and its final eval
+    assert (
+        mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2
+    )  # step 3 and its final eval
     s = resumed.summary
     assert s["eval_start"] == first.summary["eval_start"] == before["eval_start"]
     assert s["elapsed_s"] > before["elapsed_s"] > 0  # the time before the crash counts too

@@ -27,7 +27,11 @@ def test_each_item_gets_its_outcome_and_a_hung_item_times_out_alone():
     elapsed = time.monotonic() - t0
     values = [v for v, _ in results]
     assert values[0] == 2.0 and values[3] == 3.0 and values[5] == 1.0
-    assert isinstance(values[1], RewardFailure) and values[1].reason == "raised" and "bad completion" in str(values[1])
+    assert (
+        isinstance(values[1], RewardFailure)
+        and values[1].reason == "raised"
+        and "bad completion" in str(values[1])
+    )
     assert isinstance(values[2], RewardFailure) and values[2].reason == "timeout"
     assert isinstance(values[4], RewardFailure) and values[4].reason == "invalid"
     assert elapsed < 2.0  # the items after the hung one did not wait for it
@@ -43,7 +47,9 @@ def test_a_batch_of_sync_calls_runs_in_one_contiguous_chunk_per_worker():
         seen.append((int(completion), threading.get_ident()))
         return 1.0
 
-    results = asyncio.run(call_reward_batch(reward, [("p", str(i), {}) for i in range(64)], timeout_s=5.0))
+    results = asyncio.run(
+        call_reward_batch(reward, [("p", str(i), {}) for i in range(64)], timeout_s=5.0)
+    )
     assert [v for v, _ in results] == [1.0] * 64
     threads = {t for _, t in seen}
     assert 1 <= len(threads) <= _REWARD_THREADS.size and threading.get_ident() not in threads
@@ -59,7 +65,9 @@ def test_async_rewards_are_scored_too():
         await asyncio.sleep(0.01 if completion != "slow" else 2.0)
         return 0.5
 
-    results = asyncio.run(call_reward_batch(reward, [("p", c, {}) for c in ("a", "slow", "b")], timeout_s=0.3))
+    results = asyncio.run(
+        call_reward_batch(reward, [("p", c, {}) for c in ("a", "slow", "b")], timeout_s=0.3)
+    )
     assert results[0][0] == 0.5 and results[2][0] == 0.5
     assert isinstance(results[1][0], RewardFailure) and results[1][0].reason == "timeout"
 
@@ -70,7 +78,9 @@ def test_sync_rewards_that_wait_still_run_side_by_side():
         return 1.0
 
     t0 = time.monotonic()
-    results = asyncio.run(call_reward_batch(reward, [("p", str(i), {}) for i in range(16)], timeout_s=5.0))
+    results = asyncio.run(
+        call_reward_batch(reward, [("p", str(i), {}) for i in range(16)], timeout_s=5.0)
+    )
     assert [v for v, _ in results] == [1.0] * 16
     assert time.monotonic() - t0 < 1.0  # 16 x 0.1 s one after another would take 1.6 s
 
@@ -84,7 +94,10 @@ def test_a_batch_after_cancelled_hung_ones_still_gets_a_worker():
         return 1.0
 
     async def main():
-        hung = [asyncio.create_task(call_reward_batch(reward, [("p", "hang", {})], timeout_s=30.0)) for _ in range(8)]
+        hung = [
+            asyncio.create_task(call_reward_batch(reward, [("p", "hang", {})], timeout_s=30.0))
+            for _ in range(8)
+        ]
         await asyncio.sleep(0.3)
         for task in hung:
             task.cancel()
@@ -119,7 +132,9 @@ def test_a_fast_reward_runs_later_batches_on_one_worker_and_a_slow_one_stays_spl
 
     for _ in range(3):
         submitted.append(0)
-        results = asyncio.run(call_reward_batch(fast, [("p", str(i), {}) for i in range(64)], timeout_s=5.0))
+        results = asyncio.run(
+            call_reward_batch(fast, [("p", str(i), {}) for i in range(64)], timeout_s=5.0)
+        )
         assert [v for v, _ in results] == [1.0] * 64
     assert submitted == [min(64, reward_module._REWARD_THREADS.size), 1, 1]
 
@@ -127,10 +142,14 @@ def test_a_fast_reward_runs_later_batches_on_one_worker_and_a_slow_one_stays_spl
         time.sleep(0.05)
         return 1.0
 
-    for _ in range(2):  # the second batch, with the function's timings known, still runs side by side
+    for _ in range(
+        2
+    ):  # the second batch, with the function's timings known, still runs side by side
         submitted.append(0)
         t0 = time.monotonic()
-        results = asyncio.run(call_reward_batch(slow, [("p", str(i), {}) for i in range(16)], timeout_s=5.0))
+        results = asyncio.run(
+            call_reward_batch(slow, [("p", str(i), {}) for i in range(16)], timeout_s=5.0)
+        )
         assert [v for v, _ in results] == [1.0] * 16
         assert time.monotonic() - t0 < 0.6  # 16 x 0.05 s one after another would take 0.8 s
     assert submitted[-1] == min(16, reward_module._REWARD_THREADS.size)

@@ -29,7 +29,9 @@ def test_run_into_a_folder_holding_a_run_is_refused_unless_overwrite(tiny_job):
         Job(tiny_job(trainer={"num_steps": 1})).run()
     assert (first.run_dir / "summary.json").read_text() == summary_before  # untouched
     assert _steps(first.run_dir) == [1, 2, 3]
-    second = Job(tiny_job(trainer={"num_steps": 1}, checkpoint={"every_steps": 1, "keep": 5})).run(overwrite=True)
+    second = Job(tiny_job(trainer={"num_steps": 1}, checkpoint={"every_steps": 1, "keep": 5})).run(
+        overwrite=True
+    )
     assert second.run_dir == first.run_dir
     assert _steps(second.run_dir) == [1]  # the old run's records are gone, not appended to
     assert [p.name for p in (second.run_dir / "checkpoints").iterdir()] == ["step_000001"]
@@ -40,15 +42,23 @@ def test_a_folder_in_use_by_another_process_is_refused_at_once(tiny_job, tmp_pat
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, 'src'); from loomrl.run_folder import RunFolderLock;"
-         f" RunFolderLock(__import__('pathlib').Path({str(run_dir)!r})).acquire(); print('locked', flush=True);"
-         " time.sleep(60)"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, 'src'); from loomrl.run_folder import RunFolderLock;"
+            f" RunFolderLock(__import__('pathlib').Path({str(run_dir)!r})).acquire(); print('locked', flush=True);"
+            " time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         t0 = time.perf_counter()
-        with pytest.raises(RunFolderError, match=rf"in use by another loomrl run \(pid {holder.pid}\)"):
+        with pytest.raises(
+            RunFolderError, match=rf"in use by another loomrl run \(pid {holder.pid}\)"
+        ):
             Job(tiny_job(trainer={"num_steps": 1})).run()
         assert time.perf_counter() - t0 < 2.0
         assert not (run_dir / "config.json").exists()
@@ -68,17 +78,23 @@ def test_unwritable_output_dir_fails_in_one_line_before_loading_a_model(tmp_path
     raw.pop("output_dir")
     job_file = tmp_path / "job.toml"
     job_file.write_text(
-        "\n".join(f"[{k}]\n" + "\n".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items())
-                  for k, v in raw.items() if isinstance(v, dict))
+        "\n".join(
+            f"[{k}]\n" + "\n".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items())
+            for k, v in raw.items()
+            if isinstance(v, dict)
+        )
         + "\n"
-    )  # fmt: skip
+    )
     target = str(blocker / "run")  # a quote in the path: passed as a value, not as TOML
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "loomrl.cli", "run", str(job_file), "--output-dir", target],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -94,16 +110,24 @@ def test_cli_refuses_a_used_output_dir_and_overwrite_replaces_it(tmp_path, tiny_
     raw.pop("output_dir")
     job_file = tmp_path / "job.toml"
     job_file.write_text(
-        "\n".join(f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)) + "\n"
-        + "\n".join(f"[{k}]\n" + "\n".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items())
-                    for k, v in raw.items() if isinstance(v, dict)) + "\n"
-    )  # fmt: skip
+        "\n".join(f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict))
+        + "\n"
+        + "\n".join(
+            f"[{k}]\n" + "\n".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items())
+            for k, v in raw.items()
+            if isinstance(v, dict)
+        )
+        + "\n"
+    )
     out = str(tmp_path / "out")
     assert cli.main(["run", str(job_file), "--output-dir", out]) == 0
     capsys.readouterr()
     assert cli.main(["run", str(job_file), "--output-dir", out]) == 2
     assert f"output dir {out!r} already holds a run" in capsys.readouterr().err
-    assert cli.main(["run", str(job_file), "--output-dir", out, "--overwrite", "trainer.num_steps=2"]) == 0
+    assert (
+        cli.main(["run", str(job_file), "--output-dir", out, "--overwrite", "trainer.num_steps=2"])
+        == 0
+    )
     assert _steps(Path(out)) == [1, 2]
 
 
@@ -129,9 +153,24 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
     from loomrl.session import _write_failure_summary
     from loomrl.stop_signals import StopSignal
 
-    counts = {"generated": 40, "trained": 16, "dropped_stale": 4, "failed": 2, "in_flight": 10, "lost_on_resume": 0,
-              "prompts_trained_twice": 0}  # fmt: skip
-    controller = SimpleNamespace(version=1, accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()})
-    _write_failure_summary(tmp_path, controller, StopSignal(15))  # 8 rollouts were in the step it cut short
+    counts = {
+        "generated": 40,
+        "trained": 16,
+        "dropped_stale": 4,
+        "failed": 2,
+        "in_flight": 10,
+        "lost_on_resume": 0,
+        "prompts_trained_twice": 0,
+    }
+    controller = SimpleNamespace(
+        version=1, accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()}
+    )
+    _write_failure_summary(
+        tmp_path, controller, StopSignal(15)
+    )  # 8 rollouts were in the step it cut short
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["stopped_by"] == "SIGTERM" and summary["in_step"] == 8
+    assert (
+        summary["interrupted"] is True
+        and summary["stopped_by"] == "SIGTERM"
+        and summary["in_step"] == 8
+    )

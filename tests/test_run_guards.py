@@ -26,9 +26,15 @@ BASE = {"data": {"train": "t.jsonl"}, "task": {"reward": "m:f"}}
 
 @pytest.mark.parametrize(("stale", "every"), [(0, 2), (1, 3), (2, 5)])
 def test_sync_every_past_max_staleness_plus_one_is_rejected_at_load(stale, every):
-    with pytest.raises(ConfigError, match=rf"sync_every={every} .*max_staleness={stale}.*<= max_staleness \+ 1"):
-        build_config({**BASE, "algorithm": {"max_staleness": stale}, "weight_sync": {"sync_every": every}})
-    build_config({**BASE, "algorithm": {"max_staleness": stale}, "weight_sync": {"sync_every": stale + 1}})
+    with pytest.raises(
+        ConfigError, match=rf"sync_every={every} .*max_staleness={stale}.*<= max_staleness \+ 1"
+    ):
+        build_config(
+            {**BASE, "algorithm": {"max_staleness": stale}, "weight_sync": {"sync_every": every}}
+        )
+    build_config(
+        {**BASE, "algorithm": {"max_staleness": stale}, "weight_sync": {"sync_every": stale + 1}}
+    )
 
 
 def test_generators_stuck_on_an_old_version_fail_the_job_instead_of_spinning(tiny_job):
@@ -46,8 +52,12 @@ def test_no_step_for_stall_warning_s_is_logged(tiny_job, tmp_path, caplog):
     )
     sys.path.insert(0, str(tmp_path))
     try:
-        cfg = tiny_job(task={"reward": "slow_reward_mod:reward", "reward_timeout_s": 10.0},
-                       trainer={"num_steps": 1}, data={"eval": None}, stall_warning_s=0.3)  # fmt: skip
+        cfg = tiny_job(
+            task={"reward": "slow_reward_mod:reward", "reward_timeout_s": 10.0},
+            trainer={"num_steps": 1},
+            data={"eval": None},
+            stall_warning_s=0.3,
+        )
         with caplog.at_level(logging.WARNING, logger="loomrl.controller"):
             Job(cfg).run()
     finally:
@@ -64,18 +74,37 @@ def test_first_ctrl_c_stops_a_run_waiting_for_a_batch_that_never_comes(tmp_path,
         "    if CALLS[0] > 40:\n        time.sleep(120)\n"
         "    return float(len(completion))\n"
     )  # the first two steps' rollouts score, then scoring hangs
-    raw = tiny_job_raw(tmp_path, train, None, task={"reward": "hang_reward:reward", "reward_timeout_s": 100.0},
-                       trainer={"num_steps": 50}, checkpoint={"every_steps": 1000})  # fmt: skip
+    raw = tiny_job_raw(
+        tmp_path,
+        train,
+        None,
+        task={"reward": "hang_reward:reward", "reward_timeout_s": 100.0},
+        trainer={"num_steps": 50},
+        checkpoint={"every_steps": 1000},
+    )
     job_file = tmp_path / "job.toml"
     job_file.write_text(json_to_toml(raw))
     run_dir = Path(raw["output_dir"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), str(tmp_path)])}
-    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), str(tmp_path)]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 90
     metrics = run_dir / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None and not (metrics.is_file() and metrics.read_text()):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not (metrics.is_file() and metrics.read_text())
+    ):
         time.sleep(0.1)
     time.sleep(3)  # now waiting on the hung reward
     proc.send_signal(signal.SIGINT)

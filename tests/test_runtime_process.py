@@ -197,7 +197,9 @@ def test_config_picks_a_transport_that_crosses_processes(tmp_path):
 
 
 def _shm_files() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+    return (
+        {p.name for p in Path("/dev/shm").glob("loomrl-*")} if Path("/dev/shm").is_dir() else set()
+    )
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
@@ -205,19 +207,33 @@ def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path,
     sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": "test_job:length_reward"}}
     shm_before = _shm_files()
     local = Job(tiny_job(**sync, output_dir=str(tmp_path / "local"))).run()
-    spawned = Job(tiny_job(**sync, runtime="process", output_dir=str(tmp_path / "process"),
-                           weight_sync={"transport": transport, "codec": "delta"})).run()  # fmt: skip
+    spawned = Job(
+        tiny_job(
+            **sync,
+            runtime="process",
+            output_dir=str(tmp_path / "process"),
+            weight_sync={"transport": transport, "codec": "delta"},
+        )
+    ).run()
 
     def losses(run_dir):
-        return [(r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"])
-                for r in read_metrics(run_dir) if "train/loss" in r]  # fmt: skip
+        return [
+            (r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"])
+            for r in read_metrics(run_dir)
+            if "train/loss" in r
+        ]
 
     assert len(losses(local.run_dir)) == 4 and losses(local.run_dir)[0][0] != 0.0
     assert losses(spawned.run_dir) == losses(local.run_dir)  # bit-identical at fp32 on CPU
     assert spawned.summary["trained"] == local.summary["trained"]
     # every executor's peak memory, its own process's on `process`, the shared one on `local`
     for result in (local, spawned):
-        assert set(result.summary["peak_rss_mb"]) == {"controller", "trainer", "generator0", "scorer0"}
+        assert set(result.summary["peak_rss_mb"]) == {
+            "controller",
+            "trainer",
+            "generator0",
+            "scorer0",
+        }
         assert all(50 < mb < 8192 for mb in result.summary["peak_rss_mb"].values())
         assert 0 < result.summary["controller_overhead"] < 1
     rss = local.summary["peak_rss_mb"]
@@ -229,15 +245,22 @@ def test_sync_job_gives_the_same_losses_as_the_local_runtime(tiny_job, tmp_path,
 
 def test_a_generator_killed_mid_job_is_reported_and_the_job_resumes(tiny_job, tmp_path):
     # No restarts allowed: the job fails (with a checkpoint of what it trained) and resumes.
-    cfg = tiny_job(runtime="process", trainer={"num_steps": 6}, checkpoint={"every_steps": 2},
-                   faults={"max_executor_restarts": 0}, output_dir=str(tmp_path / "run"))  # fmt: skip
+    cfg = tiny_job(
+        runtime="process",
+        trainer={"num_steps": 6},
+        checkpoint={"every_steps": 2},
+        faults={"max_executor_restarts": 0},
+        output_dir=str(tmp_path / "run"),
+    )
 
     def kill_generator(record):
         if record.get("step") == 3:
             (gen,) = [p for p in multiprocessing.active_children() if p.name == "loomrl-generator0"]
             os.kill(gen.pid, signal.SIGKILL)
 
-    with pytest.raises(RestartLimitError, match="'generator0'.*killed by SIGKILL.*max_executor_restarts=0"):
+    with pytest.raises(
+        RestartLimitError, match="'generator0'.*killed by SIGKILL.*max_executor_restarts=0"
+    ):
         Job(cfg).run(on_record=kill_generator)
     assert not multiprocessing.active_children()
     result = resume_job(tmp_path / "run")
@@ -255,7 +278,9 @@ def _tagged(loop_thread: int, calls: list[str]) -> tuple[list[str], bool]:
 
 @pytest.mark.parametrize("runtime_name", ["local", "process"])
 @pytest.mark.parametrize("supervised", [False, True])
-def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is_the_calls(runtime_name, supervised):
+def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is_the_calls(
+    runtime_name, supervised
+):
     """``post`` (what the controller makes of a result: groups from a generate call,
     rewards into them from a score call) runs on the executor's or the transport's
     thread, not the loop's; the caller gets its value, or its error. A call made before
@@ -281,8 +306,15 @@ def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is
             assert await target.call_then(None, "record", "b") == ["a", "b"]
             with pytest.raises(ValueError, match="post failed"):
                 await target.call_then(post, "record", "boom")
-            assert await target.call("record", "c") == ["a", "b", "boom", "c"]  # the executor lives on
-            assert not stats.failures and not stats.restarts  # (a post's error is no executor's loss)
+            assert await target.call("record", "c") == [
+                "a",
+                "b",
+                "boom",
+                "c",
+            ]  # the executor lives on
+            assert (
+                not stats.failures and not stats.restarts
+            )  # (a post's error is no executor's loss)
 
         run(main())
     finally:

@@ -99,7 +99,11 @@ def runtime(ray_cluster):
 
 
 def _job_actors(ray, tag: str) -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(tag)]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(tag)
+    ]
 
 
 def _wait_no_actors(ray, tag: str, timeout_s: float = 20.0) -> bool:
@@ -121,7 +125,12 @@ def test_calls_run_in_an_actor_in_order_and_count_busy_time(runtime, tmp_path):
         slow = asyncio.ensure_future(handle.record("a", sleep_s=0.5))
         await asyncio.sleep(0.05)
         fast = [asyncio.ensure_future(handle.record(tag)) for tag in "bcd"]  # queued behind it
-        return await handle.worker_pid(), await slow, await asyncio.gather(*fast), await handle.call("threads")
+        return (
+            await handle.worker_pid(),
+            await slow,
+            await asyncio.gather(*fast),
+            await handle.call("threads"),
+        )
 
     pid, first, rest, threads = run(main())
     assert pid != os.getpid() and handle.pid == pid and threads == 1
@@ -150,7 +159,10 @@ def test_remote_exceptions_keep_their_type_and_traceback(runtime):
 
 def test_a_missing_endpoint_fails_the_start(runtime):
     handle = runtime.start("generator0", HalfWorker, WorkerEndpoints)
-    with pytest.raises(MissingEndpointError, match="HalfWorker does not implement WorkerEndpoints: no method 'threads', 'worker_pid'"):
+    with pytest.raises(
+        MissingEndpointError,
+        match="HalfWorker does not implement WorkerEndpoints: no method 'threads', 'worker_pid'",
+    ):
         run(runtime.wait_ready())
     with pytest.raises(MissingEndpointError):
         run(handle.record("x"))
@@ -177,7 +189,10 @@ def test_a_killed_actor_fails_its_calls_and_restart_gives_a_fresh_executor(runti
         return await pending
 
     t0 = time.monotonic()
-    with pytest.raises(ExecutorDiedError, match=r"executor 'generator0' \(Ray actor \w+ pid \d+ on node .*\) died: .+"):
+    with pytest.raises(
+        ExecutorDiedError,
+        match=r"executor 'generator0' \(Ray actor \w+ pid \d+ on node .*\) died: .+",
+    ):
         run(main())
     assert time.monotonic() - t0 < 20  # reported when it died, not after the call's 30 s
     assert not handle.alive
@@ -207,13 +222,17 @@ def test_kill_ends_the_actor_and_its_pending_call(runtime):
 def test_shutdown_leaves_no_actor_of_the_job(ray_cluster):
     from loomrl.runtime.ray import RayRuntime
 
-    rt = RayRuntime(RayConfig(num_cpus={"generator": 0.5}, placement="pack"),
-                    executor_names=["generator0", "generator1"])  # fmt: skip
+    rt = RayRuntime(
+        RayConfig(num_cpus={"generator": 0.5}, placement="pack"),
+        executor_names=["generator0", "generator1"],
+    )
     try:
         handles = [rt.start(f"generator{i}", Worker) for i in range(2)]
         assert [run(h.call("record", "x")) for h in handles] == [["x"], ["x"]]
         assert len(_job_actors(ray_cluster, rt.job_tag)) == 2
-        with pytest.raises(ValueError, match="'trainer' has no bundle in the job's placement group"):
+        with pytest.raises(
+            ValueError, match="'trainer' has no bundle in the job's placement group"
+        ):
             rt.start("trainer", Worker)
     finally:
         rt.shutdown()
@@ -224,9 +243,17 @@ def test_shutdown_leaves_no_actor_of_the_job(ray_cluster):
 def test_roles_pick_the_resources():
     from loomrl.runtime.ray import role_of
 
-    config = RayConfig(num_cpus={"trainer": 2}, num_gpus={"generator": 0.5}, memory_mb={"scorer": 256})
-    assert config.num_cpus.generator == 1.0 and config.num_gpus.trainer == 0.0  # the rest keep defaults
-    assert [role_of(n) for n in ("trainer", "generator12", "scorer0")] == ["trainer", "generator", "scorer"]
+    config = RayConfig(
+        num_cpus={"trainer": 2}, num_gpus={"generator": 0.5}, memory_mb={"scorer": 256}
+    )
+    assert (
+        config.num_cpus.generator == 1.0 and config.num_gpus.trainer == 0.0
+    )  # the rest keep defaults
+    assert [role_of(n) for n in ("trainer", "generator12", "scorer0")] == [
+        "trainer",
+        "generator",
+        "scorer",
+    ]
     with pytest.raises(ValueError, match="executor name 'critic0' has no known role"):
         role_of("critic0")
 
@@ -238,7 +265,10 @@ def test_config_validation(tmp_path):
     with pytest.raises(ConfigError, match="runtime='ray' needs 'shm'"):
         build_config({**raw, "weight_sync": {"transport": "inproc"}})
     for transport in ("files", "torch_dist"):
-        assert build_config({**raw, "weight_sync": {"transport": transport}}).weight_sync.transport == transport
+        assert (
+            build_config({**raw, "weight_sync": {"transport": transport}}).weight_sync.transport
+            == transport
+        )
     with pytest.raises(ConfigError, match="ray.num_cpu: unknown key"):
         build_config({**raw, "ray": {"num_cpu": 2}})
     with pytest.raises(ConfigError, match="ray.num_gpus.critic: unknown key"):
@@ -252,20 +282,26 @@ def test_config_validation(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_a_tiny_job_runs_to_completion_on_ray(ray_cluster, tiny_job, tmp_path, transport):
-    cfg = tiny_job(runtime="ray", output_dir=str(tmp_path / "run"), weight_sync={"transport": transport},
-                   ray={"num_cpus": {"trainer": 1, "generator": 1}})  # fmt: skip
+    cfg = tiny_job(
+        runtime="ray",
+        output_dir=str(tmp_path / "run"),
+        weight_sync={"transport": transport},
+        ray={"num_cpus": {"trainer": 1, "generator": 1}},
+    )
     result = Job(cfg).run()
     s = result.summary
     assert s["steps"] == 4 and not s["interrupted"]
     assert s["trained"] == 4 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
     rss = s["peak_rss_mb"]
-    assert {"controller", "trainer", "generator0"} <= set(rss) and all(50 < mb < 8192 for mb in rss.values())
+    assert {"controller", "trainer", "generator0"} <= set(rss) and all(
+        50 < mb < 8192 for mb in rss.values()
+    )
     assert len(set(rss.values())) == len(rss)  # one process each
     assert (result.run_dir / "final").is_dir()
-    assert ray_cluster.is_initialized() and _wait_no_actors(ray_cluster, "loomrl-")  # the job's are gone
-
-
+    assert ray_cluster.is_initialized() and _wait_no_actors(
+        ray_cluster, "loomrl-"
+    )  # the job's are gone
 
 
 OWN_CLUSTER = """
@@ -286,10 +322,20 @@ print("ok")
 
 @pytest.mark.timeout(120)
 def test_a_runtime_that_starts_its_own_cluster_shuts_it_down(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", OWN_CLUSTER], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=110)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_CLUSTER],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=110,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["0", "ok"]

@@ -35,9 +35,12 @@ def test_samples_go_to_tensorboard_text_too(tmp_path):
 
     metrics = MetricsLogger(tmp_path)
     messages = [{"role": "user", "content": "2+2="}]
-    metrics.log_samples([{"prompt_index": 0, "prompt": messages, "completion": "four-ish", "reward": 0.25}], 7)
+    metrics.log_samples(
+        [{"prompt_index": 0, "prompt": messages, "completion": "four-ish", "reward": 0.25}], 7
+    )
     metrics.close()
-    assert read_samples(tmp_path) == [{"step": 7, "prompt_index": 0, "prompt": messages, "completion": "four-ish",
-                                       "reward": 0.25}]  # fmt: skip
+    assert read_samples(tmp_path) == [
+        {"step": 7, "prompt_index": 0, "prompt": messages, "completion": "four-ish", "reward": 0.25}
+    ]
     (events,) = (tmp_path / "tb").iterdir()
     assert b"four-ish" in events.read_bytes() and b"samples" in events.read_bytes()

@@ -22,9 +22,13 @@ def test_sandbox_exec_prints_escape_sequences_escaped(tmp_path, capsys):
         "print('\\x1b[31mred', file=sys.stderr)\n"
     )
     args = argparse.Namespace(
-        file=script, backend="auto", timeout_s=5.0, stdin="", memory_mb=256,
+        file=script,
+        backend="auto",
+        timeout_s=5.0,
+        stdin="",
+        memory_mb=256,
         max_output_bytes=1 << 20,
-    )  # fmt: skip
+    )
     assert cmd_sandbox_exec(args) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\r" not in out and "\u202e" not in out

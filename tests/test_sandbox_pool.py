@@ -32,8 +32,11 @@ def small_pool(backend: str, **kwargs) -> SandboxPool:
 
 def test_exec_python_command_files_stdin_and_exit_codes(backend):
     with small_pool(backend) as pool:
-        r = pool.exec("import sys\nprint(open('data/in.txt').read() + sys.stdin.read())",
-                      files={"data/in.txt": "from file "}, stdin="from stdin")  # fmt: skip
+        r = pool.exec(
+            "import sys\nprint(open('data/in.txt').read() + sys.stdin.read())",
+            files={"data/in.txt": "from file "},
+            stdin="from stdin",
+        )
         assert r.ok and r.stdout == "from file from stdin\n", r
         r = pool.exec(command=["sh", "-c", "echo out; echo err >&2; exit 3"])
         assert (r.stdout, r.stderr, r.exit_code, r.reason) == ("out\n", "err\n", 3, "exit")
@@ -50,7 +53,9 @@ def test_exec_python_command_files_stdin_and_exit_codes(backend):
         assert m["sandbox/infra_failures"] == 0 and m["sandbox/execs"] == 5
         assert m["sandbox/kills_signal"] == 1
         with pytest.raises(SandboxError, match="leaves the work dir"):
-            pool.exec("x", files={"../escape": "x"})  # the escape itself now runs (it sat in an `if False`)
+            pool.exec(
+                "x", files={"../escape": "x"}
+            )  # the escape itself now runs (it sat in an `if False`)
 
 
 def test_file_names_may_not_leave_the_work_dir(backend):
@@ -79,7 +84,10 @@ def test_buffer_misses_fall_once_the_buffer_has_adapted(backend):
         def burst(n: int) -> None:
             # Each exec lasts 0.2 s, so the n run at once: with instant ones the threads can
             # finish before the last starts, the pool never needs n, and it rightly keeps fewer.
-            threads = [threading.Thread(target=pool.exec, args=("import time; time.sleep(0.2)",)) for _ in range(n)]
+            threads = [
+                threading.Thread(target=pool.exec, args=("import time; time.sleep(0.2)",))
+                for _ in range(n)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -176,8 +184,18 @@ def test_from_config_and_metric_names():
         assert pool.limits.timeout_s == 1.0 and pool.max_sandboxes == 2
         pool.exec("print(1)")
         m = pool.metrics()
-    for name in ("exec_p50_ms", "exec_p99_ms", "buffer_misses", "miss_rate", "kills_timeout",
-                 "kills_output_cap", "kills_oom", "kills_leftover", "quarantined", "infra_retries"):  # fmt: skip
+    for name in (
+        "exec_p50_ms",
+        "exec_p99_ms",
+        "buffer_misses",
+        "miss_rate",
+        "kills_timeout",
+        "kills_output_cap",
+        "kills_oom",
+        "kills_leftover",
+        "quarantined",
+        "infra_retries",
+    ):
         assert f"sandbox/{name}" in m
     assert m["sandbox/exec_p50_ms"] > 0
 
@@ -193,8 +211,14 @@ def test_ten_thousand_execs_leave_no_process_behind(backend):
         "import os\nif os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(100)",
         "while True: pass",
     ]
-    pool = SandboxPool(backend, min_warm=2, max_warm=4, max_sandboxes=6,
-                       limits=SandboxLimits(timeout_s=0.2), max_execs_per_sandbox=500)  # fmt: skip
+    pool = SandboxPool(
+        backend,
+        min_warm=2,
+        max_warm=4,
+        max_sandboxes=6,
+        limits=SandboxLimits(timeout_s=0.2),
+        max_execs_per_sandbox=500,
+    )
     reasons: dict[str, int] = {}
     lock = threading.Lock()
 

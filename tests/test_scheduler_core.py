@@ -31,8 +31,10 @@ def test_fifo_grants_in_arrival_order():
 
 def test_priority_goes_first_and_backfill_never_delays_it():
     s = Scheduler({"d0": None, "d1": None}, "priority")
-    hold, hi, lo, lo_long = (s.register(n, 0.0, priority=p).id for n, p in
-                             (("hold", 0), ("hi", 5), ("lo", 0), ("lo-long", 0)))  # fmt: skip
+    hold, hi, lo, lo_long = (
+        s.register(n, 0.0, priority=p).id
+        for n, p in (("hold", 0), ("hi", 5), ("lo", 0), ("lo-long", 0))
+    )
     s.request(hold, ["d1"], "train", 0.0, expected_s=10.0)
     s.request(hi, ["d0", "d1"], "train", 1.0, expected_s=5.0)  # needs d1, busy until t=10
     s.request(lo_long, ["d0"], "gen", 1.5, expected_s=20.0)  # would end after d1 frees: no backfill
@@ -51,13 +53,20 @@ def test_fair_share_equalises_device_seconds_where_fifo_does_not():
     # three always-busy jobs whose phases last 1, 2 and 3 s
     jobs = [SimJob(f"j{i}", [("device", d)]) for i, d in enumerate((1.0, 2.0, 3.0))]
     fifo, fair = simulate(jobs, "fifo", 300.0), simulate(jobs, "fair", 300.0)
-    assert fifo.device_s["j2"] == pytest.approx(3 * fifo.device_s["j0"], rel=0.05)  # per grant, not per second
+    assert fifo.device_s["j2"] == pytest.approx(
+        3 * fifo.device_s["j0"], rel=0.05
+    )  # per grant, not per second
     assert fair.jain >= 0.99 > fifo.jain
-    assert max(fair.device_s.values()) - min(fair.device_s.values()) <= 3.0 + 1e-6  # within one phase
+    assert (
+        max(fair.device_s.values()) - min(fair.device_s.values()) <= 3.0 + 1e-6
+    )  # within one phase
 
 
 def test_fair_share_follows_weights():
-    jobs = [SimJob("w1", [("device", 1.0)], weight=1.0), SimJob("w2", [("device", 1.0)], weight=2.0)]
+    jobs = [
+        SimJob("w1", [("device", 1.0)], weight=1.0),
+        SimJob("w2", [("device", 1.0)], weight=2.0),
+    ]
     result = simulate(jobs, "fair", 300.0)
     assert result.device_s["w2"] / result.device_s["w1"] == pytest.approx(2.0, rel=0.05)
 
@@ -102,7 +111,9 @@ def test_lazy_eviction_charges_the_swap_to_the_job_that_caused_it():
     s = Scheduler({"d0": None}, "fifo")
     y, x = s.register("y", 0.0).id, s.register("x", 0.0).id
     s.request(y, ["d0"], "train", 0.0)
-    assert s.release(s.devices["d0"].holder, y, 1.0) == {"evict": False}  # nobody waits: stays resident
+    assert s.release(s.devices["d0"].holder, y, 1.0) == {
+        "evict": False
+    }  # nobody waits: stays resident
     assert s.devices["d0"].resident == y
     s.request(x, ["d0"], "train", 2.0)
     assert granted_job(s) is None and s.heartbeat(y, 2.0)["evict"] == ["d0"]
@@ -163,7 +174,9 @@ def test_restarted_scheduler_keeps_its_queue(tmp_path):
     s.request(c, ["d0"], "train", 2.0)
     s.store.close()
     s2 = Scheduler({"d0": None}, "fifo", store=SqliteStore(db), now=10.0)
-    assert [s2.jobs[r.job_id].name for r in sorted(s2.requests.values(), key=lambda r: r.requested_at)] == ["b", "c"]
+    assert [
+        s2.jobs[r.job_id].name for r in sorted(s2.requests.values(), key=lambda r: r.requested_at)
+    ] == ["b", "c"]
     assert granted_job(s2) == "a"
     s2.release(s2.devices["d0"].holder, a, 11.0)
     s2.evicted(a, ["d0"], 11.0)
@@ -178,8 +191,10 @@ def test_fair_share_serves_a_job_back_from_its_tool_calls_before_jobs_that_spent
     # jobs with 1x, 2x, 3x the device work per step and the same tool-call gap: the small
     # job is away often; served in plain round-robin order it got ~21% of the device
     # (Jain 0.92); the most credit first gives each about a third of what they use
-    jobs = [SimJob(f"j{k}", [("device", 0.2 * k), ("idle", 0.33), ("device", 0.062 * k)], jitter=0.2)
-            for k in (1, 2, 3)]  # fmt: skip
+    jobs = [
+        SimJob(f"j{k}", [("device", 0.2 * k), ("idle", 0.33), ("device", 0.062 * k)], jitter=0.2)
+        for k in (1, 2, 3)
+    ]
     fair = simulate(jobs, "fair", 600.0)
     assert fair.jain >= 0.98
     assert fair.device_s["j1"] >= 0.85 * fair.device_s["j3"]

@@ -46,8 +46,22 @@ def wait_up(url: str, timeout_s: float = 20.0) -> None:
 
 
 def serve(port: int, db: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loomrl.cli", "scheduler", "serve", "--port", str(port), "--db", str(db),
-           "--device", "cpu0=0", "--device", "cpu1=0", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "scheduler",
+        "serve",
+        "--port",
+        str(port),
+        "--db",
+        str(db),
+        "--device",
+        "cpu0=0",
+        "--device",
+        "cpu1=0",
+        *extra,
+    ]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -69,18 +83,33 @@ def daemon():
 
 
 plans = st.lists(
-    st.lists(st.tuples(st.sampled_from([["cpu0"], ["cpu1"], ["cpu0", "cpu1"]]),
-                       st.floats(min_value=0.0, max_value=0.03)), min_size=1, max_size=4),  # fmt: skip
-    min_size=2, max_size=4,
+    st.lists(
+        st.tuples(
+            st.sampled_from([["cpu0"], ["cpu1"], ["cpu0", "cpu1"]]),
+            st.floats(min_value=0.0, max_value=0.03),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    min_size=2,
+    max_size=4,
 )
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(plans=plans)
 def test_leases_are_mutually_exclusive_across_processes(daemon, tmp_path_factory, plans):
     out = tmp_path_factory.mktemp("excl")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), daemon.url, f"w{i}", json.dumps(plan), str(out)],
-                              env=ENV, stderr=subprocess.PIPE) for i, plan in enumerate(plans)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), daemon.url, f"w{i}", json.dumps(plan), str(out)],
+            env=ENV,
+            stderr=subprocess.PIPE,
+        )
+        for i, plan in enumerate(plans)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()[-2000:]
@@ -98,8 +127,11 @@ def test_leases_are_mutually_exclusive_across_processes(daemon, tmp_path_factory
 
 
 def test_killed_job_loses_its_lease_at_the_heartbeat_deadline(daemon, tmp_path):
-    holder = subprocess.Popen([sys.executable, str(WORKER), daemon.url, "doomed", "hold-forever", str(tmp_path)],
-                              env=ENV, stdout=subprocess.PIPE)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, str(WORKER), daemon.url, "doomed", "hold-forever", str(tmp_path)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert holder.stdout.readline().strip() == b"holding"
         waiter = SchedulerClient(daemon.url, "waiter", heartbeat_timeout_s=5.0, pin=False)
@@ -108,7 +140,9 @@ def test_killed_job_loses_its_lease_at_the_heartbeat_deadline(daemon, tmp_path):
         killed_at = time.time()
         lease = waiter.acquire("cpu0", "train", timeout_s=10.0)
         reclaimed_s = time.time() - killed_at
-        assert 0.5 <= reclaimed_s <= 3.0, reclaimed_s  # heartbeat timeout 1 s, last beat <= 0.2 s before the kill
+        assert 0.5 <= reclaimed_s <= 3.0, (
+            reclaimed_s
+        )  # heartbeat timeout 1 s, last beat <= 0.2 s before the kill
         snap = get_json(daemon.url, "/api/status")
         assert {j["name"]: j["state"] for j in snap["jobs"]}["doomed"] == "dead"
         assert any(e["kind"] == "lease_lost" and e["job"] == "doomed" for e in snap["events"])
@@ -127,7 +161,11 @@ def test_acquire_past_its_deadline_fails_with_a_clear_error(daemon):
         b.acquire("cpu0", "generate", timeout_s=0.5)
     assert 0.5 <= time.time() - t0 < 3.0
     msg = str(err.value)
-    assert "job 'b'" in msg and "timed out after 0.5" in msg and "cpu0 held by job 'a' (phase 'train')" in msg
+    assert (
+        "job 'b'" in msg
+        and "timed out after 0.5" in msg
+        and "cpu0 held by job 'a' (phase 'train')" in msg
+    )
     a.release(lease)
     # the device is free again and b can have it at once
     b.release(b.acquire("cpu0", "generate", timeout_s=2.0))
@@ -142,11 +180,20 @@ def test_restarted_daemon_keeps_its_queue(tmp_path):
     try:
         wait_up(url)
         token = read_token(url)  # the daemon's token file, 0600, of this user
-        jobs = {n: post(url, "/v1/register", {"name": n, "heartbeat_timeout_s": 30, "token": token}) for n in "abc"}
+        jobs = {
+            n: post(url, "/v1/register", {"name": n, "heartbeat_timeout_s": 30, "token": token})
+            for n in "abc"
+        }
         ids = {n: {"job_id": out["job_id"], "secret": out["secret"]} for n, out in jobs.items()}
-        held = post(url, "/v1/acquire", {**ids["a"], "devices": ["cpu0"], "phase": "train", "poll_s": 0.1})
-        pending = {n: post(url, "/v1/acquire", {**ids[n], "devices": ["cpu0"], "phase": "gen",
-                                                "poll_s": 0.1})["pending"] for n in "bc"}  # fmt: skip
+        held = post(
+            url, "/v1/acquire", {**ids["a"], "devices": ["cpu0"], "phase": "train", "poll_s": 0.1}
+        )
+        pending = {
+            n: post(
+                url, "/v1/acquire", {**ids[n], "devices": ["cpu0"], "phase": "gen", "poll_s": 0.1}
+            )["pending"]
+            for n in "bc"
+        }
         stop(proc, signal.SIGKILL)  # a crash, not a clean shutdown
         proc = serve(port, db)
         wait_up(url)
@@ -161,8 +208,13 @@ def test_restarted_daemon_keeps_its_queue(tmp_path):
         post(url, "/v1/evicted", {**ids["a"], "devices": ["cpu0"]})
         got = post(url, "/v1/wait", {**ids["b"], "request_id": pending["b"], "poll_s": 5})
         assert got["devices"] == ["cpu0"] and "lease_id" in got
-        status = subprocess.run([sys.executable, "-m", "loomrl.cli", "scheduler", "status", "--url", url],
-                                env={**ENV, "COLUMNS": "200"}, capture_output=True, text=True, timeout=30)  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "loomrl.cli", "scheduler", "status", "--url", url],
+            env={**ENV, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert status.returncode == 0, status.stderr
         assert "cpu0" in status.stdout and "gen" in status.stdout
         assert "held by job 'b'" in status.stdout  # c waits behind b, and the status says why
@@ -175,7 +227,11 @@ def test_metrics_count_device_seconds_per_job(daemon):
     with a.lease("cpu1", "train"):
         time.sleep(0.2)
     text = urllib.request.urlopen(daemon.url + "/metrics").read().decode()
-    line = next(x for x in text.splitlines() if x.startswith('loomrl_scheduler_job_device_seconds_total{job="metered"}'))
+    line = next(
+        x
+        for x in text.splitlines()
+        if x.startswith('loomrl_scheduler_job_device_seconds_total{job="metered"}')
+    )
     assert 0.2 <= float(line.split()[-1]) < 2.0
     assert 'loomrl_scheduler_device_busy_seconds_total{device="cpu1"}' in text
     a.close()

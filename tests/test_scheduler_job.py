@@ -23,7 +23,11 @@ def losses(result) -> list[float]:
 
 
 def test_a_shared_job_trains_exactly_as_alone_while_giving_way(tiny_job, tmp_path):
-    sections = {"algorithm": {"max_staleness": 0}, "trainer": {"num_steps": 3}, "data": {"eval": None}}
+    sections = {
+        "algorithm": {"max_staleness": 0},
+        "trainer": {"num_steps": 3},
+        "data": {"eval": None},
+    }
     alone = Job(tiny_job(**sections, output_dir=str(tmp_path / "alone"))).run()
     daemon = SchedulerDaemon({"cpu0": [0]}, policy="fifo").start()
     rival = SchedulerClient(daemon.url, "rival", pin=False, heartbeat_interval_s=0.1)
@@ -38,8 +42,13 @@ def test_a_shared_job_trains_exactly_as_alone_while_giving_way(tiny_job, tmp_pat
     thread = threading.Thread(target=compete)
     thread.start()
     try:
-        shared = Job(tiny_job(**sections, output_dir=str(tmp_path / "shared"),
-                              scheduler={"url": daemon.url, "heartbeat_timeout_s": 10})).run()  # fmt: skip
+        shared = Job(
+            tiny_job(
+                **sections,
+                output_dir=str(tmp_path / "shared"),
+                scheduler={"url": daemon.url, "heartbeat_timeout_s": 10},
+            )
+        ).run()
         snap = get_json(daemon.url, "/api/status")
         events = daemon.store.events(limit=100_000)  # the whole event log
     finally:
@@ -65,6 +74,11 @@ def test_without_a_scheduler_url_nothing_of_it_is_imported():
         "loaded = sorted(m for m in sys.modules if m.startswith('loomrl.scheduler'))\n"
         "assert not loaded, loaded\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(ROOT / "src")}, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]

@@ -26,8 +26,25 @@ def rss_bytes() -> int:
 
 def groups(step: int) -> list[Group]:
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]
-    return [Group(i, 0, [Rollout(i, [1, 2, 3 + i], [4 + step, 5, 6], [-1.0, -1.2, -0.8], [1, 1, 1], step, reward=r)
-                         for r in rs]) for i, rs in enumerate(rewards)]  # fmt: skip
+    return [
+        Group(
+            i,
+            0,
+            [
+                Rollout(
+                    i,
+                    [1, 2, 3 + i],
+                    [4 + step, 5, 6],
+                    [-1.0, -1.2, -0.8],
+                    [1, 1, 1],
+                    step,
+                    reward=r,
+                )
+                for r in rs
+            ],
+        )
+        for i, rs in enumerate(rewards)
+    ]
 
 
 def trainer() -> Trainer:
@@ -37,7 +54,9 @@ def trainer() -> Trainer:
 
 def snapshot(t: Trainer) -> dict[str, torch.Tensor]:
     out = {f"p/{n}": p.detach().clone() for n, p in t.model.named_parameters()}
-    out.update({f"g/{n}": p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None})
+    out.update(
+        {f"g/{n}": p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+    )
     for i, state in enumerate(t.optimizer.state.values()):
         out.update({f"o/{i}/{k}": v.clone() for k, v in state.items()})
     return out
@@ -54,7 +73,11 @@ def test_offload_restore_keeps_the_next_step_bit_identical_and_frees_memory(tmp_
     state = offload(moved.model, moved.optimizer, directory=str(tmp_path))
     rss_after = rss_bytes()
     assert state.bytes_moved > 30e6
-    assert rss_before - rss_after > 0.5 * state.bytes_moved, (rss_before, rss_after, state.bytes_moved)
+    assert rss_before - rss_after > 0.5 * state.bytes_moved, (
+        rss_before,
+        rss_after,
+        state.bytes_moved,
+    )
     assert all(p.numel() == 0 and p.grad is None for p in moved.model.parameters())
     restore(state)
     assert not list(tmp_path.iterdir())  # the offload file is gone
@@ -73,7 +96,9 @@ def test_offload_restore_keeps_the_next_step_bit_identical_and_frees_memory(tmp_
 
 
 def test_swappable_generator_model_round_trips(tmp_path):
-    model, _ = load_model_and_tokenizer("tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_size=64")
+    model, _ = load_model_and_tokenizer(
+        "tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_size=64"
+    )
     model.eval()
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
@@ -129,10 +154,14 @@ def test_repeated_swaps_copy_nothing_drop_the_pages_and_keep_training_bit_identi
         assert all(p.numel() == 0 for p in moved.model.parameters())
         mapped_off = mapped_bytes()
         swap.restore()
-        if offload_module._populate["supported"]:  # restore maps the pages back, so it pays the faults
+        if offload_module._populate[
+            "supported"
+        ]:  # restore maps the pages back, so it pays the faults
             assert mapped_bytes() - mapped_off > 0.9 * state.bytes_moved
         after = snapshot(moved)
-        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        assert before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before
+        )
     m1, m2 = moved.train_step(groups(9)), kept.train_step(groups(9))
     assert m1["train/loss"] == m2["train/loss"] and m1["train/grad_norm"] == m2["train/grad_norm"]
     for (name, p), q in zip(moved.model.named_parameters(), kept.model.parameters()):
@@ -141,7 +170,9 @@ def test_repeated_swaps_copy_nothing_drop_the_pages_and_keep_training_bit_identi
 
 def small_module_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8))
+    module = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8)
+    )
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     module(torch.randn(4, 64)).square().sum().backward()
     optimizer.step()
@@ -176,7 +207,9 @@ def test_a_tensor_changed_since_the_last_restore_comes_back_changed(tmp_path):
     assert all(torch.equal(p.grad, grads[n]) for n, p in module.named_parameters())
     state = round_trip(module, optimizer, tmp_path)  # and now all of it stays put
     assert state.bytes_copied == 0
-    assert torch.equal(last, new_bias) and all(torch.equal(p.grad, grads[n]) for n, p in module.named_parameters())
+    assert torch.equal(last, new_bias) and all(
+        torch.equal(p.grad, grads[n]) for n, p in module.named_parameters()
+    )
 
 
 def test_the_shared_memory_goes_with_the_tensors(tmp_path):

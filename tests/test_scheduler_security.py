@@ -65,8 +65,14 @@ def exchange(url: str, data: bytes, timeout_s: float = 3.0) -> tuple[int | None,
                     break
                 received += chunk
                 head, sep, body = received.partition(b"\r\n\r\n")
-                length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                               if h.lower().startswith(b"content-length:")), None)  # fmt: skip
+                length = next(
+                    (
+                        int(h.split(b":")[1])
+                        for h in head.split(b"\r\n")
+                        if h.lower().startswith(b"content-length:")
+                    ),
+                    None,
+                )
                 if sep and length is not None and len(body) >= length:
                     break
         except (TimeoutError, ConnectionResetError):
@@ -104,7 +110,9 @@ def test_registering_needs_the_daemon_token_from_a_0600_file(daemon):
     token_file = Path(daemon.token_file)
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert token_file.read_text().strip() == daemon.token
-    status, out = call(daemon.url, "/v1/register", json.dumps({"name": "honest", "token": daemon.token}))
+    status, out = call(
+        daemon.url, "/v1/register", json.dumps({"name": "honest", "token": daemon.token})
+    )
     assert status == 200 and len(out["secret"]) >= 32
 
 
@@ -130,7 +138,9 @@ def test_another_client_can_neither_release_nor_unregister_a_job(daemon):
     ]
     for route, body in attacks:
         for secret in ({}, {"secret": "not-its-secret"}):
-            status, out = call(daemon.url, route, json.dumps({"job_id": victim.job_id, **body, **secret}))
+            status, out = call(
+                daemon.url, route, json.dumps({"job_id": victim.job_id, **body, **secret})
+            )
             assert status == 403, (route, secret, status, out)
     snap = get_json(daemon.url, "/api/status")
     assert snap["devices"][0]["holder"]["job"] == "victim"  # still holds its lease
@@ -149,7 +159,9 @@ def test_status_metrics_and_dashboard_show_no_job_ids_or_secrets(daemon):
             assert client.job_id not in text, page
             assert not secret_of(client) or secret_of(client) not in text, page
         snap = get_json(daemon.url, "/api/status")
-        assert [j["name"] for j in snap["jobs"]] == ["private"]  # names stay: the dashboard shows them
+        assert [j["name"] for j in snap["jobs"]] == [
+            "private"
+        ]  # names stay: the dashboard shows them
         assert all("id" not in j for j in snap["jobs"])
     finally:
         client.release(lease)
@@ -166,31 +178,37 @@ def urlopen_text(url: str) -> str:
 # -- hostile numbers (finding 3) -------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields,named", [
-    ('"weight": NaN', "weight"),
-    ('"weight": 1e-320', "weight"),
-    ('"weight": Infinity', "weight"),
-    ('"weight": -1', "weight"),
-    ('"heartbeat_timeout_s": Infinity', "heartbeat_timeout_s"),
-    ('"heartbeat_timeout_s": 1e12', "heartbeat_timeout_s"),
-    ('"heartbeat_timeout_s": -5', "heartbeat_timeout_s"),
-    ('"priority": 1e400', "priority"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ('"weight": NaN', "weight"),
+        ('"weight": 1e-320', "weight"),
+        ('"weight": Infinity', "weight"),
+        ('"weight": -1', "weight"),
+        ('"heartbeat_timeout_s": Infinity', "heartbeat_timeout_s"),
+        ('"heartbeat_timeout_s": 1e12', "heartbeat_timeout_s"),
+        ('"heartbeat_timeout_s": -5', "heartbeat_timeout_s"),
+        ('"priority": 1e400', "priority"),
+    ],
+)
 def test_hostile_numbers_at_registration_are_refused(daemon, fields, named):
     status, out = register_raw(daemon, fields)
     assert status == 400, (status, out)
     assert named in out["error"]
 
 
-@pytest.mark.parametrize("route,fields,named", [
-    ("/v1/evicted", '"devices": ["cpu0"], "offload_s": NaN', "offload_s"),
-    ("/v1/evicted", '"devices": ["cpu0"], "offload_s": -1', "offload_s"),
-    ("/v1/release", '"lease_id": "LEASE", "restore_s": NaN', "restore_s"),
-    ("/v1/release", '"lease_id": "LEASE", "expected_idle_s": Infinity', "expected_idle_s"),
-    ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "expected_s": NaN', "expected_s"),
-    ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "timeout_s": -1', "timeout_s"),
-    ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "poll_s": Infinity', "poll_s"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "route,fields,named",
+    [
+        ("/v1/evicted", '"devices": ["cpu0"], "offload_s": NaN', "offload_s"),
+        ("/v1/evicted", '"devices": ["cpu0"], "offload_s": -1', "offload_s"),
+        ("/v1/release", '"lease_id": "LEASE", "restore_s": NaN', "restore_s"),
+        ("/v1/release", '"lease_id": "LEASE", "expected_idle_s": Infinity', "expected_idle_s"),
+        ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "expected_s": NaN', "expected_s"),
+        ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "timeout_s": -1', "timeout_s"),
+        ("/v1/acquire", '"devices": ["cpu1"], "phase": "p", "poll_s": Infinity', "poll_s"),
+    ],
+)
 def test_hostile_numbers_in_a_jobs_calls_are_refused(daemon, route, fields, named):
     client = SchedulerClient(daemon.url, "numbers", pin=False)
     lease = client.acquire("cpu0", "train")
@@ -264,7 +282,11 @@ def test_numbers_at_their_bounds_keep_the_fair_policy_going():
 
 def test_the_core_refuses_non_finite_numbers_too():
     s = Scheduler({"d0": None}, "fair")
-    for kwargs in ({"weight": float("nan")}, {"weight": 1e-320}, {"heartbeat_timeout_s": float("inf")}):
+    for kwargs in (
+        {"weight": float("nan")},
+        {"weight": 1e-320},
+        {"heartbeat_timeout_s": float("inf")},
+    ):
         with pytest.raises(SchedulerError, match=next(iter(kwargs))):
             s.register("x", 0.0, **kwargs)
     j = s.register("ok", 0.0).id
@@ -294,16 +316,30 @@ def _limit_fds() -> None:
 
 
 def test_idle_connections_do_not_starve_an_honest_job(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOMRL_SCHEDULER_TOKEN_FILE", str(tmp_path / "daemon.token"))  # killed: it stays here
+    monkeypatch.setenv(
+        "LOOMRL_SCHEDULER_TOKEN_FILE", str(tmp_path / "daemon.token")
+    )  # killed: it stays here
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "loomrl.cli", "scheduler", "serve", "--port", str(port), "--db",
-           str(tmp_path / "s.db"), "--device", "cpu0=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "scheduler",
+        "serve",
+        "--port",
+        str(port),
+        "--db",
+        str(tmp_path / "s.db"),
+        "--device",
+        "cpu0=0",
+    ]
     env = {**ENV, "LOOMRL_SCHEDULER_TOKEN_FILE": str(tmp_path / "daemon.token")}
-    daemon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              preexec_fn=_limit_fds)  # fmt: skip
+    daemon = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_limit_fds
+    )
     idle: list[socket.socket] = []
     try:
         end = time.time() + 30
@@ -318,9 +354,19 @@ def test_idle_connections_do_not_starve_an_honest_job(tmp_path, monkeypatch):
         time.sleep(0.3)
         token = read_token(url)
         t0 = time.time()
-        job = post(url, "/v1/register", {"name": "honest", "token": token, "heartbeat_timeout_s": 2}, timeout_s=5)
+        job = post(
+            url,
+            "/v1/register",
+            {"name": "honest", "token": token, "heartbeat_timeout_s": 2},
+            timeout_s=5,
+        )
         ident = {"job_id": job["job_id"], "secret": job.get("secret", "")}
-        lease = post(url, "/v1/acquire", {**ident, "devices": ["cpu0"], "phase": "p", "poll_s": 2}, timeout_s=5)
+        lease = post(
+            url,
+            "/v1/acquire",
+            {**ident, "devices": ["cpu0"], "phase": "p", "poll_s": 2},
+            timeout_s=5,
+        )
         for _ in range(6):  # three heartbeat timeouts' worth of beats, each answered in time
             beat = time.time()
             post(url, "/v1/heartbeat", ident, timeout_s=1.5)
@@ -354,8 +400,10 @@ def urlopen_status_quiet(url: str) -> int | None:
 
 def test_a_16_mb_name_is_refused_before_it_is_read(daemon):
     size = 16 * 2**20
-    head = (f"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {size}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {size}\r\n\r\n"
+    ).encode()
     t0 = time.time()
     status, body = exchange(daemon.url, head + b'{"name": "' + b"x" * 65536, timeout_s=3.0)
     assert status == 413, status
@@ -407,19 +455,29 @@ def test_an_exception_in_the_tick_loop_is_counted_and_survived(daemon):
         real_tick(now)
 
     daemon.core.tick = tick
-    assert wait_for(lambda: urlopen_status(daemon.url + "/healthz") == 503, 5.0), "/healthz did not report trouble"
+    assert wait_for(lambda: urlopen_status(daemon.url + "/healthz") == 503, 5.0), (
+        "/healthz did not report trouble"
+    )
     health = json.loads(urlopen_error_body(daemon.url + "/healthz"))
     assert health["ok"] is False and "injected fault" in health["why"]
     metrics = urlopen_text(daemon.url + "/metrics")
-    errors = next(x for x in metrics.splitlines() if x.startswith("loomrl_scheduler_tick_errors_total"))
+    errors = next(
+        x for x in metrics.splitlines() if x.startswith("loomrl_scheduler_tick_errors_total")
+    )
     assert float(errors.split()[-1]) >= 1
     failing.clear()
     assert wait_for(lambda: urlopen_status(daemon.url + "/healthz") == 200, 5.0)
     # the loop still reaps: a silent job loses its lease at its heartbeat deadline
-    out = post(daemon.url, "/v1/register", {"name": "silent", "token": token_of(daemon), "heartbeat_timeout_s": 0.3})
+    out = post(
+        daemon.url,
+        "/v1/register",
+        {"name": "silent", "token": token_of(daemon), "heartbeat_timeout_s": 0.3},
+    )
     ident = {"job_id": out["job_id"], "secret": out.get("secret", "")}
     post(daemon.url, "/v1/acquire", {**ident, "devices": ["cpu0"], "phase": "p", "poll_s": 2})
-    assert wait_for(lambda: get_json(daemon.url, "/api/status")["devices"][0]["holder"] is None, 5.0)
+    assert wait_for(
+        lambda: get_json(daemon.url, "/api/status")["devices"][0]["holder"] is None, 5.0
+    )
 
 
 def test_healthz_reports_a_stalled_tick_loop(daemon):

@@ -26,13 +26,16 @@ def _rollouts(seed: int, prompt_lengths=(3, 5, 4), group_size=4, max_completion=
             if k >= 3:  # an environment-inserted token in the middle, never trained
                 mask[1] = 0
             logps = [-rng.random() * 3 if m else 0.0 for m in mask]
-            out.append(Rollout(i, prompt, completion, logps, mask, 0, reward=float(rng.random() > 0.5)))
+            out.append(
+                Rollout(i, prompt, completion, logps, mask, 0, reward=float(rng.random() > 0.5))
+            )
     return out
 
 
 def _model(seed=0):
-    model, tok = build_tiny_model("llama", seed=seed, hidden_size=32, num_layers=2, num_heads=2,
-                                  intermediate_size=64)
+    model, tok = build_tiny_model(
+        "llama", seed=seed, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
     return model.float().train(), tok
 
 
@@ -63,16 +66,24 @@ def test_log_probs_and_gradients_match_the_full_forward(seed):
     for a, b in zip(full_grads, shared_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     # behaviour log-probs and masks sit on the same trained tokens in both layouts
-    assert torch.equal(full.behaviour[full.target_mask > 0], shared.behaviour[shared.target_mask > 0])
+    assert torch.equal(
+        full.behaviour[full.target_mask > 0], shared.behaviour[shared.target_mask > 0]
+    )
 
 
 def test_trainer_step_matches_with_and_without_sharing():
     results = []
     for shared in (True, False):
         model, tok = _model(5)
-        trainer = Trainer(model, tok, AlgorithmConfig(loss="aipo"), TrainerConfig(lr=1e-3, shared_prefix=shared), 1.0)
+        trainer = Trainer(
+            model,
+            tok,
+            AlgorithmConfig(loss="aipo"),
+            TrainerConfig(lr=1e-3, shared_prefix=shared),
+            1.0,
+        )
         rollouts = _rollouts(5)
-        groups = [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(3)]
+        groups = [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(3)]
         batch = trainer._micro_batch(rollouts, [0.0] * len(rollouts))
         assert isinstance(batch, PrefixBatch) == shared
         metrics = trainer.train_step(groups)
@@ -97,8 +108,15 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
 
     model, tok = _model(7)
     model.eval()
-    requests = [GenerationRequest([1] + [3 + (i * 7 + j) % 50 for j in range(2 + i)], 4,
-                                  SamplingParams(temperature=1.0, max_new_tokens=5), seed=11 + i) for i in range(3)]
+    requests = [
+        GenerationRequest(
+            [1] + [3 + (i * 7 + j) % 50 for j in range(2 + i)],
+            4,
+            SamplingParams(temperature=1.0, max_new_tokens=5),
+            seed=11 + i,
+        )
+        for i in range(3)
+    ]
     outputs, prefill_rows = [], []
     for share in (True, False):
         gen = HFGenerator(model, tok, publish_dtype="float32", trace=False)  # counts eager forwards
@@ -123,7 +141,9 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
     for shared, plain in zip(*outputs):
         for a, b in zip(shared.completions, plain.completions):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5
+            )
 
 
 def test_a_sliding_window_model_keeps_the_unshared_forward():
@@ -134,9 +154,18 @@ def test_a_sliding_window_model_keeps_the_unshared_forward():
     from loomrl.types import GenerationRequest, SamplingParams
 
     _, tok = _model()
-    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4,
-                           pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        sliding_window=4,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = MistralForCausalLM(config).float()
     assert not probe_can_repeat(model)
@@ -146,5 +175,7 @@ def test_a_sliding_window_model_keeps_the_unshared_forward():
     assert not isinstance(trainer._micro_batch(rollouts, [0.0] * len(rollouts)), PrefixBatch)
     trainer.train_step([Group(0, 0, rollouts[:4]), Group(1, 0, rollouts[4:])])
     gen = HFGenerator(model.eval(), tok, publish_dtype="float32")
-    out = gen.generate([GenerationRequest([1] + [5] * 6, 3, SamplingParams(max_new_tokens=3), seed=1)])
+    out = gen.generate(
+        [GenerationRequest([1] + [5] * 6, 3, SamplingParams(max_new_tokens=3), seed=1)]
+    )
     assert len(out[0].completions) == 3 and not gen.share_prefill

@@ -27,27 +27,53 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def _start(tmp_path: Path, tiny_data, new_group: bool, **sections) -> tuple[subprocess.Popen, Path, dict]:
+def _start(
+    tmp_path: Path, tiny_data, new_group: bool, **sections
+) -> tuple[subprocess.Popen, Path, dict]:
     train, _ = tiny_data
-    raw = tiny_job_raw(tmp_path, train, None, trainer={"num_steps": 200}, checkpoint={"every_steps": 1000},
-                       **sections)  # fmt: skip
+    raw = tiny_job_raw(
+        tmp_path,
+        train,
+        None,
+        trainer={"num_steps": 200},
+        checkpoint={"every_steps": 1000},
+        **sections,
+    )
     job_file = tmp_path / "job.toml"
     job_file.write_text(json_to_toml(raw))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "run", str(job_file)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_signals, start_new_session=new_group)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals,
+        start_new_session=new_group,
+    )
     return proc, Path(raw["output_dir"]), raw
 
 
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 120) -> None:
+def _wait_for_steps(
+    proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 120
+) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and sum('"step"' in line for line in metrics.read_text().splitlines()) >= steps:
+        if (
+            metrics.is_file()
+            and sum('"step"' in line for line in metrics.read_text().splitlines()) >= steps
+        ):
             return
         time.sleep(0.1)
     proc.kill()
-    pytest.fail(f"the job made fewer than {steps} steps in {timeout_s} s: {proc.communicate()[1][-2000:]}")
+    pytest.fail(
+        f"the job made fewer than {steps} steps in {timeout_s} s: {proc.communicate()[1][-2000:]}"
+    )
 
 
 def _shm_files_of(proc: subprocess.Popen) -> set[str]:
@@ -65,7 +91,9 @@ def _check_summary(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True
     parts = ("trained", "dropped_stale", "failed", "in_flight")
-    assert summary["generated"] == sum(summary[k] for k in parts) + summary.get("in_step", 0), summary
+    assert summary["generated"] == sum(summary[k] for k in parts) + summary.get("in_step", 0), (
+        summary
+    )
     return summary
 
 
@@ -82,17 +110,28 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path, tin
     config = json.loads((run_dir / "config.json").read_text())
     config["trainer"]["num_steps"] = checkpoint_step(last) + 1  # a short resume
     (run_dir / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
-    resumed = subprocess.run([sys.executable, "-m", "loomrl.cli", "resume", str(run_dir)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=180)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+        "OMP_NUM_THREADS": "1",
+    }
+    resumed = subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "resume", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == checkpoint_step(last) + 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_signal_to_the_process_group_leaves_a_checkpoint_and_no_shm(tmp_path, tiny_data, sig):
-    proc, run_dir, _ = _start(tmp_path, tiny_data, new_group=True, runtime="process",
-                              weight_sync={"transport": "shm"})  # fmt: skip
+    proc, run_dir, _ = _start(
+        tmp_path, tiny_data, new_group=True, runtime="process", weight_sync={"transport": "shm"}
+    )
     _wait_for_steps(proc, run_dir, 2, timeout_s=180)
     channel = _shm_files_of(proc)
     assert channel, "the job maps no /dev/shm/loomrl-* file"

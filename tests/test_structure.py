@@ -116,8 +116,15 @@ def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
     for name, (path, _) in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])  # fmt: skip
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
+            )
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 importers.append(name)
         for node in tree.body:  # module-level statements: imported whenever the module is

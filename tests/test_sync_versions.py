@@ -32,15 +32,26 @@ def _assert_synchronous(result, steps: int) -> None:
 
 
 def test_sync_run_with_prefetch_generates_every_group_on_the_current_version(tiny_job):
-    cfg = tiny_job(algorithm={"max_staleness": 0}, weight_sync={"prefetch": True}, trainer={"num_steps": 6},
-                   data={"eval": None})  # fmt: skip
+    cfg = tiny_job(
+        algorithm={"max_staleness": 0},
+        weight_sync={"prefetch": True},
+        trainer={"num_steps": 6},
+        data={"eval": None},
+    )
     _assert_synchronous(Job(cfg).run(), 6)
 
 
-@pytest.mark.parametrize("lane", [{"transport": "torch_dist"}, {"transport": "tensor", "tensor_mode": "broadcast"}])
+@pytest.mark.parametrize(
+    "lane", [{"transport": "torch_dist"}, {"transport": "tensor", "tensor_mode": "broadcast"}]
+)
 def test_sync_run_over_torch_dist_generates_every_group_on_the_current_version(tiny_job, lane):
-    cfg = tiny_job(algorithm={"max_staleness": 0}, runtime="process", weight_sync=lane,
-                   trainer={"num_steps": 4}, data={"eval": None})  # fmt: skip
+    cfg = tiny_job(
+        algorithm={"max_staleness": 0},
+        runtime="process",
+        weight_sync=lane,
+        trainer={"num_steps": 4},
+        data={"eval": None},
+    )
     _assert_synchronous(Job(cfg).run(), 4)
 
 
@@ -51,8 +62,12 @@ def test_a_request_waits_for_the_version_it_needs(tmp_path):
     gen = HFGenerator(model, tok, subscriber=Subscriber(transport.receiver(0), prefetch=True))
     state = {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
     sender.send(encode_update(None, state, version=0, base_version=None))
-    request = GenerationRequest(tok("1+2=").input_ids, 1, SamplingParams(max_new_tokens=2), 0, min_version=1)
-    later = threading.Timer(0.3, lambda: sender.send(encode_update(None, state, version=1, base_version=None)))
+    request = GenerationRequest(
+        tok("1+2=").input_ids, 1, SamplingParams(max_new_tokens=2), 0, min_version=1
+    )
+    later = threading.Timer(
+        0.3, lambda: sender.send(encode_update(None, state, version=1, base_version=None))
+    )
     later.start()
     t0 = time.perf_counter()
     (result,) = gen.generate([request])

@@ -30,9 +30,16 @@ def pool(request):
 
 @pytest.mark.parametrize(
     "expression, problem",
-    [("3+7-2", None), ("7-3", None), ("3+3", "uses a number"), ("__import__('os')", "characters"),
-     ("3+", "not a Python"), ("", "empty"), ("9-1", "uses a number")],
-)  # fmt: skip
+    [
+        ("3+7-2", None),
+        ("7-3", None),
+        ("3+3", "uses a number"),
+        ("__import__('os')", "characters"),
+        ("3+", "not a Python"),
+        ("", "empty"),
+        ("9-1", "uses a number"),
+    ],
+)
 def test_countdown_expression_check(expression, problem):
     found = countdown.check_expression(expression, [3, 7, 2])
     assert (found is None) if problem is None else (problem in found)
@@ -68,16 +75,24 @@ def test_countdown_env_multi_turn_with_feedback(pool):
 
     async def generate(requests):
         text = next(answers)
-        return [GenerationResult([Completion([ord(c) for c in text], [-0.5] * len(text), "stop")], 0)
-                for _ in requests]  # fmt: skip
+        return [
+            GenerationResult([Completion([ord(c) for c in text], [-0.5] * len(text), "stop")], 0)
+            for _ in requests
+        ]
 
     rollouts = asyncio.run(
         run_group_episodes(
-            [countdown.CountdownEnv(pool)], {"prompt": "3 7 2>8="}, 0, generate=generate,
-            encode=lambda s: [ord(c) for c in s], decode=lambda ids: "".join(map(chr, ids)),
-            sampling=SamplingParams(), max_turns=4, seed=0,
+            [countdown.CountdownEnv(pool)],
+            {"prompt": "3 7 2>8="},
+            0,
+            generate=generate,
+            encode=lambda s: [ord(c) for c in s],
+            decode=lambda ids: "".join(map(chr, ids)),
+            sampling=SamplingParams(),
+            max_turns=4,
+            seed=0,
         )
-    )  # fmt: skip
+    )
     (ep,) = rollouts
     assert ep.status == "ok" and ep.reward == 1.0 and ep.num_turns == 2
     assert ep.completion == "3+7 =10 no\n3+7-2"

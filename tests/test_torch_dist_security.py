@@ -31,8 +31,14 @@ def _free_port() -> int:
 
 def _pair(port: int, secret: str | None):
     """A sender (rank 0, hosting the store) and one receiver (rank 1) over gloo."""
-    kwargs = {"world_size": 2, "init_method": f"tcp://127.0.0.1:{port}", "backend": "gloo",
-              "bucket_bytes": 4096, "timeout_s": 20.0, "secret": secret}  # fmt: skip
+    kwargs = {
+        "world_size": 2,
+        "init_method": f"tcp://127.0.0.1:{port}",
+        "backend": "gloo",
+        "bucket_bytes": 4096,
+        "timeout_s": 20.0,
+        "secret": secret,
+    }
     sides: list = [None, None]
 
     def join(rank: int) -> None:
@@ -73,12 +79,19 @@ def pair():
 
 def test_store_listens_on_loopback_only_when_every_rank_is_local(pair):
     port, _ = pair
-    listening = [c for c in psutil.Process().net_connections(kind="tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
+    listening = [
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
     assert listening, f"nothing of this process listens on port {port}"
     assert {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening
-    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-              if a.family == socket.AF_INET and not a.address.startswith("127.")]  # fmt: skip
+    others = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
     for address in others:  # from a non-loopback address of this host: refused
         with pytest.raises(OSError), socket.create_connection((address, port), timeout=2):
             pass
@@ -97,7 +110,9 @@ def test_forged_close_keys_do_not_stop_the_receiver(pair):
         intruder.set(f"loomrl-weights/ready/{n}", "close")
         receiver.group.store.set(f"ready/{n}", "close")
     time.sleep(0.5)
-    assert receiver.thread.is_alive(), f"the receiver stopped on a forged key (error: {receiver.error})"
+    assert receiver.thread.is_alive(), (
+        f"the receiver stopped on a forged key (error: {receiver.error})"
+    )
     sender.send(encode_update(None, _state(1), version=1, base_version=None))
     got = _wait_for(receiver, 1)
     assert got is not None and got.version == 1

@@ -14,19 +14,33 @@ from loomrl.types import Group, Rollout
 
 
 def _groups() -> list[Group]:
-    rollouts = [Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * (1 + i % 3), [-1.5] * (1 + i % 3),
-                        [1] * (1 + i % 3), 0, reward=float(i % 2)) for i in range(8)]
-    return [Group(g, 0, rollouts[g * 4:(g + 1) * 4]) for g in range(2)]
+    rollouts = [
+        Rollout(
+            i,
+            [1, 5 + i % 3, 6],
+            [7 + i % 4] * (1 + i % 3),
+            [-1.5] * (1 + i % 3),
+            [1] * (1 + i % 3),
+            0,
+            reward=float(i % 2),
+        )
+        for i in range(8)
+    ]
+    return [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
 
 
 def test_update_rms_is_the_root_mean_square_of_the_parameter_change():
-    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    model, tok = build_tiny_model(
+        "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
     trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
     before = [p.detach().clone() for p in model.parameters()]
     metrics = trainer.train_step(_groups())
     after = list(model.parameters())
     count = sum(p.numel() for p in after)
-    change = math.sqrt(sum(float(((a.detach() - b) ** 2).sum()) for a, b in zip(after, before)) / count)
+    change = math.sqrt(
+        sum(float(((a.detach() - b) ** 2).sum()) for a, b in zip(after, before)) / count
+    )
     weights = math.sqrt(sum(float((a.detach() ** 2).sum()) for a in after) / count)
     assert change > 0
     assert math.isclose(metrics["train/update_rms"], change, rel_tol=1e-4)
@@ -38,8 +52,9 @@ def test_update_rms_is_the_root_mean_square_of_the_parameter_change():
 def test_measuring_the_update_does_not_change_the_step():
     results = []
     for measure in (True, False):
-        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2,
-                                      intermediate_size=64)
+        model, tok = build_tiny_model(
+            "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )
         trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
         if not measure:  # the plain AdamW step on the same gradients, as a reference
             trainer.train_step = _plain_step(trainer)
@@ -58,8 +73,15 @@ def _plain_step(trainer: Trainer):
         batch = trainer._micro_batch(rollouts, adv)
         logp, _ = token_logprobs(trainer.model, batch, trainer.temperature)
         trainer.optimizer.zero_grad(set_to_none=True)
-        policy_loss(trainer.algo.loss, logp, batch.behaviour, batch.advantages, batch.target_mask,
-                    delta=trainer.algo.delta, clip_eps=trainer.algo.clip_eps).backward()
+        policy_loss(
+            trainer.algo.loss,
+            logp,
+            batch.behaviour,
+            batch.advantages,
+            batch.target_mask,
+            delta=trainer.algo.delta,
+            clip_eps=trainer.algo.clip_eps,
+        ).backward()
         torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.max_grad_norm)
         trainer.optimizer.step()
 
@@ -67,8 +89,12 @@ def _plain_step(trainer: Trainer):
 
 
 def test_step_phases_are_timed_within_the_step():
-    model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, micro_batch_size=3), 1.0)
+    model, tok = build_tiny_model(
+        "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    trainer = Trainer(
+        model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, micro_batch_size=3), 1.0
+    )
     metrics = trainer.train_step(_groups())
     phases = [metrics[f"timing/train_{p}_s"] for p in ("forward", "backward", "optimizer")]
     assert all(p > 0 for p in phases)
@@ -78,8 +104,12 @@ def test_step_phases_are_timed_within_the_step():
 def test_the_fused_optimizer_is_adamw_up_to_rounding_and_can_be_turned_off():
     weights = {}
     for fused in (True, False):
-        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, fused_optimizer=fused), 1.0)
+        model, tok = build_tiny_model(
+            "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )
+        trainer = Trainer(
+            model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, fused_optimizer=fused), 1.0
+        )
         assert bool(trainer.optimizer.param_groups[0]["fused"]) is fused
         for _ in range(3):
             trainer.train_step(_groups())
@@ -95,9 +125,15 @@ def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone(
     gen = torch.Generator().manual_seed(5)
     groups = []
     for g, (size, failed) in enumerate([(8, 0), (8, 3), (8, 0), (8, 7), (8, 8), (4, 0), (8, 3)]):
-        rewards = torch.rand(size, generator=gen).tolist() if g % 2 else [float(i % 3 == 0) for i in range(size)]
-        rollouts = [Rollout(g, [1], [2], [-1.0], [1], 0, reward=r, status="failed" if i < failed else "ok")
-                    for i, r in enumerate(rewards)]
+        rewards = (
+            torch.rand(size, generator=gen).tolist()
+            if g % 2
+            else [float(i % 3 == 0) for i in range(size)]
+        )
+        rollouts = [
+            Rollout(g, [1], [2], [-1.0], [1], 0, reward=r, status="failed" if i < failed else "ok")
+            for i, r in enumerate(rewards)
+        ]
         groups.append(Group(g, 0, rollouts))
     for scale in ("none", "std"):
         rollouts, adv = compute_advantages(groups, scale)
@@ -107,7 +143,9 @@ def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone(
             if ok:
                 expected_rollouts += ok
                 rewards = torch.tensor([[float(r.reward) for r in ok]])
-                expected += group_advantages(rewards, scale=scale)[0].tolist() if len(ok) > 1 else [0.0]
+                expected += (
+                    group_advantages(rewards, scale=scale)[0].tolist() if len(ok) > 1 else [0.0]
+                )
         assert [id(r) for r in rollouts] == [id(r) for r in expected_rollouts] and adv == expected
 
 
@@ -115,16 +153,30 @@ def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone(
 def test_a_traced_training_forward_trains_the_same_weights_bit_for_bit(shared_prefix):
     runs = []
     for trace in (True, False):
-        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, trace=trace, shared_prefix=shared_prefix), 1.0)
+        model, tok = build_tiny_model(
+            "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )
+        trainer = Trainer(
+            model,
+            tok,
+            AlgorithmConfig(),
+            TrainerConfig(lr=1e-3, trace=trace, shared_prefix=shared_prefix),
+            1.0,
+        )
         metrics = [trainer.train_step(_groups()) for _ in range(5)]  # traced from the third step
         runs.append(([p.detach().clone() for p in model.parameters()], metrics))
     (traced, traced_metrics), (eager, eager_metrics) = runs
     assert all(torch.equal(a, b) for a, b in zip(traced, eager))
     assert [m["train/loss"] for m in traced_metrics] == [m["train/loss"] for m in eager_metrics]
-    assert [m["train/grad_norm"] for m in traced_metrics] == [m["train/grad_norm"] for m in eager_metrics]
+    assert [m["train/grad_norm"] for m in traced_metrics] == [
+        m["train/grad_norm"] for m in eager_metrics
+    ]
     last = traced_metrics[-1]
-    assert (last["train/traces"], last["train/eager_forwards"], last["train/traced_forwards"]) == (1, 2, 3)
+    assert (last["train/traces"], last["train/eager_forwards"], last["train/traced_forwards"]) == (
+        1,
+        2,
+        3,
+    )
     assert "train/traces" not in eager_metrics[-1]
 
 
@@ -136,7 +188,9 @@ def test_update_measured_in_buckets_gives_the_one_bucket_step_and_metrics(monkey
     results = []
     for bucket in (trainer_module.UPDATE_BUCKET_NUMEL, 1000):
         monkeypatch.setattr(trainer_module, "UPDATE_BUCKET_NUMEL", bucket)
-        model, tok = build_tiny_model("llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+        model, tok = build_tiny_model(
+            "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )
         trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
         metrics = [trainer.train_step(_groups()) for _ in range(2)]
         grads = [p.grad is not None for p in model.parameters()]

@@ -146,7 +146,9 @@ def test_prefetch_pauses_the_generator_only_for_the_apply(prefetch):
     t = make_transport("inproc")
     pub = Publisher(t.sender(), codec="delta", full_every=50)
     sub = Subscriber(_SlowReceiver(t.receiver()), prefetch=prefetch)
-    mirror = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in next(master_states(1)).items()}
+    mirror = {
+        k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in next(master_states(1)).items()
+    }
     have, longest_poll_s, pauses = None, 0.0, []
     try:
         for v, state in enumerate(master_states(3)):
@@ -281,7 +283,9 @@ def test_arithmetic_job_with_delta_sync_matches_full_sync(tiny_job, tmp_path):
         runs[codec] = _eval_and_losses(Job(cfg).run())
     (loss_f, eval_f, _), (loss_d, eval_d, sync_d) = runs["full"], runs["delta"]
     assert loss_f == loss_d and len(loss_d) == 4
-    assert [e.get("eval/mean_reward") for e in eval_f] == [e.get("eval/mean_reward") for e in eval_d]
+    assert [e.get("eval/mean_reward") for e in eval_f] == [
+        e.get("eval/mean_reward") for e in eval_d
+    ]
     deltas = [r for r in sync_d if r.get("weight_sync/is_full") == 0.0]
     assert deltas and all(r["weight_sync/bytes_sent"] < r["weight_sync/bytes_full"] for r in deltas)
     cfg = tiny_job(

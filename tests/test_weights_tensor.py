@@ -23,7 +23,10 @@ from loomrl.weights.transports.tensor import choose_lane
 
 def _state(seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(96, 40, generator=g).to(device), "b": torch.randn(40, generator=g).to(device)}
+    return {
+        "w": torch.randn(96, 40, generator=g).to(device),
+        "b": torch.randn(40, generator=g).to(device),
+    }
 
 
 def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -40,7 +43,9 @@ def test_the_digest_is_exact_and_catches_any_single_bit_flip():
         with pytest.raises(WeightUpdateError, match="device digest"):
             type(update)(0, flat, update.slots, update.digest).prepare({})
     # the GPU's method (device sums) checked on a CPU buffer: the receiver uses the sender's method
-    sums = type(update)(0, update.flat, update.slots, buffer_digest(update.slots, update.flat, "sums"))
+    sums = type(update)(
+        0, update.flat, update.slots, buffer_digest(update.slots, update.flat, "sums")
+    )
     assert sums.digest.startswith("sums:") and update.digest.startswith("crc32:")
     sums.prepare({})
     sums.flat = update.flat.clone()
@@ -50,7 +55,9 @@ def test_the_digest_is_exact_and_catches_any_single_bit_flip():
     # the same words in another order (two elements swapped) give other sums
     words = update.flat.clone().view(torch.int16)
     words[[3, 900]] = words[[900, 3]]
-    assert words[3] != words[900] and device_sums(words.view(torch.uint8)) != device_sums(update.flat)
+    assert words[3] != words[900] and device_sums(words.view(torch.uint8)) != device_sums(
+        update.flat
+    )
 
 
 def test_a_rejected_update_leaves_the_mirror_as_it_was():
@@ -87,7 +94,10 @@ def test_choose_lane_by_runtime_and_device(caplog):
         kind, kwargs = choose_lane("auto", in_process=False, device="cpu")
     assert kind == "shm" and set(kwargs) == {"name"}
     assert "using the byte lane 'shm'" in caplog.text
-    assert choose_lane("broadcast", in_process=False, device="cpu") == ("tensor", {"mode": "broadcast"})
+    assert choose_lane("broadcast", in_process=False, device="cpu") == (
+        "tensor",
+        {"mode": "broadcast"},
+    )
     with pytest.raises(ValueError, match="needs one process per executor"):
         choose_lane("broadcast", in_process=True, device="cpu")
     with pytest.raises(ValueError, match="tensor lane mode must be one of"):
@@ -95,20 +105,37 @@ def test_choose_lane_by_runtime_and_device(caplog):
 
 
 def _losses(run_dir):
-    return [(r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"])
-            for r in read_metrics(run_dir) if "train/loss" in r]  # fmt: skip
+    return [
+        (r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"])
+        for r in read_metrics(run_dir)
+        if "train/loss" in r
+    ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("runtime,mode", [("local", "auto"), ("process", "broadcast"),
-                                          pytest.param("process", "auto", marks=pytest.mark.slow)])  # fmt: skip
-def test_a_job_on_the_tensor_lane_gives_the_same_losses_as_inproc(tiny_job, tmp_path, runtime, mode):
+@pytest.mark.parametrize(
+    "runtime,mode",
+    [
+        ("local", "auto"),
+        ("process", "broadcast"),
+        pytest.param("process", "auto", marks=pytest.mark.slow),
+    ],
+)
+def test_a_job_on_the_tensor_lane_gives_the_same_losses_as_inproc(
+    tiny_job, tmp_path, runtime, mode
+):
     """local: the buffer handed over in one process; process + broadcast: a gloo group of
     processes; process + auto on CPU: the byte lane it falls back to."""
     sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": "test_job:length_reward"}}
     base = Job(tiny_job(**sync, output_dir=str(tmp_path / "inproc"))).run()
-    lane = Job(tiny_job(**sync, runtime=runtime, output_dir=str(tmp_path / "tensor"),
-                        weight_sync={"transport": "tensor", "tensor_mode": mode})).run()  # fmt: skip
+    lane = Job(
+        tiny_job(
+            **sync,
+            runtime=runtime,
+            output_dir=str(tmp_path / "tensor"),
+            weight_sync={"transport": "tensor", "tensor_mode": mode},
+        )
+    ).run()
     assert len(_losses(base.run_dir)) == 4 and _losses(base.run_dir)[0][0] != 0.0
     assert _losses(lane.run_dir) == _losses(base.run_dir)  # bit-identical at fp32 on CPU
     assert lane.summary["trained"] == base.summary["trained"]
@@ -122,12 +149,21 @@ def test_a_job_on_the_tensor_lane_gives_the_same_losses_as_inproc(tiny_job, tmp_
 def test_a_job_over_cuda_ipc_gives_the_same_losses_as_inproc(tiny_job, tmp_path, caplog):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    sync = {"algorithm": {"max_staleness": 0}, "task": {"reward": "test_job:length_reward"},
-            "model": {"device": "cuda"}}  # fmt: skip
+    sync = {
+        "algorithm": {"max_staleness": 0},
+        "task": {"reward": "test_job:length_reward"},
+        "model": {"device": "cuda"},
+    }
     base = Job(tiny_job(**sync, output_dir=str(tmp_path / "inproc"))).run()
     with caplog.at_level(logging.WARNING, logger="loomrl.weights.transports.tensor"):
-        lane = Job(tiny_job(**sync, runtime="process", output_dir=str(tmp_path / "ipc"),
-                            weight_sync={"transport": "tensor"})).run()  # fmt: skip
+        lane = Job(
+            tiny_job(
+                **sync,
+                runtime="process",
+                output_dir=str(tmp_path / "ipc"),
+                weight_sync={"transport": "tensor"},
+            )
+        ).run()
     assert "byte lane" not in caplog.text  # CUDA IPC, not the fallback
     assert _losses(lane.run_dir) == _losses(base.run_dir)
 
@@ -173,12 +209,19 @@ def test_a_generator_in_another_process_on_the_tensor_lane(mode):
     if mode == "ipc":
         kwargs = {"mode": "ipc", "name": f"test-{_free_port()}"}
     else:
-        kwargs = {"mode": "broadcast", "world_size": 2, "init_method": f"tcp://127.0.0.1:{_free_port()}",
-                  "backend": "nccl", "bucket_bytes": 4096}  # fmt: skip
+        kwargs = {
+            "mode": "broadcast",
+            "world_size": 2,
+            "init_method": f"tcp://127.0.0.1:{_free_port()}",
+            "backend": "nccl",
+            "bucket_bytes": 4096,
+        }
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_remote_generator, args=(kwargs | ({"rank": 1} if mode == "broadcast" else {}),
-                                                        3, results))  # fmt: skip
+    proc = ctx.Process(
+        target=_remote_generator,
+        args=(kwargs | ({"rank": 1} if mode == "broadcast" else {}), 3, results),
+    )
     proc.start()
     t = make_transport("tensor", **(kwargs | ({"rank": 0} if mode == "broadcast" else {})))
     pub = Publisher(t.sender())

@@ -182,7 +182,9 @@ def test_step_by_step_each_receiver_gets_the_delta_for_its_version(channel):
     seq = states(4)
     holders = [({}, None) for _ in channel.receivers]
     for v, kind in enumerate("FDDD"):
-        publish_one = channel.encode(seq[v - 1] if kind == "D" else None, seq[v], v, v - 1 if kind == "D" else None)
+        publish_one = channel.encode(
+            seq[v - 1] if kind == "D" else None, seq[v], v, v - 1 if kind == "D" else None
+        )
         channel.sender.send(publish_one)
         for i, r in enumerate(channel.receivers):
             state, have = holders[i]
@@ -410,7 +412,9 @@ def test_torch_dist_auto_is_gloo():
     assert t.backend == "gloo"
 
 
-@pytest.mark.parametrize("kind", ["shm", "torch_dist", pytest.param("torch_dist-nccl", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "kind", ["shm", "torch_dist", pytest.param("torch_dist-nccl", marks=pytest.mark.gpu)]
+)
 def test_receiver_in_another_process(kind):
     seq = states(4, seed=7)
     if kind == "torch_dist-nccl" and torch.cuda.device_count() < 2:

@@ -16,7 +16,10 @@ from loomrl.runtime.base import WorkerThreads, on_thread
 def test_calls_run_on_one_thread_in_order_and_deliver_results_and_errors():
     worker = WorkerThreads("loomrl-test")
     seen: list[tuple[int, str]] = []
-    futures = [worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i * i) for i in range(50)]
+    futures = [
+        worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i * i)
+        for i in range(50)
+    ]
     assert [f.result(timeout=5) for f in futures] == [i * i for i in range(50)]
     assert [i for i, _ in seen] == list(range(50)) and {name for _, name in seen} == {"loomrl-test"}
     with pytest.raises(ZeroDivisionError):
@@ -31,10 +34,19 @@ def test_a_pool_runs_calls_side_by_side_up_to_its_size_and_starts_no_more_thread
     pool = WorkerThreads("loomrl-test-c", max_workers=4)
     assert pool._threads == []  # (started when a call finds none idle)
     barrier = threading.Barrier(4, timeout=5)  # breaks unless 4 calls run at once
-    assert sorted(f.result(timeout=10) for f in [pool.submit(barrier.wait) for _ in range(4)]) == [0, 1, 2, 3]
+    assert sorted(f.result(timeout=10) for f in [pool.submit(barrier.wait) for _ in range(4)]) == [
+        0,
+        1,
+        2,
+        3,
+    ]
     for _ in range(3):
-        assert sorted(f.result(timeout=5) for f in [pool.submit(lambda i=i: i) for i in range(20)]) == list(range(20))
-    assert len(pool._threads) == 4 and {t.name for t in pool._threads} == {f"loomrl-test-c_{i}" for i in range(4)}
+        assert sorted(
+            f.result(timeout=5) for f in [pool.submit(lambda i=i: i) for i in range(20)]
+        ) == list(range(20))
+    assert len(pool._threads) == 4 and {t.name for t in pool._threads} == {
+        f"loomrl-test-c_{i}" for i in range(4)
+    }
     pool.shutdown(wait=True)
     assert not any(t.is_alive() for t in pool._threads)
 
@@ -65,7 +77,9 @@ def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_fu
         worker = WorkerThreads("loomrl-test")
         loop = asyncio.get_running_loop()
         done: list[str] = []
-        assert await on_thread(loop, worker, lambda: done.append("on_done"), lambda x: x + 1, 41) == 42
+        assert (
+            await on_thread(loop, worker, lambda: done.append("on_done"), lambda x: x + 1, 41) == 42
+        )
         assert done == ["on_done"]
         with pytest.raises(KeyError):
             await on_thread(loop, worker, None, {}.__getitem__, "missing")
@@ -82,8 +96,12 @@ def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_fu
         started = threading.Event()
         blocker = on_thread(loop, worker, None, lambda: (started.set(), gate.wait(5)))
         dropped = on_thread(loop, worker, None, ran.append, 2)
-        assert await asyncio.to_thread(started.wait, 5)  # the thread holds the blocker, not ``dropped``
-        worker.shutdown(wait=False, cancel_futures=True)  # (``dropped`` is still queued: the thread waits on the gate)
+        assert await asyncio.to_thread(
+            started.wait, 5
+        )  # the thread holds the blocker, not ``dropped``
+        worker.shutdown(
+            wait=False, cancel_futures=True
+        )  # (``dropped`` is still queued: the thread waits on the gate)
         gate.set()
         await blocker
         with pytest.raises(asyncio.CancelledError):

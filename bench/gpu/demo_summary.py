@@ -22,13 +22,15 @@ def describe(run: Path) -> str:
                 continue
     steps = [r for r in records if "timing/step_s" in r]
     evals = [(r.get("step"), r["eval/mean_reward"]) for r in records if "eval/mean_reward" in r]
-    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    summary = (
+        json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    )
     parts = [f"steps {summary.get('steps', len(steps))}"]
     if summary.get("samples_per_s"):
         parts.append(f"samples/s {summary['samples_per_s']:.0f}")
     if evals:
         parts.append("held-out reward " + " -> ".join(f"{v:.3f}@{k}" for k, v in evals))
-    late = sorted(r["timing/step_s"] for r in steps[len(steps) // 2:])
+    late = sorted(r["timing/step_s"] for r in steps[len(steps) // 2 :])
     if late:
         parts.append(f"median step {late[len(late) // 2] * 1000:.0f} ms (2nd half)")
     config = run / "config.json"

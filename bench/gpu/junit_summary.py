@@ -25,14 +25,18 @@ def summarise(junit: Path, log: Path) -> list[str]:
         for key in counts:
             counts[key] += int(suite.get(key, 0))
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    out = [f"RESULT {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
-           f"{counts['skipped']} skipped (junit)"]
+    out = [
+        f"RESULT {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped (junit)"
+    ]
     for case in root.iter("testcase"):
         for kind in ("failure", "error"):
             element = case.find(kind)
             if element is None:
                 continue
-            text = ((element.get("message") or "") + "\n" + (element.text or "")).strip().splitlines()
+            text = (
+                ((element.get("message") or "") + "\n" + (element.text or "")).strip().splitlines()
+            )
             keep = [t.strip() for t in text if t.strip()][:1]
             keep += [t[1:].strip() for t in text if t.startswith("E ") and t[1:].strip()][:4]
             name = f"{case.get('classname', '')}::{case.get('name', '')}"

@@ -38,12 +38,42 @@ T_PROCESS = time.perf_counter()
 HERE = Path(__file__).resolve().parent
 
 SIZES = {
-    "full": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=4096, words=1500,
-                 corpus_lines=6000, prompts=32, group=8, new_tokens=128, prompt_tokens=32, micro_batch=64,
-                 warmup=2, measured=4, device="cuda"),
-    "dry": dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=512, words=300,
-                corpus_lines=600, prompts=4, group=4, new_tokens=16, prompt_tokens=12, micro_batch=8,
-                warmup=1, measured=2, device="cpu"),
+    "full": dict(
+        hidden=896,
+        layers=24,
+        heads=14,
+        kv_heads=2,
+        intermediate=4864,
+        vocab=4096,
+        words=1500,
+        corpus_lines=6000,
+        prompts=32,
+        group=8,
+        new_tokens=128,
+        prompt_tokens=32,
+        micro_batch=64,
+        warmup=2,
+        measured=4,
+        device="cuda",
+    ),
+    "dry": dict(
+        hidden=64,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        intermediate=128,
+        vocab=512,
+        words=300,
+        corpus_lines=600,
+        prompts=4,
+        group=4,
+        new_tokens=16,
+        prompt_tokens=12,
+        micro_batch=8,
+        warmup=1,
+        measured=2,
+        device="cpu",
+    ),
 }
 LR = 1e-6
 
@@ -71,8 +101,19 @@ def build(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiouy"] + ["th", "st", "qu", "ng", "sh"]
-    words = sorted({"".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(4 * s["words"])})
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiouy"] + [
+        "th",
+        "st",
+        "qu",
+        "ng",
+        "sh",
+    ]
+    words = sorted(
+        {
+            "".join(rng.choice(syllables) for _ in range(rng.randint(1, 3)))
+            for _ in range(4 * s["words"])
+        }
+    )
     rng.shuffle(words)
     words = words[: s["words"]]
     corpus = [" ".join(rng.choice(words) for _ in range(24)) for _ in range(s["corpus_lines"])]
@@ -81,14 +122,22 @@ def build(args: argparse.Namespace) -> None:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=s["vocab"], special_tokens=["<|pad|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=s["vocab"],
+        special_tokens=["<|pad|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     core.train_from_iterator(corpus, trainer)
     vocab = core.get_vocab_size()  # the model's vocabulary: ids 0 .. vocab-1
     core.add_special_tokens(["<|eos|>"])  # id `vocab`: outside the model's logits, never sampled
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|eos|>")
     tok.save_pretrained(out)
-    assert tok.eos_token_id == vocab and tok.pad_token_id == 0, (tok.eos_token_id, tok.pad_token_id, vocab)
+    assert tok.eos_token_id == vocab and tok.pad_token_id == 0, (
+        tok.eos_token_id,
+        tok.pad_token_id,
+        vocab,
+    )
 
     # Prompts of exactly prompt_tokens tokens, from the same words.
     rows, n = [], 2 * s["prompts"]
@@ -108,16 +157,32 @@ def build(args: argparse.Namespace) -> None:
     # The tokenizer as the systems load it must encode as the one built here.
     again = AutoTokenizer.from_pretrained(out)
     sample = rows[0]["prompt"]
-    assert again(sample).input_ids == tok(sample).input_ids, "the saved tokenizer encodes differently"
-    assert again.eos_token_id == vocab and again.pad_token_id == 0, (again.eos_token_id, again.pad_token_id)
+    assert again(sample).input_ids == tok(sample).input_ids, (
+        "the saved tokenizer encodes differently"
+    )
+    assert again.eos_token_id == vocab and again.pad_token_id == 0, (
+        again.eos_token_id,
+        again.pad_token_id,
+    )
     tok_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=512, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        use_sliding_window=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=vocab, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=512,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=vocab,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -125,11 +190,19 @@ def build(args: argparse.Namespace) -> None:
     # bf16 on disk: every system starts from the same (bf16-exact) weights, at half the I/O.
     model.to(torch.bfloat16).save_pretrained(out)
     model_s = time.perf_counter() - t0
-    s.update(vocab=vocab, params=params, eos_id=vocab, lr=LR, build_tokenizer_s=round(tok_s, 1),
-             build_model_s=round(model_s, 1))
+    s.update(
+        vocab=vocab,
+        params=params,
+        eos_id=vocab,
+        lr=LR,
+        build_tokenizer_s=round(tok_s, 1),
+        build_model_s=round(model_s, 1),
+    )
     (out / "bench.json").write_text(json.dumps(s, indent=2))
-    print(f"built {out}: {params / 1e6:.1f}M parameters, vocab {vocab} (+EOS {vocab} outside it), "
-          f"{len(rows)} prompts of {s['prompt_tokens']} tokens; tokenizer {tok_s:.1f}s, model {model_s:.1f}s")
+    print(
+        f"built {out}: {params / 1e6:.1f}M parameters, vocab {vocab} (+EOS {vocab} outside it), "
+        f"{len(rows)} prompts of {s['prompt_tokens']} tokens; tokenizer {tok_s:.1f}s, model {model_s:.1f}s"
+    )
 
 
 # -- results, shared by both systems --------------------------------------------------------
@@ -138,11 +211,15 @@ def build(args: argparse.Namespace) -> None:
 class Recorder:
     """Step end times and per-step numbers; rewrites the result file after every step."""
 
-    def __init__(self, args: argparse.Namespace, s: dict, system: str, precision: str, last_step_final: bool) -> None:
+    def __init__(
+        self, args: argparse.Namespace, s: dict, system: str, precision: str, last_step_final: bool
+    ) -> None:
         self.path = Path(args.res_dir) / f"{args.name}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.s, self.system, self.precision = s, system, precision
-        self.last_step_final = last_step_final  # the last step also checkpoints: leave it out of the window
+        self.last_step_final = (
+            last_step_final  # the last step also checkpoints: leave it out of the window
+        )
         self.total_steps = 0
         self.times: list[float] = []
         self.tokens: list[float] = []  # generated tokens per step
@@ -172,19 +249,32 @@ class Recorder:
         last = len(self.times) - 1
         if self.last_step_final and len(self.times) == self.total_steps and last > w:
             last -= 1
-        r = {"system": self.system, "name": self.path.stem, "precision": self.precision,
-             "steps_done": len(self.times), "warmup": w, "completions_per_step": per_step,
-             "startup_s": (self.t_train - T_PROCESS) if self.t_train else None,
-             "first_step_s": (self.times[0] - self.t_train) if self.times and self.t_train else None,
-             "peak_alloc_gib": self.peak_alloc_gib(), **self.extra}
+        r = {
+            "system": self.system,
+            "name": self.path.stem,
+            "precision": self.precision,
+            "steps_done": len(self.times),
+            "warmup": w,
+            "completions_per_step": per_step,
+            "startup_s": (self.t_train - T_PROCESS) if self.t_train else None,
+            "first_step_s": (self.times[0] - self.t_train) if self.times and self.t_train else None,
+            "peak_alloc_gib": self.peak_alloc_gib(),
+            **self.extra,
+        }
         if last >= w:  # a window of at least one step after the warm-up
             k = last - (w - 1)
             window_s = self.times[last] - self.times[w - 1]
-            toks = sum(self.tokens[w: last + 1])
-            r.update(window_steps=k, window_s=window_s, completions_per_s=k * per_step / window_s,
-                     tokens_per_s=toks / window_s, step_s=window_s / k, completion_len_mean=toks / (k * per_step))
+            toks = sum(self.tokens[w : last + 1])
+            r.update(
+                window_steps=k,
+                window_s=window_s,
+                completions_per_s=k * per_step / window_s,
+                tokens_per_s=toks / window_s,
+                step_s=window_s / k,
+                completion_len_mean=toks / (k * per_step),
+            )
             if len(self.gen_s) > last:
-                r["gen_s_per_step"] = sum(self.gen_s[w: last + 1]) / k
+                r["gen_s_per_step"] = sum(self.gen_s[w : last + 1]) / k
         self.path.write_text(json.dumps(r, indent=2))
 
 
@@ -206,7 +296,10 @@ def run_trl(args: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     dtype = torch.bfloat16 if args.precision == "bf16w" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    rows = [json.loads(line) for line in (Path(args.model) / "data" / "train.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (Path(args.model) / "data" / "train.jsonl").read_text().splitlines()
+    ]
     dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
 
     def reward(prompts, completions, **_):
@@ -216,19 +309,42 @@ def run_trl(args: argparse.Namespace) -> None:
     steps = s["warmup"] + s["measured"]
     rec.total_steps = steps
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="b_trl_"), per_device_train_batch_size=s["micro_batch"],
-        gradient_accumulation_steps=per_step // s["micro_batch"], num_generations=s["group"],
-        max_completion_length=s["new_tokens"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=s["lr"],
-        lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, num_iterations=1,
-        bf16=args.precision != "fp32", gradient_checkpointing=False, disable_dropout=True,
-        report_to="none", save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-        use_cpu=not cuda, log_completions=False,
+        output_dir=tempfile.mkdtemp(prefix="b_trl_"),
+        per_device_train_batch_size=s["micro_batch"],
+        gradient_accumulation_steps=per_step // s["micro_batch"],
+        num_generations=s["group"],
+        max_completion_length=s["new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=s["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=steps,
+        beta=0.0,
+        num_iterations=1,
+        bf16=args.precision != "fp32",
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+        use_cpu=not cuda,
+        log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tok)
-    rec.extra.update(generation_batch=config.generation_batch_size, steps_per_generation=config.steps_per_generation,
-                     loss_type=getattr(config, "loss_type", None), weights_dtype=str(dtype).replace("torch.", ""),
-                     bf16=config.bf16, gradient_checkpointing=config.gradient_checkpointing)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tok
+    )
+    rec.extra.update(
+        generation_batch=config.generation_batch_size,
+        steps_per_generation=config.steps_per_generation,
+        loss_type=getattr(config, "loss_type", None),
+        weights_dtype=str(dtype).replace("torch.", ""),
+        bf16=config.bf16,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
 
     pending = {"tokens": 0.0, "gen_s": 0.0}
     inner = trainer._generate_single_turn
@@ -249,8 +365,11 @@ def run_trl(args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
             rec.step(pending["tokens"], pending["gen_s"])
-            print(f"[bench] trl step {state.global_step}: {rec.times[-1] - (rec.times[-2] if len(rec.times) > 1 else rec.t_train):.2f}s "
-                  f"gen {pending['gen_s']:.2f}s tokens {pending['tokens']:.0f}", flush=True)
+            print(
+                f"[bench] trl step {state.global_step}: {rec.times[-1] - (rec.times[-2] if len(rec.times) > 1 else rec.t_train):.2f}s "
+                f"gen {pending['gen_s']:.2f}s tokens {pending['tokens']:.0f}",
+                flush=True,
+            )
             pending.update(tokens=0.0, gen_s=0.0)
 
     trainer.add_callback(Clock())
@@ -276,12 +395,24 @@ def run_loomrl(args: argparse.Namespace) -> None:
     steps = s["warmup"] + s["measured"] + 1  # the last step also checkpoints: timed without it
     out_dir = Path(tempfile.mkdtemp(prefix=f"b_{args.name}_"))
     raw = {
-        "name": args.name, "seed": 0, "output_dir": str(out_dir / "run"), "runtime": args.runtime,
+        "name": args.name,
+        "seed": 0,
+        "output_dir": str(out_dir / "run"),
+        "runtime": args.runtime,
         "model": {"path": args.model, "device": s["device"]},
         "data": {"train": str(Path(args.model) / "data" / "train.jsonl"), "shuffle": True},
         "task": {"reward": "vowel_reward:vowel_share", "reward_timeout_s": 60.0},
-        "generation": {"temperature": 1.0, "max_new_tokens": s["new_tokens"], "prompts_per_request": s["prompts"]},
-        "algorithm": {"loss": "aipo", "group_size": s["group"], "groups_per_step": s["prompts"], "max_staleness": 1},
+        "generation": {
+            "temperature": 1.0,
+            "max_new_tokens": s["new_tokens"],
+            "prompts_per_request": s["prompts"],
+        },
+        "algorithm": {
+            "loss": "aipo",
+            "group_size": s["group"],
+            "groups_per_step": s["prompts"],
+            "max_staleness": 1,
+        },
         "trainer": {"lr": s["lr"], "num_steps": steps, "micro_batch_size": s["micro_batch"]},
         "weight_sync": {"codec": "full", "publish_dtype": "bfloat16", "transport": args.transport},
         "checkpoint": {"every_steps": 100000},
@@ -292,11 +423,24 @@ def run_loomrl(args: argparse.Namespace) -> None:
     precision = describe_precision(cfg)
     rec = Recorder(args, s, f"loomrl-{cfg.runtime}", precision, last_step_final=True)
     rec.total_steps = steps
-    rec.extra.update(in_process_gpu=cfg.runtime == "local", overrides=args.overrides or [],
-                     transport=cfg.weight_sync.transport)
-    keys = ("timing/step_s", "timing/wait_for_batch_s", "timing/train_step_s", "timing/train_forward_s",
-            "timing/train_backward_s", "timing/train_optimizer_s", "timing/publish_s", "weight_sync/apply_s",
-            "executor/generator_busy_frac", "executor/trainer_busy_frac", "rollout/staleness_mean")
+    rec.extra.update(
+        in_process_gpu=cfg.runtime == "local",
+        overrides=args.overrides or [],
+        transport=cfg.weight_sync.transport,
+    )
+    keys = (
+        "timing/step_s",
+        "timing/wait_for_batch_s",
+        "timing/train_step_s",
+        "timing/train_forward_s",
+        "timing/train_backward_s",
+        "timing/train_optimizer_s",
+        "timing/publish_s",
+        "weight_sync/apply_s",
+        "executor/generator_busy_frac",
+        "executor/trainer_busy_frac",
+        "rollout/staleness_mean",
+    )
     per_step = s["prompts"] * s["group"]
     records: list[dict] = []
 
@@ -309,25 +453,50 @@ def run_loomrl(args: argparse.Namespace) -> None:
         window = records[w:-1] if len(records) == steps else records[w:]
         if window:
             rec.extra["loomrl_phases_per_step"] = {
-                k.split("/")[1]: sum((r.get(k) or 0.0) for r in window) / len(window) for k in keys}
-        print(f"[bench] {args.name} step {len(records)}: step_s {record.get('timing/step_s', 0):.2f} "
-              f"train {record.get('timing/train_step_s') or 0:.2f} wait {record.get('timing/wait_for_batch_s') or 0:.2f} "
-              f"publish {record.get('timing/publish_s') or 0:.2f}", flush=True)
+                k.split("/")[1]: sum((r.get(k) or 0.0) for r in window) / len(window) for k in keys
+            }
+        print(
+            f"[bench] {args.name} step {len(records)}: step_s {record.get('timing/step_s', 0):.2f} "
+            f"train {record.get('timing/train_step_s') or 0:.2f} wait {record.get('timing/wait_for_batch_s') or 0:.2f} "
+            f"publish {record.get('timing/publish_s') or 0:.2f}",
+            flush=True,
+        )
 
-    rec.t_train = time.perf_counter()  # includes the executors' start-up (loomrl's loop starts them)
+    rec.t_train = (
+        time.perf_counter()
+    )  # includes the executors' start-up (loomrl's loop starts them)
     result = Job(cfg).run(on_record=on_record)
     summ = result.summary
-    rec.extra.update(finished=True, summary={k: summ.get(k) for k in (
-        "steps", "elapsed_s", "samples_per_s", "generator_busy_s", "trainer_busy_s", "controller_overhead",
-        "peak_rss_mb", "trained", "dropped_stale")})
+    rec.extra.update(
+        finished=True,
+        summary={
+            k: summ.get(k)
+            for k in (
+                "steps",
+                "elapsed_s",
+                "samples_per_s",
+                "generator_busy_s",
+                "trainer_busy_s",
+                "controller_overhead",
+                "peak_rss_mb",
+                "trained",
+                "dropped_stale",
+            )
+        },
+    )
     rec.write()
 
 
 def describe_precision(cfg) -> str:
     """The precision a loomrl run resolved to, in words, for the table."""
     parts = []
-    for section, key in (("model", "dtype"), ("trainer", "precision"), ("generation", "cuda_graphs"),
-                         ("generation", "trace"), ("weight_sync", "publish_dtype")):
+    for section, key in (
+        ("model", "dtype"),
+        ("trainer", "precision"),
+        ("generation", "cuda_graphs"),
+        ("generation", "trace"),
+        ("weight_sync", "publish_dtype"),
+    ):
         value = getattr(getattr(cfg, section), key, None)
         if value is not None:
             parts.append(f"{section}.{key}={value}")
@@ -362,16 +531,26 @@ def report(args: argparse.Namespace) -> None:
             results.append(json.loads(p.read_text()))
         except ValueError:
             continue
-    s = bench_settings(args.model) if args.model and Path(args.model, "bench.json").is_file() else {}
-    base = next((r for r in results if r["name"] == "trl-bf16" and r.get("completions_per_s")), None)
-    base_w = next((r for r in results if r["name"] == "trl-bf16w" and r.get("completions_per_s")), None)
+    s = (
+        bench_settings(args.model)
+        if args.model and Path(args.model, "bench.json").is_file()
+        else {}
+    )
+    base = next(
+        (r for r in results if r["name"] == "trl-bf16" and r.get("completions_per_s")), None
+    )
+    base_w = next(
+        (r for r in results if r["name"] == "trl-bf16w" and r.get("completions_per_s")), None
+    )
 
     def f(v, fmt="{:.1f}"):
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
-    lines = ["| system | precision | steps timed (done) | completions/s | gen tokens/s | s/step | gen s/step | "
-             "peak alloc GiB (torch, own process) | GPU mem rise (nvidia-smi), util | vs TRL bf16 (default) | vs TRL bf16 weights | start-up s, 1st step s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| system | precision | steps timed (done) | completions/s | gen tokens/s | s/step | gen s/step | "
+        "peak alloc GiB (torch, own process) | GPU mem rise (nvidia-smi), util | vs TRL bf16 (default) | vs TRL bf16 weights | start-up s, 1st step s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         cps = r.get("completions_per_s")
         gen = r.get("gen_s_per_step")
@@ -387,20 +566,25 @@ def report(args: argparse.Namespace) -> None:
             f"{gpu_stats(res_dir / (r['name'] + '.gpu.csv'))} | "
             f"{f(cps / base['completions_per_s'], '{:.2f}x') if cps and base else '-'} | "
             f"{f(cps / base_w['completions_per_s'], '{:.2f}x') if cps and base_w else '-'} | "
-            f"{f(r.get('startup_s'))}, {f(r.get('first_step_s'))} |")
+            f"{f(r.get('startup_s'))}, {f(r.get('first_step_s'))} |"
+        )
     if s:
         lines.append("")
-        lines.append(f"Work per step, every system: {s['prompts']} prompts x {s['group']} completions, prompts of "
-                     f"{s['prompt_tokens']} tokens, exactly {s['new_tokens']} new tokens (EOS unreachable), "
-                     f"micro-batches of {s['micro_batch']}, lr {s['lr']}; timed after {s['warmup']} warm-up steps. "
-                     f"Model: Qwen2 {s['params'] / 1e6:.0f}M parameters (hidden {s['hidden']}, {s['layers']} layers, "
-                     f"{s['heads']} heads, {s['kv_heads']} KV heads, intermediate {s['intermediate']}, vocab {s['vocab']}), "
-                     f"random weights, device {s['device']}.")
+        lines.append(
+            f"Work per step, every system: {s['prompts']} prompts x {s['group']} completions, prompts of "
+            f"{s['prompt_tokens']} tokens, exactly {s['new_tokens']} new tokens (EOS unreachable), "
+            f"micro-batches of {s['micro_batch']}, lr {s['lr']}; timed after {s['warmup']} warm-up steps. "
+            f"Model: Qwen2 {s['params'] / 1e6:.0f}M parameters (hidden {s['hidden']}, {s['layers']} layers, "
+            f"{s['heads']} heads, {s['kv_heads']} KV heads, intermediate {s['intermediate']}, vocab {s['vocab']}), "
+            f"random weights, device {s['device']}."
+        )
     print("\n".join(lines))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
@@ -415,8 +599,12 @@ def main() -> None:
     lm.add_argument("--runtime", choices=["local", "process"], default="local")
     lm.add_argument("--name", required=True)
     lm.add_argument("--res-dir", required=True)
-    lm.add_argument("--transport", default="tensor", help="weight_sync.transport (default: the tensor lane)")
-    lm.add_argument("overrides", nargs="*", help="loomrl dotted overrides, e.g. generation.trace=false")
+    lm.add_argument(
+        "--transport", default="tensor", help="weight_sync.transport (default: the tensor lane)"
+    )
+    lm.add_argument(
+        "overrides", nargs="*", help="loomrl dotted overrides, e.g. generation.trace=false"
+    )
     r = sub.add_parser("report")
     r.add_argument("--res-dir", required=True)
     r.add_argument("--model")

@@ -26,8 +26,10 @@ def make_rows(max_operand: int, seed: int) -> list[dict[str, str]]:
     random.Random(seed).shuffle(pairs)
     width = len(str(max_operand - 1))
     answer_width = len(str(2 * (max_operand - 1)))
-    return [{"prompt": f"{a:0{width}d}+{b:0{width}d}=", "answer": f"{a + b:0{answer_width}d}"}
-            for a, b in pairs]
+    return [
+        {"prompt": f"{a:0{width}d}+{b:0{width}d}=", "answer": f"{a + b:0{answer_width}d}"}
+        for a, b in pairs
+    ]
 
 
 def main() -> None:

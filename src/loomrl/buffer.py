@@ -90,8 +90,9 @@ class StalenessGate:
             self._waiters.wake()
 
 
-_size, _min_version, _epoch_and_index = (operator.attrgetter(*a) for a in (("size",), ("min_version",),
-                                                                        ("epoch", "prompt_index")))  # fmt: skip
+_size, _min_version, _epoch_and_index = (
+    operator.attrgetter(*a) for a in (("size",), ("min_version",), ("epoch", "prompt_index"))
+)
 
 
 @dataclass
@@ -146,7 +147,11 @@ class RolloutBuffer:
                 entries = list(zip(self.groups, self._min_versions, self._sizes))
                 stale = [g for g, v, _ in entries if v < oldest]
                 kept = [e for e in entries if e[1] >= oldest]
-                self.groups, self._min_versions, self._sizes = [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept]
+                self.groups, self._min_versions, self._sizes = (
+                    [e[0] for e in kept],
+                    [e[1] for e in kept],
+                    [e[2] for e in kept],
+                )
                 self.num_rollouts = sum(self._sizes)
                 for g in stale:
                     await on_drop(g)
@@ -161,5 +166,8 @@ class RolloutBuffer:
         sizes, self._sizes = self._sizes[:count], self._sizes[count:]
         self.num_rollouts -= sum(sizes)
         order = sorted(range(len(chosen)), key=list(map(_epoch_and_index, chosen)).__getitem__)
-        return Batch([chosen[i] for i in order], staleness=[version - versions[i] for i in order],
-                     sizes=[sizes[i] for i in order])  # fmt: skip
+        return Batch(
+            [chosen[i] for i in order],
+            staleness=[version - versions[i] for i in order],
+            sizes=[sizes[i] for i in order],
+        )

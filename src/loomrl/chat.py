@@ -15,7 +15,9 @@ from loomrl.config import DataConfig
 from loomrl.data import DatasetError
 from loomrl.prompt_fit import encode_texts
 
-Prompt = str | list[dict[str, str]]  # a text, or {role, content} messages (TRL's conversational format)
+Prompt = (
+    str | list[dict[str, str]]
+)  # a text, or {role, content} messages (TRL's conversational format)
 
 
 class PromptEncoder:
@@ -23,7 +25,11 @@ class PromptEncoder:
     ``data.system_prompt`` say."""
 
     def __init__(self, tokenizer: Any, data: DataConfig, model: str = "the model") -> None:
-        self.tokenizer, self.mode, self.system_prompt = tokenizer, data.chat_template, data.system_prompt
+        self.tokenizer, self.mode, self.system_prompt = (
+            tokenizer,
+            data.chat_template,
+            data.system_prompt,
+        )
         self.model = model  # for messages: the model path
 
     def templated(self, prompt: Prompt) -> bool:
@@ -31,12 +37,16 @@ class PromptEncoder:
         if self.mode == "auto":
             return isinstance(prompt, list) or self.system_prompt is not None
         if isinstance(prompt, list) and not self.mode:
-            raise DatasetError("a prompt is a list of messages but data.chat_template=false; set it to 'auto' or true")
+            raise DatasetError(
+                "a prompt is a list of messages but data.chat_template=false; set it to 'auto' or true"
+            )
         return bool(self.mode)
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The prompt as messages, with the system prompt first (unless it has its own)."""
-        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = (
+            list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        )
         if self.system_prompt is not None and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
@@ -51,7 +61,9 @@ class PromptEncoder:
                 "data.system_prompt or data.chat_template=true: use an instruct model's folder (its "
                 "tokenizer_config.json has 'chat_template'), or plain-text prompts"
             )
-        return self.tokenizer.apply_chat_template(self.messages(prompt), tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            self.messages(prompt), tokenize=False, add_generation_prompt=True
+        )
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         """Each prompt's ids: plain ones as the tokenizer encodes them (its BOS added),
@@ -64,7 +76,9 @@ class PromptEncoder:
             where = [i for i, flag in enumerate(flags) if flag == templated]
             if where:
                 texts = [self.render(prompts[i]) for i in where]
-                for i, encoded in zip(where, encode_texts(self.tokenizer, texts, add_special_tokens=not templated)):
+                for i, encoded in zip(
+                    where, encode_texts(self.tokenizer, texts, add_special_tokens=not templated)
+                ):
                     ids[i] = encoded
         return ids  # type: ignore[return-value]
 

@@ -60,10 +60,14 @@ def _progress_callback(total_steps: int):
 
 def _fault_parts(record: dict[str, Any]) -> list[str]:
     """Executor failures and restarts for the progress line, shown once there are any."""
-    failed = sum(v for k, v in record.items() if k.startswith("executor/") and k.endswith("_failures"))
+    failed = sum(
+        v for k, v in record.items() if k.startswith("executor/") and k.endswith("_failures")
+    )
     if not failed and not record.get("executor/trainer_restarts"):
         return []
-    parts = [f"[yellow]executors failed {failed:.0f}, restarted {record.get('executor/restarts', 0):.0f}"]
+    parts = [
+        f"[yellow]executors failed {failed:.0f}, restarted {record.get('executor/restarts', 0):.0f}"
+    ]
     if record.get("executor/hung_kills"):
         parts.append(f"hung {record['executor/hung_kills']:.0f}")
     if record.get("executor/trainer_restarts"):
@@ -93,7 +97,11 @@ def _print_summary(result) -> None:
         f" + failed {s['failed']} + in flight {s['in_flight']}",
     )
     faults = s.get("faults") or {}
-    failures = {k.split("/")[1][: -len("_failures")]: v for k, v in faults.items() if k.endswith("_failures") and v}
+    failures = {
+        k.split("/")[1][: -len("_failures")]: v
+        for k, v in faults.items()
+        if k.endswith("_failures") and v
+    }
     if failures or faults.get("executor/trainer_restarts"):
         table.add_row(
             "executor faults",
@@ -114,7 +122,9 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     try:
         with progress:
             result = job_fn(on_record)
-    except KeyboardInterrupt as err:  # a second Ctrl-C (or SIGTERM, SIGHUP), or one outside training
+    except (
+        KeyboardInterrupt
+    ) as err:  # a second Ctrl-C (or SIGTERM, SIGHUP), or one outside training
         return _report_interrupt(run_dir, getattr(err, "name", None))
     except (ConfigError, OSError, ValueError, TypeError, RuntimeError, FloatingPointError) as err:
         # Bad input (config, paths, user code, checkpoints), a job stopped for failures and a
@@ -125,7 +135,9 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     _print_summary(result)
-    if result.summary.get("interrupted"):  # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
+    if result.summary.get(
+        "interrupted"
+    ):  # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
         return _report_interrupt(run_dir, result.summary.get("stopped_by"))
     return 0
 
@@ -140,7 +152,10 @@ def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
 
     last = latest_checkpoint(Path(run_dir) / "checkpoints")
     if last is None:
-        print(f"interrupted before the first checkpoint: nothing to resume in {run_dir}", file=sys.stderr)
+        print(
+            f"interrupted before the first checkpoint: nothing to resume in {run_dir}",
+            file=sys.stderr,
+        )
     else:
         print(f"interrupted: `loomrl resume {run_dir}` continues from {last.name}", file=sys.stderr)
     return exit_status(signal_name)
@@ -159,7 +174,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.output_dir = args.output_dir
     cfg.output_dir = str(default_run_dir(cfg))  # fixed now, so an interrupt can name it
     return _execute(
-        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb), cfg.trainer.num_steps, cfg.output_dir
+        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb),
+        cfg.trainer.num_steps,
+        cfg.output_dir,
     )
 
 
@@ -172,7 +189,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _execute(
-        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step), cfg.trainer.num_steps, args.run_dir
+        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step),
+        cfg.trainer.num_steps,
+        args.run_dir,
     )
 
 
@@ -186,7 +205,11 @@ def cmd_config(args: argparse.Namespace) -> int:
             if sub is not None:
                 walk(ann, f"{prefix}{name}.")
                 continue
-            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            default = (
+                "(required)"
+                if field.is_required()
+                else repr(field.get_default(call_default_factory=True))
+            )
             print(f"{prefix}{name} = {default}    # {field.description or ''}")
 
     walk(JobConfig, "")
@@ -208,13 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
     run.add_argument("--output-dir", help="the run folder (default runs/<name>-<timestamp>)")
     run.add_argument(
-        "--overwrite", action="store_true", help="replace a finished or abandoned run in the output dir"
+        "--overwrite",
+        action="store_true",
+        help="replace a finished or abandoned run in the output dir",
     )
     run.set_defaults(fn=cmd_run)
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")
     resume.add_argument(
-        "--from", dest="from_step", type=int, metavar="STEP", help="resume from this step's checkpoint, not the newest"
+        "--from",
+        dest="from_step",
+        type=int,
+        metavar="STEP",
+        help="resume from this step's checkpoint, not the newest",
     )
     resume.set_defaults(fn=cmd_resume)
     config = sub.add_parser("config", help="list every config key with its default")
@@ -222,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from loomrl.sandbox.cli import add_sandbox_commands
     except ImportError as err:  # say why when someone asks for it, instead of hiding it
-        broken = sub.add_parser("sandbox", help="try the sandbox by hand (unavailable: see `loomrl sandbox`)")
+        broken = sub.add_parser(
+            "sandbox", help="try the sandbox by hand (unavailable: see `loomrl sandbox`)"
+        )
         broken.add_argument("rest", nargs=argparse.REMAINDER)
         broken.set_defaults(fn=lambda args, err=err: _sandbox_unavailable(err))
     else:
@@ -234,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sandbox_unavailable(err: ImportError) -> int:
-    print(f"error: the sandbox commands could not be loaded: {type(err).__name__}: {err}", file=sys.stderr)
+    print(
+        f"error: the sandbox commands could not be loaded: {type(err).__name__}: {err}",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -242,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options: `run job.toml --output-dir x a.b=1`
-        if getattr(args, "fn", None) is cmd_run and all("=" in e and not e.startswith("-") for e in extra):
+        if getattr(args, "fn", None) is cmd_run and all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

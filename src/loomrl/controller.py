@@ -51,28 +51,58 @@ class Counters:
 
 
 _weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _completion_tokens = (
-    operator.attrgetter(a) for a in ("weight_apply_s", "weight_metrics", "engine_metrics", "version", "prompt_ids",
-                                     "completion_tokens"))  # fmt: skip
-_epoch_and_index, _all_ok = operator.attrgetter("epoch", "prompt_index"), operator.attrgetter("all_ok")
+    operator.attrgetter(a)
+    for a in (
+        "weight_apply_s",
+        "weight_metrics",
+        "engine_metrics",
+        "version",
+        "prompt_ids",
+        "completion_tokens",
+    )
+)
+_epoch_and_index, _all_ok = (
+    operator.attrgetter("epoch", "prompt_index"),
+    operator.attrgetter("all_ok"),
+)
 
 
-def _read_reports(then: Callable[[list[GenerationResult]], Any] | None, results: list[GenerationResult]) -> tuple:
+def _read_reports(
+    then: Callable[[list[GenerationResult]], Any] | None, results: list[GenerationResult]
+) -> tuple:
     """Off the loop, where a generate call ended: what its results report (an engine puts
     it on one of them), read at C speed, and ``then(results)`` (the results themselves
     when there is no ``then``)."""
     weight = [m for m in map(_weight_metrics, results) if m]
     engine = [m for m in map(_engine_metrics, results) if m]
-    return (sum(map(_weight_apply_s, results)), weight[-1] if weight else None, engine[-1] if engine else None,
-            max(map(_version, results), default=-1), results if then is None else then(results))  # fmt: skip
+    return (
+        sum(map(_weight_apply_s, results)),
+        weight[-1] if weight else None,
+        engine[-1] if engine else None,
+        max(map(_version, results), default=-1),
+        results if then is None else then(results),
+    )
 
 
-def _groups_of(picks: list[tuple[int, int]], requests: list[GenerationRequest], rows: list[dict[str, Any]],
-               prompt_key: str, results: list[GenerationResult]) -> tuple:  # fmt: skip
+def _groups_of(
+    picks: list[tuple[int, int]],
+    requests: list[GenerationRequest],
+    rows: list[dict[str, Any]],
+    prompt_key: str,
+    results: list[GenerationResult],
+) -> tuple:
     """Off the loop, where a training request's generate call ended: the results, their
     groups (None when an engine left the texts to decode: the tokenizer is the loop's),
     how many completions they hold and what a scorer executor takes for them."""
-    groups = Group.from_results(picks, list(map(_prompt_ids, requests)), rows, prompt_key, results, None)
-    return results, groups, sum(map(len, results)), None if groups is None else group_payload(groups)
+    groups = Group.from_results(
+        picks, list(map(_prompt_ids, requests)), rows, prompt_key, results, None
+    )
+    return (
+        results,
+        groups,
+        sum(map(len, results)),
+        None if groups is None else group_payload(groups),
+    )
 
 
 def sample_seed(job_seed: int, epoch: int, index: int) -> int:
@@ -118,7 +148,9 @@ class Controller(Evaluation, StallWatchdog):
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
         self.extra_metrics = extra_metrics  # e.g. the sandbox pool's sandbox/* metrics
-        self.leases = leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
+        self.leases = (
+            leases  # scheduler.url set: device phases run in leases (loomrl.scheduler.jobside)
+        )
         # Executor failures, restarts and re-queues (loomrl.runtime.supervision); a restarted
         # generator gets a full weight update of the current version before any request.
         self.faults = faults or FaultStats()
@@ -133,14 +165,20 @@ class Controller(Evaluation, StallWatchdog):
         )
         self._prompt_key = cfg.data.prompt_key
         self._prompt_encoder = PromptEncoder(tokenizer, cfg.data, cfg.model.path)
-        self.max_prompt_tokens = max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        self.max_prompt_tokens = (
+            max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
+        )
         self._prompt_ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
-        self._eval_prompt_ids: list[list[int]] | None = None  # the eval rows' prompt tokens, at the first eval
+        self._eval_prompt_ids: list[list[int]] | None = (
+            None  # the eval rows' prompt tokens, at the first eval
+        )
         if env_factory is None and len(train_rows) <= PROMPT_CACHE_ROWS:
             # The whole dataset in one batch now (as a trainer tokenizes its dataset before it
             # starts), not a few prompts per request on the loop while the executors run.
             self._encode_train_prompts(range(len(train_rows)))
-        self._all_prompts_encoded = len(self._prompt_ids) == len(train_rows)  # (then the loop never looks)
+        self._all_prompts_encoded = len(self._prompt_ids) == len(
+            train_rows
+        )  # (then the loop never looks)
         self._init_run_state(version, history)
 
     def _init_pipeline(self, version: int, counters: Counters | None) -> None:
@@ -157,19 +195,27 @@ class Controller(Evaluation, StallWatchdog):
         self.eval_history: list[dict[str, Any]] = []
         self._trained_tokens = 0
         self._generator_weight_metrics: dict[str, float] = {}
-        self._renamed_source: dict[str, float] = {}  # what _renamed_generator_weight_metrics last renamed
+        self._renamed_source: dict[
+            str, float
+        ] = {}  # what _renamed_generator_weight_metrics last renamed
         self._failed_key: tuple | None = None  # the scorer's failures _failed_metrics last named
         self._renamed: dict[str, float] = {}
-        self._engine_metrics: dict[int, dict[str, float]] = {}  # id(generator handle) -> its engine's totals
+        self._engine_metrics: dict[
+            int, dict[str, float]
+        ] = {}  # id(generator handle) -> its engine's totals
         self._apply_s = 0.0  # generator pauses for weight updates since the last step
         self._zero_variance = ZeroVarianceWatch(self.cfg.logging.zero_variance_warning_every_steps)
-        self._held: dict[int, int] = {}  # id(generator handle) -> the version it last reported holding
+        self._held: dict[
+            int, int
+        ] = {}  # id(generator handle) -> the version it last reported holding
 
     def _init_run_state(self, version: int, history: dict[str, Any] | None) -> None:
         """Stopping, failure and watchdog state, and what a resumed run carries over."""
         self._stop = False
         self._failure: BaseException | None = None
-        self._racing: asyncio.Task | None = None  # the task in _until_failure, cancelled by a failure
+        self._racing: asyncio.Task | None = (
+            None  # the task in _until_failure, cancelled by a failure
+        )
         self.stall_warnings = 0  # executor calls that ran past stall_warning_s
         self.no_step_warnings = 0  # times no step completed within stall_warning_s
         self.stop_requested = False  # set by request_stop(): checkpoint after this step, end
@@ -220,23 +266,31 @@ class Controller(Evaluation, StallWatchdog):
         new = [i for i in dict.fromkeys(indices) if i not in self._prompt_ids]
         if not new:
             return
-        if len(self._prompt_ids) + len(new) > PROMPT_CACHE_ROWS:  # a huge dataset: keep only recent rows
+        if (
+            len(self._prompt_ids) + len(new) > PROMPT_CACHE_ROWS
+        ):  # a huge dataset: keep only recent rows
             self._prompt_ids.clear()
             new = list(dict.fromkeys(indices))
-        self._prompt_ids.update(zip(new, self._encode_prompts([self.train_rows[i][self._prompt_key] for i in new])))
+        self._prompt_ids.update(
+            zip(new, self._encode_prompts([self.train_rows[i][self._prompt_key] for i in new]))
+        )
 
     def _encode_prompts(self, prompts: list) -> list[list[int]]:
         """Prompts' ids (texts or messages, through the chat template as data.chat_template
         says), each cut to ``max_prompt_tokens``."""
-        return [truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
-                for ids in self._prompt_encoder.encode(prompts)]  # fmt: skip
+        return [
+            truncate_ids(ids, self.max_prompt_tokens, self.tokenizer.bos_token_id)
+            for ids in self._prompt_encoder.encode(prompts)
+        ]
 
     def _min_version(self) -> int:
         """The oldest weights a new training request may run on: the latest published
         version, less what max_staleness allows (so in synchronous mode exactly it)."""
         return max(0, self.published_version - self.cfg.algorithm.max_staleness)
 
-    def _require(self, requests: list[GenerationRequest], eval_: bool = False) -> list[GenerationRequest]:
+    def _require(
+        self, requests: list[GenerationRequest], eval_: bool = False
+    ) -> list[GenerationRequest]:
         needed = self.published_version if eval_ else self._min_version()
         for request in requests:
             request.min_version = max(request.min_version, needed)
@@ -249,23 +303,34 @@ class Controller(Evaluation, StallWatchdog):
         """Completions' text, for an engine that did not detokenize them."""
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _generate(self, generator: ExecutorHandle, requests: list[GenerationRequest],
-                  then: Callable[[list[GenerationResult]], Any] | None = None) -> Awaitable[Any]:  # fmt: skip
+    def _generate(
+        self,
+        generator: ExecutorHandle,
+        requests: list[GenerationRequest],
+        then: Callable[[list[GenerationResult]], Any] | None = None,
+    ) -> Awaitable[Any]:
         """Apply the newest weights the requests may use, then generate on them: one
         device phase (one lease when the job shares its devices, so no other job's phase
         and no swap comes between applying the weights and using them). To await: the
         results, or ``then(results)``, which runs off the loop where the call ended (it
         must read nothing the loop changes)."""
-        return self.on_device("generate", lambda: self._apply_and_generate(generator, requests, then))
+        return self.on_device(
+            "generate", lambda: self._apply_and_generate(generator, requests, then)
+        )
 
-    async def _apply_and_generate(self, generator: ExecutorHandle, requests: list[GenerationRequest],
-                                  then: Callable[[list[GenerationResult]], Any] | None) -> Any:  # fmt: skip
+    async def _apply_and_generate(
+        self,
+        generator: ExecutorHandle,
+        requests: list[GenerationRequest],
+        then: Callable[[list[GenerationResult]], Any] | None,
+    ) -> Any:
         # A generator behind the newest published version applies it first, in the same
         # call (one round trip); one that holds it is not asked to look.
         key = id(generator)
         behind = self._held.get(key, -1) < self.published_version
         apply_s, weight_metrics, engine_metrics, version, value = await generator.call_then(
-            partial(_read_reports, then), "generate", requests, apply_newest=behind)  # fmt: skip
+            partial(_read_reports, then), "generate", requests, apply_newest=behind
+        )
         self._apply_s += apply_s  # generate's own catch-up, if any
         if weight_metrics is not None:
             self._generator_weight_metrics = weight_metrics
@@ -279,7 +344,9 @@ class Controller(Evaluation, StallWatchdog):
         """A fresh generator has no weights but the model's own: publish a full snapshot of
         the current version (never a delta on a base it lacks) before it serves a request."""
         self._held.pop(id(generator), None)  # it holds only the model's own weights now
-        await self.trainer.publish(full=True)  # (inside the lost call's own device phase: no second lease)
+        await self.trainer.publish(
+            full=True
+        )  # (inside the lost call's own device phase: no second lease)
 
     async def _requeue_lost(self, picks: list[tuple[int, int]], err: ExecutorLostError) -> None:
         """The generate call of ``picks`` was lost with its generator (now replaced): hand
@@ -305,7 +372,13 @@ class Controller(Evaluation, StallWatchdog):
                 self._encode_train_prompts([i for _, i in picks])
             seed, min_version, prompt_ids = self.cfg.seed, self._min_version(), self._prompt_ids
             requests = [
-                GenerationRequest(prompt_ids[i], group_size, self._sampling, sample_seed(seed, epoch, i), min_version)
+                GenerationRequest(
+                    prompt_ids[i],
+                    group_size,
+                    self._sampling,
+                    sample_seed(seed, epoch, i),
+                    min_version,
+                )
                 for epoch, i in picks
             ]
             # One object per group (its completions as columns), not one per completion (the
@@ -313,13 +386,21 @@ class Controller(Evaluation, StallWatchdog):
             # call ended, off the loop.
             build = partial(_groups_of, picks, requests, self.train_rows, self._prompt_key)
             try:
-                results, groups, generated, payload = await self._generate(generator, requests, build)
+                results, groups, generated, payload = await self._generate(
+                    generator, requests, build
+                )
             except ExecutorLostError as err:
                 await self._requeue_lost(picks, err)
                 continue
             if groups is None:  # texts to decode, with the loop's tokenizer
-                groups = Group.from_results(picks, list(map(_prompt_ids, requests)), self.train_rows,
-                                            self._prompt_key, results, self._decode_batch)  # fmt: skip
+                groups = Group.from_results(
+                    picks,
+                    list(map(_prompt_ids, requests)),
+                    self.train_rows,
+                    self._prompt_key,
+                    results,
+                    self._decode_batch,
+                )
             self.counters.generated += generated
             self.scoring_rollouts += generated
             task = asyncio.create_task(self._score_and_put_groups(groups, generated, payload))
@@ -335,10 +416,15 @@ class Controller(Evaluation, StallWatchdog):
         envs = [self.env_factory() for _ in range(self.cfg.algorithm.group_size)]
         try:
             rollouts = await run_group_episodes(
-                envs, self.train_rows[index], index,
+                envs,
+                self.train_rows[index],
+                index,
                 generate=lambda requests: self._generate(generator, self._require(requests)),
-                encode=self._encode, decode=self._decode, sampling=self._sampling,
-                max_turns=self.cfg.task.max_turns, seed=sample_seed(self.cfg.seed, epoch, index),
+                encode=self._encode,
+                decode=self._decode,
+                sampling=self._sampling,
+                max_turns=self.cfg.task.max_turns,
+                seed=sample_seed(self.cfg.seed, epoch, index),
             )
         except ExecutorLostError as err:  # the whole group runs again from its first turn
             await self._requeue_lost([(epoch, index)], err)
@@ -357,8 +443,9 @@ class Controller(Evaluation, StallWatchdog):
     async def _score_and_put(self, group: Group) -> None:
         await self._score_and_put_groups([group])
 
-    async def _score_and_put_groups(self, groups: list[Group], count: int | None = None,
-                                    payload: tuple | None = None) -> None:  # fmt: skip
+    async def _score_and_put_groups(
+        self, groups: list[Group], count: int | None = None, payload: tuple | None = None
+    ) -> None:
         """Score the groups of one request together (one reward batch), then put them
         together (one wake-up of the gate and the trainer per request, not per group);
         ``count``: their rollouts, ``payload`` their ``group_payload``, if the caller has them."""
@@ -395,7 +482,9 @@ class Controller(Evaluation, StallWatchdog):
             if len(ok) < len(group.rollouts):
                 self.counters.failed += len(group.rollouts) - len(ok)
                 outcomes += [r for r in group.rollouts if r.status != "ok"]
-                if all(lost_by_scorer(r) for r in group.rollouts):  # scorers lost it, not the reward
+                if all(
+                    lost_by_scorer(r) for r in group.rollouts
+                ):  # scorers lost it, not the reward
                     self.stream.requeue(group.epoch, group.prompt_index)
                     self.faults.requeued_prompts += 1
                 group.rollouts = ok
@@ -440,8 +529,12 @@ class Controller(Evaluation, StallWatchdog):
         reward_sum = sum(chain.from_iterable(rewards))  # (in the order summed before)
         self._record_samples(step, batch.groups)
         try:
-            metrics = await self.on_device("train", lambda: self.trainer.train_step(batch.groups, publish=fused))
-        except PublishAfterStepError:  # the step stands (the trainer is at ``step``): count it, then fail
+            metrics = await self.on_device(
+                "train", lambda: self.trainer.train_step(batch.groups, publish=fused)
+            )
+        except (
+            PublishAfterStepError
+        ):  # the step stands (the trainer is at ``step``): count it, then fail
             self._count_step(batch, num_rollouts)
             raise
         self._count_step(batch, num_rollouts)
@@ -495,7 +588,9 @@ class Controller(Evaluation, StallWatchdog):
         source = self._generator_weight_metrics
         if source != self._renamed_source:
             self._renamed_source = dict(source)
-            self._renamed = {k.replace("weight_sync/", "weight_sync/generator_"): v for k, v in source.items()}
+            self._renamed = {
+                k.replace("weight_sync/", "weight_sync/generator_"): v for k, v in source.items()
+            }
         return self._renamed
 
     def _failed_metrics(self) -> dict[str, int]:
@@ -521,7 +616,9 @@ class Controller(Evaluation, StallWatchdog):
     async def run(self, checkpoint: Callable[[int], Any] | None = None) -> dict[str, Any]:
         """Train to ``trainer.num_steps``; returns a summary of the whole run (a resumed run
         adds its time to the time before the checkpoint and keeps the first eval)."""
-        await self.on_device("weight_sync", self.trainer.publish)  # version v to every generator first
+        await self.on_device(
+            "weight_sync", self.trainer.publish
+        )  # version v to every generator first
         if self.resumed:
             first_eval = {"eval/mean_reward": self.history["eval_start"]}
         else:
@@ -529,11 +626,21 @@ class Controller(Evaluation, StallWatchdog):
             self.history["eval_start"] = first_eval.get("eval/mean_reward")
             if first_eval:
                 self._emit({"step": self.version, **first_eval})
-        background = [self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators]
+        background = [
+            self._watch(asyncio.create_task(self._generation_loop(g))) for g in self.generators
+        ]
         background.append(asyncio.create_task(self._stall_watchdog()))
-        started, loop_cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+        started, loop_cpu, process_cpu = (
+            time.perf_counter(),
+            time.thread_time(),
+            time.process_time(),
+        )
         self._last_step_at = time.monotonic()
-        base_busy = (sum(g.busy_s for g in self.generators), self.trainer.busy_s, self._scorer_busy_s())
+        base_busy = (
+            sum(g.busy_s for g in self.generators),
+            self.trainer.busy_s,
+            self._scorer_busy_s(),
+        )
         try:
             await self._train_steps(started, checkpoint)
         finally:
@@ -576,7 +683,11 @@ class Controller(Evaluation, StallWatchdog):
 
     def _scorer_busy_s(self) -> float:
         """Seconds the scorer executors spent in calls (overlapping calls each count)."""
-        return sum(s.busy_s for s in self.scorer.executors) if self.scorer.executors else self.scorer.busy_s
+        return (
+            sum(s.busy_s for s in self.scorer.executors)
+            if self.scorer.executors
+            else self.scorer.busy_s
+        )
 
     def _elapsed(self, started: float) -> float:
         """Training seconds of the whole run: before the checkpoint resumed from, and since."""
@@ -589,7 +700,10 @@ class Controller(Evaluation, StallWatchdog):
                 if record is None:  # stopped between steps: keep the last step, if not kept yet
                     await self._checkpoint_if_new(checkpoint, started)
                     break
-                if self.version % self.cfg.eval.every_steps == 0 and self.version < self.cfg.trainer.num_steps:
+                if (
+                    self.version % self.cfg.eval.every_steps == 0
+                    and self.version < self.cfg.trainer.num_steps
+                ):
                     record.update(await self.evaluate())
                 if checkpoint and (
                     self.version % self.cfg.checkpoint.every_steps == 0
@@ -598,33 +712,49 @@ class Controller(Evaluation, StallWatchdog):
                 ):
                     await self._checkpoint_if_new(checkpoint, started)
                 record["timing/elapsed_s"] = self._elapsed(started)
-                record["throughput/samples_per_s"] = self.counters.trained / max(record["timing/elapsed_s"], 1e-9)
+                record["throughput/samples_per_s"] = self.counters.trained / max(
+                    record["timing/elapsed_s"], 1e-9
+                )
                 self._emit(record)
         except Exception as err:
             # A generator or scorer died while the trainer may live: keep what it trained.
             await self._checkpoint_before_failure(checkpoint, started, err)
             raise
 
-    async def _checkpoint_if_new(self, checkpoint: Callable[[int], Any] | None, started: float) -> None:
+    async def _checkpoint_if_new(
+        self, checkpoint: Callable[[int], Any] | None, started: float
+    ) -> None:
         if checkpoint is not None and self.version > self.last_checkpoint:
             self.history["elapsed_s_at_checkpoint"] = self._elapsed(started)
             await checkpoint(self.version)
             self.last_checkpoint = self.version
 
-    async def _checkpoint_before_failure(self, checkpoint, started: float, err: BaseException) -> None:
-        if checkpoint is None or self.version <= self.last_checkpoint or isinstance(err, TrainerLostError):
+    async def _checkpoint_before_failure(
+        self, checkpoint, started: float, err: BaseException
+    ) -> None:
+        if (
+            checkpoint is None
+            or self.version <= self.last_checkpoint
+            or isinstance(err, TrainerLostError)
+        ):
             return  # (a lost trainer took its state with it)
         try:
             await self._checkpoint_if_new(checkpoint, started)
         except Exception as ckpt_err:  # noqa: BLE001 - the trainer is gone too: report the first error
             logger.error("could not checkpoint step %d after %r: %r", self.version, err, ckpt_err)
         else:
-            logger.warning("job failing (%s); checkpointed step %d first, `loomrl resume` continues", err, self.version)
+            logger.warning(
+                "job failing (%s); checkpointed step %d first, `loomrl resume` continues",
+                err,
+                self.version,
+            )
 
     def request_stop(self) -> None:
         """End the run after the step in progress, with a checkpoint of it (for Ctrl-C)."""
         if not self.stop_requested:
-            logger.warning("stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1)
+            logger.warning(
+                "stopping after step %d with a checkpoint (Ctrl-C again aborts)", self.version + 1
+            )
         self.stop_requested = True
         self.buffer.interrupt()  # wakes a training loop that waits for a batch
 
@@ -668,7 +798,14 @@ class Controller(Evaluation, StallWatchdog):
             self.on_record(MappingProxyType(record))
 
     def state_dict(self) -> dict[str, Any]:
-        history = {"elapsed_s": self.history.get("elapsed_s_at_checkpoint", self.history["elapsed_s"]),
-                   "eval_start": self.history["eval_start"]}  # fmt: skip
-        return {"version": self.version, "stream": self.stream.state_dict(), "counters": asdict(self.counters),
-                "in_flight": self.in_flight, "history": history}
+        history = {
+            "elapsed_s": self.history.get("elapsed_s_at_checkpoint", self.history["elapsed_s"]),
+            "eval_start": self.history["eval_start"],
+        }
+        return {
+            "version": self.version,
+            "stream": self.stream.state_dict(),
+            "counters": asdict(self.counters),
+            "in_flight": self.in_flight,
+            "history": history,
+        }

@@ -19,7 +19,9 @@ def load_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, An
     return load_rows_with_places(path, prompt_key)[0]
 
 
-def load_rows_with_places(path: str | Path, prompt_key: str = "prompt") -> tuple[list[dict[str, Any]], list[str]]:
+def load_rows_with_places(
+    path: str | Path, prompt_key: str = "prompt"
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The rows, and where each one is for error messages: ``file:LINE`` for JSON lines
     (counted from 1, like JSON errors), ``file row N`` (from 1) for Parquet."""
     path = Path(path)
@@ -33,20 +35,26 @@ def load_rows_with_places(path: str | Path, prompt_key: str = "prompt") -> tuple
     elif path.suffix in (".jsonl", ".json"):
         rows, places = _read_json_lines(path)
     else:
-        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+        raise DatasetError(
+            f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet"
+        )
     if not rows:
         raise DatasetError(f"{path}: no rows")
     for row, place in zip(rows, places):
         if not isinstance(row, dict):
-            raise DatasetError(f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column")
+            raise DatasetError(
+                f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column"
+            )
         if prompt_key not in row:
             raise DatasetError(f"{place}: row has no {prompt_key!r} column")
         prompt = row[prompt_key]
         if isinstance(prompt, list):
             check_messages(prompt, f"{place}: {prompt_key!r}")
         elif not isinstance(prompt, str):
-            raise DatasetError(f"{place}: {prompt_key!r} is {_kind(prompt)}, expected a string or a list of "
-                               "{role, content} messages")
+            raise DatasetError(
+                f"{place}: {prompt_key!r} is {_kind(prompt)}, expected a string or a list of "
+                "{role, content} messages"
+            )
     return rows, places
 
 
@@ -57,8 +65,10 @@ def check_messages(messages: list[Any], where: str) -> None:
         raise DatasetError(f"{where} is an empty list of messages")
     for n, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise DatasetError(f"{where}: message {n} is {_kind(message)}, expected an object "
-                               '{"role": ..., "content": ...}')
+            raise DatasetError(
+                f"{where}: message {n} is {_kind(message)}, expected an object "
+                '{"role": ..., "content": ...}'
+            )
         for field in ("role", "content"):
             if not isinstance(message.get(field), str):
                 got = "missing" if field not in message else _kind(message[field])
@@ -90,8 +100,10 @@ def _read_json_lines(path: Path) -> tuple[list[Any], list[str]]:
         except json.JSONDecodeError as err:
             raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
         except RecursionError:
-            raise DatasetError(f"{path}:{lineno}: nested too deeply to read (arrays or objects inside each other "
-                               f"past Python's recursion limit of {sys.getrecursionlimit()})") from None
+            raise DatasetError(
+                f"{path}:{lineno}: nested too deeply to read (arrays or objects inside each other "
+                f"past Python's recursion limit of {sys.getrecursionlimit()})"
+            ) from None
         places.append(f"{path}:{lineno}")
     return rows, places
 

@@ -16,7 +16,9 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name!r} but torch sees no CUDA device here; use 'auto' or 'cpu'")
+        raise ValueError(
+            f"model.device={name!r} but torch sees no CUDA device here; use 'auto' or 'cpu'"
+        )
     return device
 
 

@@ -38,11 +38,23 @@ class Evaluation:
         if self.env_factory is not None:
             rollouts = await self._evaluate_episodes(greedy)
         else:
-            requests = [GenerationRequest(ids, 1, greedy, 0, self.published_version) for ids in self._eval_prompts()]
+            requests = [
+                GenerationRequest(ids, 1, greedy, 0, self.published_version)
+                for ids in self._eval_prompts()
+            ]
             results = await self._generate(self.generators[0], requests)
             rollouts = [
-                Rollout(i, req.prompt_ids, res.completions[0].token_ids, res.completions[0].logprobs,
-                        [], res.version, row[self._prompt_key], self._decode(res.completions[0].token_ids), row)
+                Rollout(
+                    i,
+                    req.prompt_ids,
+                    res.completions[0].token_ids,
+                    res.completions[0].logprobs,
+                    [],
+                    res.version,
+                    row[self._prompt_key],
+                    self._decode(res.completions[0].token_ids),
+                    row,
+                )
                 for i, (row, req, res) in enumerate(zip(self.eval_rows, requests, results))
             ]
             failures_before = Counter(self.eval_scorer.failures_by_reason)
@@ -59,8 +71,14 @@ class Evaluation:
             record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
         if record["eval/num_failed"]:
             last = next((r.error for r in rollouts if r.status == "failed"), None)
-            logger.warning("eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
-                           "first error: %s", record["eval/version"], record["eval/num_failed"], len(rollouts), last)  # fmt: skip
+            logger.warning(
+                "eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
+                "first error: %s",
+                record["eval/version"],
+                record["eval/num_failed"],
+                len(rollouts),
+                last,
+            )
         self.eval_history.append(record)
         return record
 
@@ -68,7 +86,9 @@ class Evaluation:
         """The held-out prompts' ids, encoded in one tokenizer call at the first evaluation
         and kept (every evaluation asks the same prompts)."""
         if self._eval_prompt_ids is None:
-            self._eval_prompt_ids = self._encode_prompts([r[self._prompt_key] for r in self.eval_rows])
+            self._eval_prompt_ids = self._encode_prompts(
+                [r[self._prompt_key] for r in self.eval_rows]
+            )
         return self._eval_prompt_ids
 
     async def _evaluate_episodes(self, greedy: SamplingParams) -> list[Rollout]:
@@ -78,15 +98,25 @@ class Evaluation:
             env = self.env_factory()
             try:
                 (rollout,) = await run_group_episodes(
-                    [env], row, i, generate=lambda reqs: self._generate(self.generators[0], self._require(reqs, eval_=True)),
-                    encode=self._encode, decode=self._decode, sampling=greedy,
-                    max_turns=self.cfg.task.max_turns, seed=0,
+                    [env],
+                    row,
+                    i,
+                    generate=lambda reqs: self._generate(
+                        self.generators[0], self._require(reqs, eval_=True)
+                    ),
+                    encode=self._encode,
+                    decode=self._decode,
+                    sampling=greedy,
+                    max_turns=self.cfg.task.max_turns,
+                    seed=0,
                 )
             finally:
                 env.close()
             return rollout
 
-        done = await asyncio.gather(*(one(i, row) for i, row in enumerate(self.eval_rows)), return_exceptions=True)
+        done = await asyncio.gather(
+            *(one(i, row) for i, row in enumerate(self.eval_rows)), return_exceptions=True
+        )
         for outcome in done:  # every episode has ended: a retry does not run beside leftovers
             if isinstance(outcome, BaseException):
                 raise outcome

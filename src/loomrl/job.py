@@ -1,9 +1,9 @@
 """Job: the public one-call API. Built from keyword arguments or a TOML file.
 
-    import loomrl
-    job = loomrl.Job(model="tiny:llama", dataset="examples/arithmetic/train.jsonl",
-                     reward="examples.arithmetic.reward:exact_match", group_size=8, max_staleness=2)
-    result = job.run()
+import loomrl
+job = loomrl.Job(model="tiny:llama", dataset="examples/arithmetic/train.jsonl",
+                 reward="examples.arithmetic.reward:exact_match", group_size=8, max_staleness=2)
+result = job.run()
 """
 
 from __future__ import annotations
@@ -54,13 +54,17 @@ def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
 class Job:
     """One RL training run. ``Job(config)``, ``Job(**shortcuts)`` or ``Job.from_toml(path)``."""
 
-    def __init__(self, config: JobConfig | None = None, *, overrides: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, config: JobConfig | None = None, *, overrides: list[str] | None = None, **kwargs: Any
+    ) -> None:
         if config is not None and kwargs:
             raise TypeError("pass either a JobConfig or keyword arguments, not both")
         if config is None:
             unknown = set(kwargs) - set(SHORTCUTS)
             if unknown:
-                raise TypeError(f"unknown Job arguments {sorted(unknown)}; known: {sorted(SHORTCUTS)}")
+                raise TypeError(
+                    f"unknown Job arguments {sorted(unknown)}; known: {sorted(SHORTCUTS)}"
+                )
             raw: dict[str, Any] = {}
             for key, value in _reward_paths(kwargs).items():
                 _set(raw, SHORTCUTS[key], value)
@@ -90,7 +94,13 @@ class Job:
         mapping (copy it to keep a changed one)."""
         from loomrl.session import run_job
 
-        return run_job(self.config, resume=resume, overwrite=overwrite, from_step=from_step, on_record=on_record)
+        return run_job(
+            self.config,
+            resume=resume,
+            overwrite=overwrite,
+            from_step=from_step,
+            on_record=on_record,
+        )
 
 
 def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -100,8 +110,12 @@ def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
     if callable(out.get("reward")):
         out["reward"] = callable_path(out["reward"])
     if isinstance(out.get("rewards"), list):
-        out["rewards"] = [{**spec, "path": callable_path(spec["path"])} if isinstance(spec, dict)
-                          and callable(spec.get("path")) else spec for spec in out["rewards"]]  # fmt: skip
+        out["rewards"] = [
+            {**spec, "path": callable_path(spec["path"])}
+            if isinstance(spec, dict) and callable(spec.get("path"))
+            else spec
+            for spec in out["rewards"]
+        ]
     return out
 
 

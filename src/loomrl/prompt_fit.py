@@ -31,7 +31,12 @@ def prompt_budget(context: int | None, max_new_tokens: int) -> int | None:
 
 
 def check_prompts(
-    rows: list[dict[str, Any]], where: list[str], encode, key: str, budget: int | None, truncate: bool,
+    rows: list[dict[str, Any]],
+    where: list[str],
+    encode,
+    key: str,
+    budget: int | None,
+    truncate: bool,
     max_bytes: int | None = None,
 ) -> None:
     """Fail on the first prompt longer than ``max_bytes`` UTF-8 bytes or ``budget`` tokens
@@ -56,12 +61,18 @@ def check_prompts(
     if too_long:
         logger.warning(
             "data.truncate_prompts: %d of %d prompts (%s ...) are longer than %d tokens and will be cut "
-            "to their last %d tokens", too_long, len(rows), where[0].split(":")[0], budget, budget,
-        )  # fmt: skip
+            "to their last %d tokens",
+            too_long,
+            len(rows),
+            where[0].split(":")[0],
+            budget,
+            budget,
+        )
 
 
-def _check_prompt_bytes(rows: list[dict[str, Any]], where: list[str], key: str, max_bytes: int,
-                        truncate: bool) -> None:  # fmt: skip
+def _check_prompt_bytes(
+    rows: list[dict[str, Any]], where: list[str], key: str, max_bytes: int, truncate: bool
+) -> None:
     """Refuse (or, with ``truncate``, cut) prompts past ``max_bytes`` UTF-8 bytes. A prompt
     of at most ``max_bytes // 4`` characters fits whatever they are, so only longer ones are
     encoded to count."""
@@ -85,9 +96,14 @@ def _check_prompt_bytes(rows: list[dict[str, Any]], where: list[str], key: str, 
         row[key] = data[len(data) - max_bytes :].decode("utf-8", "ignore")
         cut += 1
     if cut:
-        logger.warning("data.truncate_prompts: %d prompts (%s ...) are longer than data.max_prompt_bytes=%d bytes "
-                       "and were cut to their last %d bytes before tokenizing", cut, where[0].split(":")[0],
-                       max_bytes, max_bytes)  # fmt: skip
+        logger.warning(
+            "data.truncate_prompts: %d prompts (%s ...) are longer than data.max_prompt_bytes=%d bytes "
+            "and were cut to their last %d bytes before tokenizing",
+            cut,
+            where[0].split(":")[0],
+            max_bytes,
+            max_bytes,
+        )
 
 
 def _check_message_bytes(messages: list[dict[str, str]], place: str, max_bytes: int) -> None:
@@ -108,12 +124,16 @@ def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list
     return ids[len(ids) - budget :]
 
 
-def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+def encode_texts(
+    tokenizer: Any, texts: list[str], add_special_tokens: bool = True
+) -> list[list[int]]:
     """``tokenizer(texts).input_ids``, in one call to the fast (Rust) backend when the
     tokenizer has one with no truncation or padding of its own: the transformers wrapper
     costs about 4x the encoding itself, on the controller's loop. ``add_special_tokens``
     False for text a chat template rendered (it holds its own BOS)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation is not None or backend.padding is not None:
-        return (tokenizer(texts) if add_special_tokens else tokenizer(texts, add_special_tokens=False)).input_ids
+        return (
+            tokenizer(texts) if add_special_tokens else tokenizer(texts, add_special_tokens=False)
+        ).input_ids
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]

@@ -28,7 +28,15 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 # What a run writes into its folder; --overwrite removes exactly these.
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "final", "weight_updates")
+RUN_ENTRIES = (
+    "config.json",
+    "metrics.jsonl",
+    "summary.json",
+    "tb",
+    "checkpoints",
+    "final",
+    "weight_updates",
+)
 
 
 @dataclass

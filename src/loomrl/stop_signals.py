@@ -58,7 +58,9 @@ def raise_on_stop_signals() -> Iterator[None]:
 
     def handler(signum: int, frame) -> None:
         if raised:
-            logger.warning("%s again: still cleaning up (shm, executors, summary)", signal.Signals(signum).name)
+            logger.warning(
+                "%s again: still cleaning up (shm, executors, summary)", signal.Signals(signum).name
+            )
             return
         raised.append(signum)
         raise StopSignal(signum)
@@ -95,8 +97,10 @@ def stop_after_step(request_stop: Callable[[], None], stopped_by: list[str]) -> 
     def first(sig: int) -> None:
         restore()
         stopped_by.append(signal.Signals(sig).name)
-        logger.warning("%s: stopping after the step in progress, with a checkpoint (send it again to abort)",
-                       stopped_by[-1])  # fmt: skip
+        logger.warning(
+            "%s: stopping after the step in progress, with a checkpoint (send it again to abort)",
+            stopped_by[-1],
+        )
         request_stop()
 
     try:

@@ -58,7 +58,8 @@ class Completion:
 
 
 _token_ids, _logprobs_of, _finish_reason_of, _text_of = (
-    operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason", "text"))  # fmt: skip
+    operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason", "text")
+)
 
 
 class GenerationResult:
@@ -69,24 +70,55 @@ class GenerationResult:
     builds, with no object per completion to build, pickle, read and free on the
     controller's loop); ``completions`` and ``columns()`` read either form."""
 
-    __slots__ = ("version", "weight_apply_s", "weight_metrics", "engine_metrics", "_completions", "_columns")
+    __slots__ = (
+        "version",
+        "weight_apply_s",
+        "weight_metrics",
+        "engine_metrics",
+        "_completions",
+        "_columns",
+    )
 
-    def __init__(self, completions: list[Completion] | None = None, version: int = 0, weight_apply_s: float = 0.0,
-                 weight_metrics: dict[str, float] | None = None, engine_metrics: dict[str, float] | None = None,
-                 *, _columns: tuple | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        completions: list[Completion] | None = None,
+        version: int = 0,
+        weight_apply_s: float = 0.0,
+        weight_metrics: dict[str, float] | None = None,
+        engine_metrics: dict[str, float] | None = None,
+        *,
+        _columns: tuple | None = None,
+    ) -> None:
         self.version = version  # the policy version of the weights that produced every completion
-        self.weight_apply_s = weight_apply_s  # seconds the generator paused to apply updates before this call
-        self.weight_metrics = {} if weight_metrics is None else weight_metrics  # the generator's weight_sync/*
-        self.engine_metrics = {} if engine_metrics is None else engine_metrics  # the engine's generation/* totals
+        self.weight_apply_s = (
+            weight_apply_s  # seconds the generator paused to apply updates before this call
+        )
+        self.weight_metrics = (
+            {} if weight_metrics is None else weight_metrics
+        )  # the generator's weight_sync/*
+        self.engine_metrics = (
+            {} if engine_metrics is None else engine_metrics
+        )  # the engine's generation/* totals
         self._completions = [] if completions is None and _columns is None else completions
         self._columns = _columns
 
     @classmethod
-    def from_columns(cls, token_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
-                     texts: list[str] | None, version: int) -> GenerationResult:  # fmt: skip
+    def from_columns(
+        cls,
+        token_ids: list[list[int]],
+        logprobs: list[list[float]],
+        finish_reasons: list[str],
+        texts: list[str] | None,
+        version: int,
+    ) -> GenerationResult:
         """The completions as parallel lists (``texts`` None when the engine does not
         detokenize)."""
-        if not len(token_ids) == len(logprobs) == len(finish_reasons) == (len(texts) if texts is not None else len(token_ids)):
+        if (
+            not len(token_ids)
+            == len(logprobs)
+            == len(finish_reasons)
+            == (len(texts) if texts is not None else len(token_ids))
+        ):
             raise ValueError("GenerationResult.from_columns: the columns differ in length")
         return cls(version=version, _columns=(token_ids, logprobs, finish_reasons, texts))
 
@@ -95,7 +127,9 @@ class GenerationResult:
         """As ``Completion`` objects (built once from columns; from then on they are the result)."""
         if self._completions is None:
             ids, logprobs, finish, texts = self._columns
-            self._completions = list(map(Completion, ids, logprobs, finish, texts or [None] * len(ids)))
+            self._completions = list(
+                map(Completion, ids, logprobs, finish, texts or [None] * len(ids))
+            )
             self._columns = None
         return self._completions
 
@@ -110,32 +144,58 @@ class GenerationResult:
             ids, logprobs, finish, texts = self._columns
             return ids, logprobs, finish, texts if texts is not None else [None] * len(ids)
         cs = self._completions
-        return (list(map(_token_ids, cs)), list(map(_logprobs_of, cs)), list(map(_finish_reason_of, cs)),
-                list(map(_text_of, cs)))  # fmt: skip
+        return (
+            list(map(_token_ids, cs)),
+            list(map(_logprobs_of, cs)),
+            list(map(_finish_reason_of, cs)),
+            list(map(_text_of, cs)),
+        )
 
     def __len__(self) -> int:
         """How many completions."""
         return len(self._columns[0]) if self._columns is not None else len(self._completions)
 
     def _key(self) -> tuple:
-        return self.columns(), self.version, self.weight_apply_s, self.weight_metrics, self.engine_metrics
+        return (
+            self.columns(),
+            self.version,
+            self.weight_apply_s,
+            self.weight_metrics,
+            self.engine_metrics,
+        )
 
     def __eq__(self, other: object) -> bool:
-        return self._key() == other._key() if isinstance(other, GenerationResult) else NotImplemented
+        return (
+            self._key() == other._key() if isinstance(other, GenerationResult) else NotImplemented
+        )
 
     __hash__ = None  # mutable, as the dataclass it was
 
     def __repr__(self) -> str:
-        form = f"columns={self._columns!r}" if self._columns is not None else f"completions={self._completions!r}"
+        form = (
+            f"columns={self._columns!r}"
+            if self._columns is not None
+            else f"completions={self._completions!r}"
+        )
         return f"GenerationResult(version={self.version}, {form})"
 
     def __reduce__(self):
-        return _generation_result, (self._completions, self.version, self.weight_apply_s, self.weight_metrics,
-                                    self.engine_metrics, self._columns)  # fmt: skip
+        return _generation_result, (
+            self._completions,
+            self.version,
+            self.weight_apply_s,
+            self.weight_metrics,
+            self.engine_metrics,
+            self._columns,
+        )
 
 
-def _generation_result(completions, version, weight_apply_s, weight_metrics, engine_metrics, columns):
-    return GenerationResult(completions, version, weight_apply_s, weight_metrics, engine_metrics, _columns=columns)
+def _generation_result(
+    completions, version, weight_apply_s, weight_metrics, engine_metrics, columns
+):
+    return GenerationResult(
+        completions, version, weight_apply_s, weight_metrics, engine_metrics, _columns=columns
+    )
 
 
 @dataclass
@@ -196,15 +256,37 @@ class Completions:
     texts: list[str]
     finish_reasons: list[str]
     rewards: list[float | None]  # set by the scorer
-    num_tokens: int | None = None  # sum of the completions' lengths, counted where they were made (None: count them)
+    num_tokens: int | None = (
+        None  # sum of the completions' lengths, counted where they were made (None: count them)
+    )
 
     def build(self, prompt_index: int) -> list[Rollout]:
         """The rollouts, as the controller built them from the completions (a loss mask of
         ones: every token was generated)."""
-        return [Rollout(prompt_index, self.prompt_ids, ids, logprobs, [1] * len(ids), self.version, self.prompt,
-                        text, self.row, reward, "ok", None, finish)
-                for ids, logprobs, text, reward, finish in zip(self.completion_ids, self.behaviour_logprobs,
-                                                               self.texts, self.rewards, self.finish_reasons)]  # fmt: skip
+        return [
+            Rollout(
+                prompt_index,
+                self.prompt_ids,
+                ids,
+                logprobs,
+                [1] * len(ids),
+                self.version,
+                self.prompt,
+                text,
+                self.row,
+                reward,
+                "ok",
+                None,
+                finish,
+            )
+            for ids, logprobs, text, reward, finish in zip(
+                self.completion_ids,
+                self.behaviour_logprobs,
+                self.texts,
+                self.rewards,
+                self.finish_reasons,
+            )
+        ]
 
 
 _version, _reward, _loss_mask = (operator.attrgetter(a) for a in ("version", "reward", "loss_mask"))
@@ -223,17 +305,28 @@ class Group:
 
     __slots__ = ("prompt_index", "epoch", "_rollouts", "_columns")
 
-    def __init__(self, prompt_index: int, epoch: int, rollouts: list[Rollout] | None = None,
-                 columns: Completions | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prompt_index: int,
+        epoch: int,
+        rollouts: list[Rollout] | None = None,
+        columns: Completions | None = None,
+    ) -> None:
         if (rollouts is None) == (columns is None):
             raise TypeError("a Group holds either rollouts or columns")
         self.prompt_index, self.epoch = prompt_index, epoch
         self._rollouts, self._columns = rollouts, columns
 
     @classmethod
-    def from_results(cls, picks: list[tuple[int, int]], prompt_ids: list[list[int]], rows: list[dict[str, Any]],
-                     prompt_key: str, results: list[GenerationResult],
-                     decode: Callable[[list[list[int]]], list[str]] | None) -> list[Group] | None:  # fmt: skip
+    def from_results(
+        cls,
+        picks: list[tuple[int, int]],
+        prompt_ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        prompt_key: str,
+        results: list[GenerationResult],
+        decode: Callable[[list[list[int]]], list[str]] | None,
+    ) -> list[Group] | None:
         """The groups of one generate call's results, one per result: ``picks[i]`` is the
         ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
         text ``rows[index][prompt_key]``). Each keeps its completions as columns, as the
@@ -253,9 +346,25 @@ class Group:
                     return None
                 texts = decode(ids)
             row = rows[index]
-            groups.append(cls(index, epoch, None, Completions(ids_of_prompt, result.version, row[prompt_key], row, ids,
-                                                              logprobs, texts, finish, [None] * len(ids),
-                                                              sum(map(len, ids)))))
+            groups.append(
+                cls(
+                    index,
+                    epoch,
+                    None,
+                    Completions(
+                        ids_of_prompt,
+                        result.version,
+                        row[prompt_key],
+                        row,
+                        ids,
+                        logprobs,
+                        texts,
+                        finish,
+                        [None] * len(ids),
+                        sum(map(len, ids)),
+                    ),
+                )
+            )
         return groups
 
     @property
@@ -292,14 +401,22 @@ class Group:
 
     @property
     def rewards(self) -> list[float | None]:
-        return self._columns.rewards if self._columns is not None else list(map(_reward, self._rollouts))
+        return (
+            self._columns.rewards
+            if self._columns is not None
+            else list(map(_reward, self._rollouts))
+        )
 
     @property
     def completion_tokens(self) -> int:
         """Tokens to train on (the loss mask's ones)."""
         columns = self._columns
         if columns is not None:
-            return columns.num_tokens if columns.num_tokens is not None else sum(map(len, columns.completion_ids))
+            return (
+                columns.num_tokens
+                if columns.num_tokens is not None
+                else sum(map(len, columns.completion_ids))
+            )
         return sum(map(sum, map(_loss_mask, self._rollouts)))
 
     @property
@@ -314,16 +431,26 @@ class Group:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Group):
             return NotImplemented
-        return (self.prompt_index, self.epoch, self._view()) == (other.prompt_index, other.epoch, other._view())
+        return (self.prompt_index, self.epoch, self._view()) == (
+            other.prompt_index,
+            other.epoch,
+            other._view(),
+        )
 
     def _view(self) -> list[Rollout]:
         """The rollouts, without building them into the group."""
-        return self._columns.build(self.prompt_index) if self._columns is not None else self._rollouts
+        return (
+            self._columns.build(self.prompt_index) if self._columns is not None else self._rollouts
+        )
 
     __hash__ = None  # mutable, as the dataclass it was
 
     def __repr__(self) -> str:
-        form = f"columns={self._columns!r}" if self._columns is not None else f"rollouts={self._rollouts!r}"
+        form = (
+            f"columns={self._columns!r}"
+            if self._columns is not None
+            else f"rollouts={self._rollouts!r}"
+        )
         return f"Group(prompt_index={self.prompt_index}, epoch={self.epoch}, {form})"
 
     def __reduce__(self):

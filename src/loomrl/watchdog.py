@@ -31,8 +31,12 @@ class StallWatchdog:
                     logger.warning(
                         "%s (%s): %r has run for %.1f s, past stall_warning_s=%g; the job may "
                         "be hung there (py-spy dump shows where)",
-                        handle.name, handle.where, method, seconds, limit,
-                    )  # fmt: skip
+                        handle.name,
+                        handle.where,
+                        method,
+                        seconds,
+                        limit,
+                    )
 
     def _warn_if_no_step(self, limit: float, warned: set) -> None:
         """Warn once per stall when no training step has completed for ``limit`` seconds."""
@@ -45,5 +49,10 @@ class StallWatchdog:
         logger.warning(
             "no training step completed for %.1f s (step %d of %d; %d groups dropped as stale, %d "
             "rollouts in flight since the last step); longer than stall_warning_s=%g, the job may be stuck",
-            idle_s, self.version + 1, self.cfg.trainer.num_steps, self._drops_since_step, self.in_flight, limit,
-        )  # fmt: skip
+            idle_s,
+            self.version + 1,
+            self.cfg.trainer.num_steps,
+            self._drops_since_step,
+            self.in_flight,
+            limit,
+        )

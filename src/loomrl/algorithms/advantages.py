@@ -18,7 +18,9 @@ def group_advantages(
     standard deviation plus ``eps`` (a group whose rewards are all equal gets zeros).
     """
     if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}"
+        )
     if scale not in ("none", "std"):
         raise ValueError(f"scale must be 'none' or 'std', got {scale!r}")
     rewards = rewards.to(torch.float32)

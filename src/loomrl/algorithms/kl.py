@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Mean over unmasked tokens of the k3 estimator exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
     diff = ref_logprobs - logprobs
     per_token = torch.exp(diff) - diff - 1

@@ -42,7 +42,9 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) ->
     raise ValueError(f"aggregation must be 'token' or 'sequence', got {aggregation!r}")
 
 
-def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ppo_clip(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
@@ -113,7 +115,14 @@ def policy_loss(
 ) -> torch.Tensor:
     """The scalar policy loss (see the module docstring for the kinds)."""
     loss, _ = policy_loss_with_stats(
-        kind, logprobs, behaviour_logprobs, advantages, mask,
-        proximal_logprobs=proximal_logprobs, clip_eps=clip_eps, delta=delta, aggregation=aggregation,
+        kind,
+        logprobs,
+        behaviour_logprobs,
+        advantages,
+        mask,
+        proximal_logprobs=proximal_logprobs,
+        clip_eps=clip_eps,
+        delta=delta,
+        aggregation=aggregation,
     )
     return loss

@@ -87,8 +87,9 @@ async def _step(ep: _Episode, completion: str) -> StepResult | None:
     return result
 
 
-def _turn_requests(episodes: list[_Episode], live: list[int], sampling: SamplingParams, seed: int,
-                   turn: int) -> list[GenerationRequest]:  # fmt: skip
+def _turn_requests(
+    episodes: list[_Episode], live: list[int], sampling: SamplingParams, seed: int, turn: int
+) -> list[GenerationRequest]:
     """One request per live episode: its conversation so far, seeded by (seed, turn, index)."""
     return [
         GenerationRequest(
@@ -101,8 +102,15 @@ def _turn_requests(episodes: list[_Episode], live: list[int], sampling: Sampling
     ]
 
 
-async def _take_turn(ep: _Episode, result, *, decode: Callable, encode: Callable, special_prefix: list[int],
-                     more_turns: bool) -> None:  # fmt: skip
+async def _take_turn(
+    ep: _Episode,
+    result,
+    *,
+    decode: Callable,
+    encode: Callable,
+    special_prefix: list[int],
+    more_turns: bool,
+) -> None:
     """Record the model's turn, step the environment with it, and append its observation
     (masked out of the loss) when the episode goes on."""
     completion = result.completions[0]
@@ -150,8 +158,14 @@ async def run_group_episodes(
             break
         results = await generate(_turn_requests(episodes, live, sampling, seed, turn))
         for i, result in zip(live, results):
-            await _take_turn(episodes[i], result, decode=decode, encode=encode, special_prefix=special_prefix,
-                             more_turns=turn + 1 < max_turns)  # fmt: skip
+            await _take_turn(
+                episodes[i],
+                result,
+                decode=decode,
+                encode=encode,
+                special_prefix=special_prefix,
+                more_turns=turn + 1 < max_turns,
+            )
     elapsed = time.perf_counter() - t0
     return [_to_rollout(ep, row, prompt_index, elapsed) for ep in episodes]
 

@@ -31,7 +31,9 @@ class UserCodeError(ValueError):
     """An import path that names nothing callable."""
 
 
-REGISTERED_PREFIX = "loomrl.registered:"  # a function object given to Job(reward=...), found in this process only
+REGISTERED_PREFIX = (
+    "loomrl.registered:"  # a function object given to Job(reward=...), found in this process only
+)
 _registered: dict[str, Any] = {}
 
 
@@ -46,7 +48,9 @@ def callable_path(fn: Callable[..., Any]) -> str:
                 return f"{module}:{name}"
         except Exception:  # noqa: BLE001 - not importable: registered instead
             pass
-    key = f"{REGISTERED_PREFIX}{getattr(fn, '__name__', 'reward')}-{len(_registered)}".replace("<", "").replace(">", "")
+    key = f"{REGISTERED_PREFIX}{getattr(fn, '__name__', 'reward')}-{len(_registered)}".replace(
+        "<", ""
+    ).replace(">", "")
     _registered[key] = fn
     return key
 
@@ -59,8 +63,10 @@ def load_object(path: str) -> Any:
     """``'package.module:name'`` -> the object. The working directory is importable."""
     if is_registered(path):
         if path not in _registered:
-            raise UserCodeError(f"{path!r} names a function registered in another process (Job(reward=fn)); pass "
-                                "an importable 'module:function' to run the reward in other processes")  # fmt: skip
+            raise UserCodeError(
+                f"{path!r} names a function registered in another process (Job(reward=fn)); pass "
+                "an importable 'module:function' to run the reward in other processes"
+            )
         return _registered[path]
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
@@ -117,7 +123,9 @@ def check_value(value: Any) -> float:
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, (int, float)):
-        raise RewardFailure("invalid", f"reward function returned {_safe_repr(value)}, expected a float")
+        raise RewardFailure(
+            "invalid", f"reward function returned {_safe_repr(value)}, expected a float"
+        )
     try:
         number = float(value)
     except OverflowError:  # an int past float64
@@ -126,9 +134,10 @@ def check_value(value: Any) -> float:
         raise RewardFailure("invalid", f"reward function returned non-finite {value}")
     if abs(number) > FP32_MAX:
         raise RewardFailure(
-            "out_of_range", f"reward function returned {_describe_number(value)}, out of range "
-            f"(a reward must be finite and within float32, |r| <= {FP32_MAX:.4g})"
-        )  # fmt: skip
+            "out_of_range",
+            f"reward function returned {_describe_number(value)}, out of range "
+            f"(a reward must be finite and within float32, |r| <= {FP32_MAX:.4g})",
+        )
     return number
 
 
@@ -209,15 +218,20 @@ async def call_reward(
     if inspect.iscoroutinefunction(fn):
         started = time.monotonic()
         try:
-            status, value = await asyncio.wait_for(_guarded(fn(prompt, completion, **kwargs)), timeout_s)
+            status, value = await asyncio.wait_for(
+                _guarded(fn(prompt, completion, **kwargs)), timeout_s
+            )
         except TimeoutError:
-            raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
+            raise RewardFailure(
+                "timeout", f"reward function took longer than {timeout_s}s"
+            ) from None
         late_s = time.monotonic() - started
         if late_s > timeout_s:  # it blocked the loop, so the timeout could not fire in time
             raise RewardFailure(
-                "timeout", f"reward function took {late_s:.2f}s, longer than {timeout_s}s (an async reward that "
-                "blocked the event loop: its late value refused; await, or run blocking work in a thread)"
-            )  # fmt: skip
+                "timeout",
+                f"reward function took {late_s:.2f}s, longer than {timeout_s}s (an async reward that "
+                "blocked the event loop: its late value refused; await, or run blocking work in a thread)",
+            )
         if status == "raised":
             raise RewardFailure("raised", f"reward function raised {_describe(value)}")
         if status == "failure":
@@ -229,7 +243,9 @@ async def call_reward(
     def target() -> None:
         try:
             result: Any = ("ok", fn(prompt, completion, **kwargs))
-        except RewardFailure as failure:  # a reward list's part, or a TRL reward's reply, was refused
+        except (
+            RewardFailure
+        ) as failure:  # a reward list's part, or a TRL reward's reply, was refused
             result = ("failure", failure)
         except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
             result = ("raised", err)
@@ -290,7 +306,10 @@ async def _run_chunk(fn, calls: list, lo: int, hi: int, outcomes: dict, timeout_
             raise
         if hung is None:
             return
-        outcomes[hung] = (RewardFailure("timeout", f"reward function took longer than {timeout_s}s"), timeout_s)
+        outcomes[hung] = (
+            RewardFailure("timeout", f"reward function took longer than {timeout_s}s"),
+            timeout_s,
+        )
         _REWARD_THREADS.replace_hung_worker()
         start = hung + 1
 
@@ -307,7 +326,9 @@ async def _timed_call(fn, prompt: str, completion: str, row: dict[str, Any], tim
 class _BatchRun:
     """One worker thread's pass over a batch of sync reward calls, from ``start`` on."""
 
-    def __init__(self, fn, calls: list, start: int, outcomes: dict, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, fn, calls: list, start: int, outcomes: dict, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.fn, self.calls, self.outcomes, self.loop = fn, calls, outcomes, loop
         self.index, self.item_started = start, None  # the item in progress (written by the worker)
         self.lock = threading.Lock()
@@ -325,7 +346,9 @@ class _BatchRun:
             t0 = time.perf_counter()
             try:
                 value: Any = self.fn(prompt, completion, **kwargs)
-            except RewardFailure as failure:  # a reward list's part, or a TRL reward's reply, was refused
+            except (
+                RewardFailure
+            ) as failure:  # a reward list's part, or a TRL reward's reply, was refused
                 value = failure
             except (Exception, SystemExit) as err:  # noqa: BLE001 - user code; sys.exit() must not kill the worker
                 value = RewardFailure("raised", f"reward function raised {_describe(err)}")
@@ -367,7 +390,11 @@ class _BatchRun:
                 continue
             with self.lock:
                 index, started = self.index, self.item_started
-                if started is not None and index not in self.outcomes and time.monotonic() - started >= timeout_s:
+                if (
+                    started is not None
+                    and index not in self.outcomes
+                    and time.monotonic() - started >= timeout_s
+                ):
                     self.abandoned = True
                     return index
 
@@ -383,7 +410,9 @@ async def _guarded(coro) -> tuple[str, Any]:
         return "raised", err
 
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # loomrl's own frames are left out of tracebacks
+_PACKAGE_DIR = str(
+    Path(__file__).resolve().parents[1]
+)  # loomrl's own frames are left out of tracebacks
 
 
 def _describe(err: BaseException) -> str:
@@ -395,9 +424,16 @@ def _describe(err: BaseException) -> str:
         return f"(reward {part!r}) {_describe(err.__cause__)}"
     if isinstance(err, SystemExit):
         return f"SystemExit (it called sys.exit({err.code!r}); a reward must return a float)"
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_PACKAGE_DIR)]
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith(_PACKAGE_DIR)
+    ]
     if not frames:
         return f"{type(err).__name__}: {err}"
     last = frames[-1]
-    return (f"{type(err).__name__}: {err} (at {last.filename}:{last.lineno} in {last.name})\n"
-            "Traceback of the reward (most recent call last):\n" + "".join(traceback.format_list(frames)).rstrip())
+    return (
+        f"{type(err).__name__}: {err} (at {last.filename}:{last.lineno} in {last.name})\n"
+        "Traceback of the reward (most recent call last):\n"
+        + "".join(traceback.format_list(frames)).rstrip()
+    )

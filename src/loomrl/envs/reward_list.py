@@ -43,13 +43,20 @@ def trl_adapter(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     the prompt is a list of messages, as TRL does for conversational data)."""
 
     def arguments(prompt: Any, completion: str, row: dict[str, Any]) -> dict[str, Any]:
-        wrapped = [{"role": "assistant", "content": completion}] if isinstance(prompt, list) else completion
+        wrapped = (
+            [{"role": "assistant", "content": completion}]
+            if isinstance(prompt, list)
+            else completion
+        )
         return {"prompts": [prompt], "completions": [wrapped], **{k: [v] for k, v in row.items()}}
 
     def only(values: Any) -> Any:
         if not isinstance(values, (list, tuple)) or len(values) != 1:
-            raise RewardFailure("invalid", f"TRL-signature reward {name!r} returned {_short(values)}, expected a "
-                                "list of one float per completion (it was given one)")  # fmt: skip
+            raise RewardFailure(
+                "invalid",
+                f"TRL-signature reward {name!r} returned {_short(values)}, expected a "
+                "list of one float per completion (it was given one)",
+            )
         return values[0]
 
     if inspect.iscoroutinefunction(fn):
@@ -89,11 +96,18 @@ class RewardStats:
     def drain(self) -> dict[str, float]:
         """``reward/<name>_sum`` and ``reward/<name>_count`` since the last drain (empty when none)."""
         with self._lock:
-            sums, count, self._sums, self._count = self._sums, self._count, [0.0] * len(self.names), 0
+            sums, count, self._sums, self._count = (
+                self._sums,
+                self._count,
+                [0.0] * len(self.names),
+                0,
+            )
         if not count:
             return {}
-        return {**{f"reward/{n}_sum": s for n, s in zip(self.names, sums)},
-                **{f"reward/{n}_count": float(count) for n in self.names}}  # fmt: skip
+        return {
+            **{f"reward/{n}_sum": s for n, s in zip(self.names, sums)},
+            **{f"reward/{n}_count": float(count) for n in self.names},
+        }
 
 
 def _part(spec: RewardSpec) -> Callable[..., Any]:
@@ -177,4 +191,11 @@ def drain_stats(fn: Any) -> dict[str, float]:
     return stats.drain() if stats is not None else {}
 
 
-__all__ = ["UserCodeError", "combine", "drain_stats", "is_trl_signature", "load_reward", "trl_adapter"]
+__all__ = [
+    "UserCodeError",
+    "combine",
+    "drain_stats",
+    "is_trl_signature",
+    "load_reward",
+    "trl_adapter",
+]

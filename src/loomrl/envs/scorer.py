@@ -32,11 +32,15 @@ from loomrl.types import Completions, Group, Rollout
 logger = logging.getLogger(__name__)
 
 ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
-_prompt, _completion, _row, _status = (operator.attrgetter(a) for a in ("prompt", "completion", "row", "status"))
+_prompt, _completion, _row, _status = (
+    operator.attrgetter(a) for a in ("prompt", "completion", "row", "status")
+)
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 _columns, _in_flight, _texts = (operator.attrgetter(a) for a in ("columns", "in_flight", "texts"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
-ScoreOutcome = tuple[str, Any, float]  # ("ok", reward, seconds) or (failure reason, message, seconds)
+ScoreOutcome = tuple[
+    str, Any, float
+]  # ("ok", reward, seconds) or (failure reason, message, seconds)
 GroupItems = tuple[str, list[str], dict[str, Any]]  # one group's (prompt, completions, row)
 GroupOutcome = tuple[str, list]  # ("ok", rewards) or ("outcomes", one ScoreOutcome per completion)
 
@@ -52,8 +56,12 @@ def reward_outcomes(done: list[tuple[Any, float]]) -> list[ScoreOutcome]:
     values = list(map(_first, done))
     if not any(map(isinstance, values, repeat(RewardFailure))):
         return list(zip(repeat("ok"), values, map(_second, done)))
-    return [("ok", value, seconds) if not isinstance(value, RewardFailure) else (value.reason, str(value), seconds)
-            for value, seconds in done]  # fmt: skip
+    return [
+        ("ok", value, seconds)
+        if not isinstance(value, RewardFailure)
+        else (value.reason, str(value), seconds)
+        for value, seconds in done
+    ]
 
 
 def lost_by_scorer(rollout: Rollout) -> bool:
@@ -81,7 +89,9 @@ class RewardEndpoints(ABC):
         return per_group_outcomes(outcomes, [len(texts) for _, texts, _ in groups]), metrics
 
 
-def group_payload(groups: list[Group]) -> tuple[list[tuple[str, list[str], dict]], list[int]] | None:
+def group_payload(
+    groups: list[Group],
+) -> tuple[list[tuple[str, list[str], dict]], list[int]] | None:
     """What a scorer executor's ``score_groups`` takes for ``groups`` (each one's prompt,
     completion texts and row) and their sizes; None when a group's rollouts were built
     (those are scored per rollout). It reads only the groups (the controller builds it off
@@ -93,7 +103,9 @@ def group_payload(groups: list[Group]) -> tuple[list[tuple[str, list[str], dict]
     return list(zip(map(_prompt, columns), texts, map(_row, columns))), list(map(len, texts))
 
 
-def _set_rewards(columns: list[Completions], reply: tuple[list[GroupOutcome], Any]) -> tuple[list, Any]:
+def _set_rewards(
+    columns: list[Completions], reply: tuple[list[GroupOutcome], Any]
+) -> tuple[list, Any]:
     """Where a ``score_groups`` call ended, off the loop: every scored group's rewards into
     its columns; the others' ``(position, outcomes)``, for the loop to mark, and the
     executor's pool metrics."""
@@ -112,8 +124,12 @@ def per_group_outcomes(outcomes: list[ScoreOutcome], sizes: list[int]) -> list[G
     grouped: list[GroupOutcome] = []
     start = 0
     for size in sizes:
-        mine, start = outcomes[start:start + size], start + size
-        grouped.append(("ok", list(map(_second, mine))) if set(map(_first, mine)) <= {"ok"} else ("outcomes", mine))
+        mine, start = outcomes[start : start + size], start + size
+        grouped.append(
+            ("ok", list(map(_second, mine)))
+            if set(map(_first, mine)) <= {"ok"}
+            else ("outcomes", mine)
+        )
     return grouped
 
 
@@ -128,19 +144,25 @@ class RewardExecutor(RewardEndpoints):
         try:  # (the controller loaded it already: what fails here fails in this process only)
             self.fn = load_reward(task)
         except UserCodeError as err:
-            raise UserCodeError(f"scorer executor {_this_executor()} cannot load the task's reward: {err}") from err
+            raise UserCodeError(
+                f"scorer executor {_this_executor()} cannot load the task's reward: {err}"
+            ) from err
         self.timeout_s = task.reward_timeout_s
         if sandbox is not None:
             configure_default_pool(sandbox)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-reward-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="loomrl-reward-loop", daemon=True
+        )
         self._thread.start()
         self._pending: set = set()  # batches being scored (close() cancels them)
 
     def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
         from loomrl.sandbox.default import default_pool_metrics
 
-        batch = asyncio.run_coroutine_threadsafe(call_reward_batch(self.fn, items, self.timeout_s), self._loop)
+        batch = asyncio.run_coroutine_threadsafe(
+            call_reward_batch(self.fn, items, self.timeout_s), self._loop
+        )
         self._pending.add(batch)
         try:
             done = batch.result()
@@ -195,11 +217,17 @@ class Scorer:
 
     def __init__(self, task: TaskConfig) -> None:
         self.task = task
-        if task.scorer is not None and task.scorer.type == "function":  # the same as task.reward = path
+        if (
+            task.scorer is not None and task.scorer.type == "function"
+        ):  # the same as task.reward = path
             task = task.model_copy(update={"reward": task.scorer.path, "scorer": None})
-        self.fn = load_reward(task) if task.scorer is None else None  # a model or judge scores in its executors
+        self.fn = (
+            load_reward(task) if task.scorer is None else None
+        )  # a model or judge scores in its executors
         self.scores = task.environment is None  # (an environment scores in its episodes)
-        self._reward_sums: dict[str, float] = {}  # a reward list's reward/<name>_{sum,count} since the last step
+        self._reward_sums: dict[
+            str, float
+        ] = {}  # a reward list's reward/<name>_{sum,count} since the last step
         # Scorer executors (``Supervised`` slots), attached by the session; without them
         # the reward runs here, on this process's reward threads (a library user's Scorer).
         self.executors: list[Any] = []
@@ -207,7 +235,9 @@ class Scorer:
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self._merged_pool_metrics: dict[str, float] | None = None
         self.failures_by_reason: Counter[str] = Counter()
-        self.first_errors: dict[str, str] = {}  # each failure reason's first message (with its traceback)
+        self.first_errors: dict[
+            str, str
+        ] = {}  # each failure reason's first message (with its traceback)
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
@@ -216,7 +246,12 @@ class Scorer:
         """The same reward with its own failure counts, so evaluation failures never mix
         into training's ``rollout/failed_*`` or its failure-rate limit."""
         twin = copy.copy(self)
-        twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = Counter(), deque(maxlen=1), None, 0.0
+        twin.failures_by_reason, twin.recent, twin.last_error, twin.busy_s = (
+            Counter(),
+            deque(maxlen=1),
+            None,
+            0.0,
+        )
         twin._reward_sums, twin.first_errors = {}, {}
         return twin
 
@@ -240,13 +275,22 @@ class Scorer:
         if not self.scores:
             return
         t0 = time.perf_counter()
-        if self.executors and (payload is not None or (payload := group_payload(groups)) is not None):
+        if self.executors and (
+            payload is not None or (payload := group_payload(groups)) is not None
+        ):
             # The common case: the rewards go into the groups where the call ended, off the loop.
             items, sizes = payload
             count = sum(sizes)
-            lost = lambda message: per_group_outcomes([("scorer_lost", message, 0.0)] * count, sizes)  # noqa: E731
-            failed = await self._score_remote("score_groups", items, count, lost,
-                                              partial(_set_rewards, list(map(_columns, groups))))  # fmt: skip
+            lost = lambda message: per_group_outcomes(  # noqa: E731
+                [("scorer_lost", message, 0.0)] * count, sizes
+            )
+            failed = await self._score_remote(
+                "score_groups",
+                items,
+                count,
+                lost,
+                partial(_set_rewards, list(map(_columns, groups))),
+            )
             for i, outcomes in failed:
                 self._apply(groups[i].rollouts, outcomes)
             self.busy_s += time.perf_counter() - t0
@@ -272,11 +316,17 @@ class Scorer:
 
     async def _outcomes(self, items: list[ScoreItem]) -> list[ScoreOutcome]:
         if self.executors:
-            return await self._score_remote("score", items, len(items),
-                                            lambda message: [("scorer_lost", message, 0.0)] * len(items))
+            return await self._score_remote(
+                "score",
+                items,
+                len(items),
+                lambda message: [("scorer_lost", message, 0.0)] * len(items),
+            )
         if self.fn is None:
-            raise RuntimeError("a task.scorer model or judge scores in scorer executors (loomrl.scoring.executor."
-                               "start_scorer_executor); attach them with Scorer.attach")  # fmt: skip
+            raise RuntimeError(
+                "a task.scorer model or judge scores in scorer executors (loomrl.scoring.executor."
+                "start_scorer_executor); attach them with Scorer.attach"
+            )
         done = await call_reward_batch(self.fn, items, self.task.reward_timeout_s)
         self._add_reward_sums(drain_stats(self.fn))
         return reward_outcomes(done)
@@ -289,8 +339,11 @@ class Scorer:
         """Each part of a reward list as ``reward/<name>_mean``, over the rollouts scored
         since the last call (empty for a single reward)."""
         sums, self._reward_sums = self._reward_sums, {}
-        return {key.removesuffix("_sum") + "_mean": value / sums[key.removesuffix("_sum") + "_count"]
-                for key, value in sums.items() if key.endswith("_sum")}  # fmt: skip
+        return {
+            key.removesuffix("_sum") + "_mean": value / sums[key.removesuffix("_sum") + "_count"]
+            for key, value in sums.items()
+            if key.endswith("_sum")
+        }
 
     def _apply(self, rollouts: list[Rollout], outcomes: list[ScoreOutcome]) -> None:
         if set(map(_first, outcomes)) <= {"ok"}:  # the common case: every reward set at C speed
@@ -302,8 +355,14 @@ class Scorer:
             else:
                 self.record_failure(rollout, status, value)
 
-    async def _score_remote(self, method: str, payload: list, count: int, lost: Callable[[str], list],
-                            post: Callable[[tuple], tuple] | None = None) -> list:  # fmt: skip
+    async def _score_remote(
+        self,
+        method: str,
+        payload: list,
+        count: int,
+        lost: Callable[[str], list],
+        post: Callable[[tuple], tuple] | None = None,
+    ) -> list:
         """``method(payload)`` (``count`` rollouts) on the least busy scorer; once more if
         that scorer is lost (it is restarted), then they count as failed: ``lost(message)``
         (``scorer_lost``). ``post``: what the reply ``(outcomes, pool metrics)`` becomes,
@@ -348,8 +407,15 @@ class Scorer:
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
         self.first_errors.setdefault(reason, message)
-        if count & (count - 1) == 0:  # the first one of a reason with its traceback, the later ones without
-            logger.warning("rollout failed scoring (%s, %d so far): %s", reason, count, message if count == 1 else headline)
+        if (
+            count & (count - 1) == 0
+        ):  # the first one of a reason with its traceback, the later ones without
+            logger.warning(
+                "rollout failed scoring (%s, %d so far): %s",
+                reason,
+                count,
+                message if count == 1 else headline,
+            )
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which

@@ -31,7 +31,9 @@ class Generator(ABC):
 
     @endpoint
     @abstractmethod
-    def generate(self, requests: list[GenerationRequest], apply_newest: bool = False) -> list[GenerationResult]:
+    def generate(
+        self, requests: list[GenerationRequest], apply_newest: bool = False
+    ) -> list[GenerationResult]:
         """One result per request, each with ``request.num_samples`` completions: as
         ``Completion`` objects or, cheaper to pickle and for the controller to read, as
         columns (``GenerationResult.from_columns``, what the HF generator returns).

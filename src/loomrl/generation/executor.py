@@ -19,8 +19,13 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
     device_type = module_device(model).type
     cuda_graphs = gen.resolve_cuda_graphs(device_type)
     return HFGenerator(
-        model, tokenizer, subscriber=Subscriber(receiver, prefetch=ws.prefetch), publish_dtype=ws.publish_dtype,
-        trace=gen.resolve_trace(cfg.runtime, device_type), static_cache=cuda_graphs, cuda_graphs=cuda_graphs,
+        model,
+        tokenizer,
+        subscriber=Subscriber(receiver, prefetch=ws.prefetch),
+        publish_dtype=ws.publish_dtype,
+        trace=gen.resolve_trace(cfg.runtime, device_type),
+        static_cache=cuda_graphs,
+        cuda_graphs=cuda_graphs,
         stop=gen.stop,
     )
 

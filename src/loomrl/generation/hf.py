@@ -32,7 +32,9 @@ from loomrl.weights.receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-EOS_CHECK_EVERY_ACCELERATOR = 8  # decode steps between "is every sequence done?" host syncs on a GPU
+EOS_CHECK_EVERY_ACCELERATOR = (
+    8  # decode steps between "is every sequence done?" host syncs on a GPU
+)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -81,7 +83,11 @@ class HFGenerator(Generator):
         # Every EOS id: the tokenizer's and the generation config's (an int or a list; an
         # instruct model's lists its end-of-turn token there).
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self._eos_tensor = None if len(self.eos_ids) == 1 else torch.tensor(sorted(self.eos_ids), device=module_device(model))
+        self._eos_tensor = (
+            None
+            if len(self.eos_ids) == 1
+            else torch.tensor(sorted(self.eos_ids), device=module_device(model))
+        )
         self.stop = list(stop or [])  # stop strings: completions are cut at the first (cut_at_stop)
         self.pad_id = tokenizer.pad_token_id
         self.device = module_device(model)
@@ -90,7 +96,9 @@ class HFGenerator(Generator):
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
         self.trace = trace  # forward passes from TorchScript traces (loomrl.models.traces)
         self._traced: ShapeTraces | None = None
-        self._static: StaticDecoder | None = self._static_decoder(static_cache or cuda_graphs, cuda_graphs)
+        self._static: StaticDecoder | None = self._static_decoder(
+            static_cache or cuda_graphs, cuda_graphs
+        )
         if eos_check_every is None:
             eos_check_every = 1 if self.device.type == "cpu" else EOS_CHECK_EVERY_ACCELERATOR
         if eos_check_every < 1:
@@ -167,9 +175,15 @@ class HFGenerator(Generator):
 
     # -- sampling ------------------------------------------------------------------------
 
-    def generate(self, requests: list[GenerationRequest], apply_newest: bool = False) -> list[GenerationResult]:
+    def generate(
+        self, requests: list[GenerationRequest], apply_newest: bool = False
+    ) -> list[GenerationResult]:
         needed = max((r.min_version for r in requests), default=0)
-        applied = self.apply_weights(needed) if apply_newest or needed > self.version or self.version < 0 else None
+        applied = (
+            self.apply_weights(needed)
+            if apply_newest or needed > self.version or self.version < 0
+            else None
+        )
         if not requests:
             return []
         results = self._generate_grouped(requests)
@@ -203,10 +217,17 @@ class HFGenerator(Generator):
             if self.stop:
                 cut_at_stop(self.tokenizer, self.stop, ids, logprobs, finish, texts)
             start = 0
-            for i in indices:  # (each request's samples are consecutive): columns, no object per completion
+            for i in (
+                indices
+            ):  # (each request's samples are consecutive): columns, no object per completion
                 end = start + requests[i].num_samples
-                results[i] = GenerationResult.from_columns(ids[start:end], logprobs[start:end], finish[start:end],
-                                                           texts[start:end], self.version)  # fmt: skip
+                results[i] = GenerationResult.from_columns(
+                    ids[start:end],
+                    logprobs[start:end],
+                    finish[start:end],
+                    texts[start:end],
+                    self.version,
+                )
                 start = end
         return results  # type: ignore[return-value]
 
@@ -229,7 +250,11 @@ class HFGenerator(Generator):
             step_tokens.append(chosen)
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
-            done = done | (chosen == self.eos_id if self._eos_tensor is None else torch.isin(chosen, self._eos_tensor))
+            done = done | (
+                chosen == self.eos_id
+                if self._eos_tensor is None
+                else torch.isin(chosen, self._eos_tensor)
+            )
             if self.stop and (step + 1) % self.eos_check_every == 0:
                 done = done | self._holds_stop(step_tokens, done)
             if step == sampling.max_new_tokens - 1:  # no forward for a token never sampled
@@ -241,7 +266,9 @@ class HFGenerator(Generator):
                 logits = static.run(step_ids, next_pos.unsqueeze(1), width + step)
             else:
                 if attention is not None:
-                    attention = torch.cat([attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
+                    attention = torch.cat(
+                        [attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1
+                    )
                 logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1
         return self._completions(step_tokens, step_logprobs, step_live)
@@ -251,7 +278,9 @@ class HFGenerator(Generator):
         here; ``cut_at_stop`` cuts them exactly afterwards). The window covers the longest
         stop string and the steps since the last look (a token is at least one character)."""
         window = max(map(len, self.stop)) + self.eos_check_every
-        tails = self.tokenizer.batch_decode(torch.stack(step_tokens[-window:], dim=1).tolist(), skip_special_tokens=True)
+        tails = self.tokenizer.batch_decode(
+            torch.stack(step_tokens[-window:], dim=1).tolist(), skip_special_tokens=True
+        )
         live = (~done).tolist()
         hits = [alive and any(s in text for s in self.stop) for alive, text in zip(live, tails)]
         return torch.tensor(hits, dtype=torch.bool, device=self.device)
@@ -274,9 +303,14 @@ class HFGenerator(Generator):
         if isinstance(cache, tuple):  # the traced forward's flat cache
             keys, values = list(cache[0::2]), list(cache[1::2])
         elif can_repeat(cache):
-            keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+            keys, values = (
+                [layer.keys for layer in cache.layers],
+                [layer.values for layer in cache.layers],
+            )
         else:
-            logger.info("generator decodes on a dynamic cache: its prefill cache is not plain full attention")
+            logger.info(
+                "generator decodes on a dynamic cache: its prefill cache is not plain full attention"
+            )
             self._static = None
             return None
         return self._static.start(keys, values, attention, max_new_tokens)
@@ -286,11 +320,15 @@ class HFGenerator(Generator):
         samples share it, through a repeated KV cache): last-position logits, KV cache,
         attention mask (None when no row is padded) and positions, one row per entry of ``prompts``."""
         index: dict[tuple[int, ...], int] = {}
-        owner = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=self.device)
+        owner = torch.tensor(
+            [index.setdefault(tuple(p), len(index)) for p in prompts], device=self.device
+        )
         shared = self.share_prefill and len(index) < len(prompts)
         rows = list(index) if shared else prompts
         width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
+        input_ids = torch.full(
+            (len(rows), width), self.pad_id, dtype=torch.long, device=self.device
+        )
         attention = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
         for row, p in enumerate(rows):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -316,24 +354,36 @@ class HFGenerator(Generator):
     def _start_tracing(self) -> None:
         """Traces only where ``KVForward`` rebuilds the model's own cache faithfully."""
         if not can_trace(self.model) or not probe_can_repeat(self.model):
-            logger.info("generator forward runs eager: tracing needs a plain model with a full-attention DynamicCache")
+            logger.info(
+                "generator forward runs eager: tracing needs a plain model with a full-attention DynamicCache"
+            )
             self.trace = False
             return
-        self._traced = ShapeTraces(KVForward(self.model), what="generator's forward", params_as_constants=True)
+        self._traced = ShapeTraces(
+            KVForward(self.model), what="generator's forward", params_as_constants=True
+        )
 
     def _forward(self, input_ids, attention, positions, cache):
         """Last-position logits (fp32) and the new cache: a flat tuple from the traced
         forward, the model's own cache object otherwise."""
         if self._traced is not None:  # (a trace takes tensors only: no mask is a mask of width 0)
-            mask = attention if attention is not None else input_ids.new_empty((input_ids.shape[0], 0))
+            mask = (
+                attention if attention is not None else input_ids.new_empty((input_ids.shape[0], 0))
+            )
             out = self._traced(input_ids, mask, positions, *(cache or ()))
             return out[0], out[1:]
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
         )
         return out.logits[:, -1, :].float(), out.past_key_values
 
-    def _completions(self, tokens: list, logprobs: list, live: list) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    def _completions(
+        self, tokens: list, logprobs: list, live: list
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """Per-sequence token lists, log-probs and finish reasons from per-step tensors, up
         to and including EOS."""
         lengths = torch.stack(live, dim=1).sum(dim=1).tolist()  # tokens kept per sequence
@@ -377,8 +427,14 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def cut_at_stop(tokenizer: Any, stop: list[str], ids: list[list[int]], logprobs: list[list[float]],
-                finish: list[str], texts: list[str]) -> None:  # fmt: skip
+def cut_at_stop(
+    tokenizer: Any,
+    stop: list[str],
+    ids: list[list[int]],
+    logprobs: list[list[float]],
+    finish: list[str],
+    texts: list[str],
+) -> None:
     """Cut each completion whose text holds a stop string, in place: its text before the
     first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
     so training sees what was sampled up to the stop (vLLM's rule: the stop string is

@@ -39,12 +39,23 @@ logger = logging.getLogger(__name__)
 LENGTH_BUCKET = 64  # static cache lengths are multiples of this (one graph for many prompt widths)
 MAX_GRAPHS = 2  # (rows, length) shapes kept, each with its own cache; least recently used dropped
 WARMUP_STEPS = 2  # eager runs on a side stream before capture (allocator and kernels settle)
-MASK_KINDS = {"sdpa": "bool", "eager": "additive"}  # attention implementations the 4-D mask is built for
+MASK_KINDS = {
+    "sdpa": "bool",
+    "eager": "additive",
+}  # attention implementations the 4-D mask is built for
 GROUPED_DECODE = "loomrl_grouped_decode"  # the attention the static step runs for 'sdpa' models
 
 
-def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, **kwargs):  # fmt: skip
+def grouped_decode_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
     """Attention of one new position per sequence over a cache with fewer key/value heads
     than query heads, without repeating the keys and values: the query heads that share a
     key/value head become that head's query positions (query head ``h`` reads key/value head
@@ -56,11 +67,13 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1 or kv_heads == heads or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)  # fmt: skip
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
     return out.reshape(batch, heads, 1, head_dim).transpose(1, 2).contiguous(), None
 
 
@@ -90,24 +103,39 @@ class _StaticStep:
     """One (rows, length) shape: the static cache, the step's input and output buffers, and
     the captured graph once there is one."""
 
-    def __init__(self, model, num_layers: int, rows: int, max_len: int, like: list, values_like: list, *,
-                 grouped_attention: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        num_layers: int,
+        rows: int,
+        max_len: int,
+        like: list,
+        values_like: list,
+        *,
+        grouped_attention: bool,
+    ) -> None:
         from transformers.cache_utils import Cache, StaticLayer
 
         self.model, self.rows, self.max_len = model, rows, max_len
         self.layers = [StaticLayer(max_cache_len=max_len) for _ in range(num_layers)]
         for layer, k, v in zip(self.layers, like, values_like):
             # (allocates [rows, kv_heads, max_len, head_dim] in the cache's dtype and device)
-            layer.lazy_initialization(k.new_empty((rows, *k.shape[1:])), v.new_empty((rows, *v.shape[1:])))
+            layer.lazy_initialization(
+                k.new_empty((rows, *k.shape[1:])), v.new_empty((rows, *v.shape[1:]))
+            )
         self.cache = Cache(layers=self.layers)
         device = like[0].device
         dtype = next(model.parameters()).dtype
         self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.attend = torch.zeros((rows, max_len), dtype=torch.bool, device=device)  # the mask, as booleans
+        self.attend = torch.zeros(
+            (rows, max_len), dtype=torch.bool, device=device
+        )  # the mask, as booleans
         kind = MASK_KINDS[model.config._attn_implementation]
         mask_dtype = torch.bool if kind == "bool" else dtype
-        self.mask = torch.zeros((rows, 1, 1, max_len), dtype=mask_dtype, device=device)  # what the model reads
+        self.mask = torch.zeros(
+            (rows, 1, 1, max_len), dtype=mask_dtype, device=device
+        )  # what the model reads
         self.min_value = None if kind == "bool" else torch.finfo(dtype).min
         self.attention = GROUPED_DECODE if kind == "bool" and grouped_attention else None
         if self.attention is not None:
@@ -150,13 +178,19 @@ class _StaticStep:
     def _forward(self) -> torch.Tensor:
         config = self.model.config
         usual = config._attn_implementation
-        if self.attention is not None:  # (read by every attention layer at each call: for this step only)
+        if (
+            self.attention is not None
+        ):  # (read by every attention layer at each call: for this step only)
             config._attn_implementation = self.attention
         try:
             out = self.model(
-                input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
-                past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-            )  # fmt: skip
+                input_ids=self.input_ids,
+                attention_mask=self.mask,
+                position_ids=self.positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             config._attn_implementation = usual
         return out.logits[:, -1, :]
@@ -183,10 +217,14 @@ class StaticDecoder:
     """Decode steps on a static cache, one ``_StaticStep`` per (rows, length) shape, each
     captured as a CUDA graph when ``cuda_graphs`` and the model is on a CUDA device."""
 
-    def __init__(self, model: torch.nn.Module, *, cuda_graphs: bool, grouped_attention: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, cuda_graphs: bool, grouped_attention: bool = True
+    ) -> None:
         self.model = model
         self.cuda_graphs = cuda_graphs
-        self.grouped_attention = grouped_attention  # off: transformers' sdpa (repeated key/value heads)
+        self.grouped_attention = (
+            grouped_attention  # off: transformers' sdpa (repeated key/value heads)
+        )
         self._steps: OrderedDict[tuple, _StaticStep] = OrderedDict()
         self.graphs_captured = 0
         self.capture_failures = 0
@@ -199,8 +237,15 @@ class StaticDecoder:
         key = (rows, max_len, keys[0].dtype, keys[0].shape[1:2], keys[0].shape[3:])
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = _StaticStep(self.model, len(keys), rows, max_len, keys, values,
-                                                     grouped_attention=self.grouped_attention)
+            step = self._steps[key] = _StaticStep(
+                self.model,
+                len(keys),
+                rows,
+                max_len,
+                keys,
+                values,
+                grouped_attention=self.grouped_attention,
+            )
             while len(self._steps) > MAX_GRAPHS:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)
@@ -217,13 +262,18 @@ class StaticDecoder:
             self.cuda_graphs = False
             self.capture_failures += 1
             step.graph = None
-            logger.warning("capturing the decode step as a CUDA graph failed (%s: %s); it runs eager from now on",
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "capturing the decode step as a CUDA graph failed (%s: %s); it runs eager from now on",
+                type(exc).__name__,
+                exc,
+            )
 
     def clear(self) -> None:
         """Drop every cache and graph (the model's tensors were replaced: offload)."""
         self._steps.clear()
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        return {f"{prefix}/cuda_graphs": float(self.graphs_captured),
-                f"{prefix}/cuda_graph_failures": float(self.capture_failures)}  # fmt: skip
+        return {
+            f"{prefix}/cuda_graphs": float(self.graphs_captured),
+            f"{prefix}/cuda_graph_failures": float(self.capture_failures),
+        }

@@ -8,4 +8,11 @@ from loomrl.models.loading import (
 )
 from loomrl.models.tiny import build_char_tokenizer, build_tiny_model
 
-__all__ = ["ModelLoadError", "load_tokenizer", "build_char_tokenizer", "build_tiny_model", "load_model_and_tokenizer", "parse_tiny_spec"]
+__all__ = [
+    "ModelLoadError",
+    "load_tokenizer",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "load_model_and_tokenizer",
+    "parse_tiny_spec",
+]

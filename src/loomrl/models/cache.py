@@ -12,7 +12,11 @@ def can_repeat(cache) -> bool:
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     layers = getattr(cache, "layers", None)
-    return isinstance(cache, DynamicCache) and bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return (
+        isinstance(cache, DynamicCache)
+        and bool(layers)
+        and all(type(layer) is DynamicLayer for layer in layers)
+    )
 
 
 def probe_can_repeat(model: torch.nn.Module) -> bool:
@@ -36,5 +40,7 @@ def repeat_cache(cache, rows: torch.Tensor):
 
     repeated = DynamicCache()
     for layer_idx, layer in enumerate(cache.layers):
-        repeated.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), layer_idx)
+        repeated.update(
+            layer.keys.index_select(0, rows), layer.values.index_select(0, rows), layer_idx
+        )
     return repeated

@@ -25,11 +25,15 @@ def parse_tiny_spec(spec: str) -> tuple[str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for key, value in parse_qsl(query, strict_parsing=bool(query)):
         if key not in TINY_DEFAULTS:
-            raise ModelLoadError(f"{spec!r}: unknown option {key!r}; expected one of {sorted(TINY_DEFAULTS)}")
+            raise ModelLoadError(
+                f"{spec!r}: unknown option {key!r}; expected one of {sorted(TINY_DEFAULTS)}"
+            )
         try:
             opts[key] = int(value)
         except ValueError:
-            raise ModelLoadError(f"{spec!r}: option {key} must be an integer, got {value!r}") from None
+            raise ModelLoadError(
+                f"{spec!r}: option {key} must be an integer, got {value!r}"
+            ) from None
     return arch or "llama", opts
 
 
@@ -55,7 +59,9 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
                 "use a folder written by save_pretrained, or a 'tiny:llama' spec"
             )
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype or torch.float32
+        )
     if dtype is not None and dtype != torch.float32:
         model = model.to(dtype)
     if tok.pad_token_id is None:
@@ -109,7 +115,9 @@ def apply_lora(model, r: int, alpha: float, target_modules: list[str]):
     missing = [m for m in target_modules if m not in names]
     if missing:
         raise ModelLoadError(f"LoRA target modules {missing} not found in the model")
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0
+    )
     return get_peft_model(model, config)
 
 

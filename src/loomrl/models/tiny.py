@@ -13,7 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]  # digits, letters, punctuation, space, \t, \n
+CHARS = [
+    c for c in string.printable if c not in "\r\x0b\x0c"
+]  # digits, letters, punctuation, space, \t, \n
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -50,7 +52,9 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
     opts = {**TINY_DEFAULTS, **overrides}
     unknown = set(opts) - set(TINY_DEFAULTS)
     if unknown:
-        raise ValueError(f"unknown tiny model options {sorted(unknown)}; expected {sorted(TINY_DEFAULTS)}")
+        raise ValueError(
+            f"unknown tiny model options {sorted(unknown)}; expected {sorted(TINY_DEFAULTS)}"
+        )
     tok = build_char_tokenizer()
     common = dict(
         vocab_size=len(tok),

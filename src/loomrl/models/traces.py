@@ -41,7 +41,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TRACE_AFTER = 3  # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
+TRACE_AFTER = (
+    3  # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
+)
 MAX_TRACES = 64  # traces kept (least recently used dropped first)
 TRACE_BUDGET_S = 0.25  # tracing time always allowed ...
 TRACE_BUDGET_FRAC = 0.05  # ... plus this share of the time spent in the forward
@@ -60,9 +62,14 @@ class ShapeTraces:
     module's tensors were replaced rather than written in place (offload)."""
 
     def __init__(
-        self, module: torch.nn.Module, *, what: str, params_as_constants: bool = False,
-        trace_after: int = TRACE_AFTER, max_traces: int = MAX_TRACES,
-    ) -> None:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        *,
+        what: str,
+        params_as_constants: bool = False,
+        trace_after: int = TRACE_AFTER,
+        max_traces: int = MAX_TRACES,
+    ) -> None:
         self.module, self.what = module, what
         self.params_as_constants = params_as_constants
         self.trace_after, self.max_traces = trace_after, max_traces
@@ -117,14 +124,20 @@ class ShapeTraces:
         try:
             for p in frozen:
                 p.requires_grad_(False)
-            with warnings.catch_warnings():  # shape-derived constants are what the per-shape key is for
+            with (
+                warnings.catch_warnings()
+            ):  # shape-derived constants are what the per-shape key is for
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 fn = torch.jit.trace(target, args, check_trace=False)
         except Exception as exc:  # noqa: BLE001 - any failure leaves this forward eager, counted
             self.enabled, self.failures = False, self.failures + 1
-            logger.warning("tracing the %s failed (%s: %s); it runs eager from now on",
-                           self.what, type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "tracing the %s failed (%s: %s); it runs eager from now on",
+                self.what,
+                type(exc).__name__,
+                exc,
+            )
             return None
         finally:
             for p in frozen:
@@ -138,8 +151,13 @@ class ShapeTraces:
             self.wasted += served < self.trace_after
             if self.wasted >= WASTED_TRACES_MAX:
                 self.enabled = False
-                logger.info("the %s runs eager from now on: its input shapes vary too much for traces to pay "
-                            "(%d traces dropped after fewer than %d calls each)", self.what, self.wasted, self.trace_after)
+                logger.info(
+                    "the %s runs eager from now on: its input shapes vary too much for traces to pay "
+                    "(%d traces dropped after fewer than %d calls each)",
+                    self.what,
+                    self.wasted,
+                    self.trace_after,
+                )
         if len(self._uses) > 16 * self.max_traces:  # shapes seen once, long ago
             self._uses.clear()
         return entry

@@ -148,7 +148,9 @@ class _Releaser:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._drain, name="loomrl-release", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._drain, name="loomrl-release", daemon=True
+                    )
                     self._thread.start()
         self._queue.put(obj)
 
@@ -171,9 +173,15 @@ def release_later(obj: Any) -> None:
     _RELEASER.release(obj)
 
 
-def on_thread(loop: asyncio.AbstractEventLoop, pool: WorkerThreads,
-              on_done: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
-              skip_cancelled: bool = False, post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+def on_thread(
+    loop: asyncio.AbstractEventLoop,
+    pool: WorkerThreads,
+    on_done: Callable[[], None] | None,
+    fn: Callable[..., Any],
+    *args: Any,
+    skip_cancelled: bool = False,
+    post: Callable[[Any], Any] | None = None,
+) -> asyncio.Future:
     """``fn(*args)`` on ``pool``'s thread, as a future of ``loop`` that the thread resolves
     with one ``call_soon_threadsafe``, in which ``on_done()`` runs too (a done callback
     would take a turn of the loop of its own). (``run_in_executor`` chains a concurrent
@@ -207,7 +215,9 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *
         pass
 
 
-def _deliver(future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[], None] | None) -> None:
+def _deliver(
+    future: asyncio.Future, ok: bool, value: Any, on_done: Callable[[], None] | None
+) -> None:
     """On the loop: resolve ``future`` with the call's result (``ok``) or exception, then ``on_done()``."""
     if not future.done():  # (a caller may have cancelled it)
         future.set_result(value) if ok else future.set_exception(value)
@@ -267,7 +277,9 @@ class ExecutorHungError(ExecutorDiedError):
     """An executor call ran past its deadline; the executor was killed."""
 
 
-def _endpoint_method(handle: ExecutorHandle, interface: type, name: str) -> Callable[..., Awaitable[Any]]:
+def _endpoint_method(
+    handle: ExecutorHandle, interface: type, name: str
+) -> Callable[..., Awaitable[Any]]:
     """``await handle.<name>(...)``: arguments checked here, the call run there."""
     spec = endpoints_of(interface)[name]
 
@@ -302,7 +314,9 @@ class ExecutorHandle(ABC):
             return
         for endpoint_name in endpoints_of(interface):
             if hasattr(type(self), endpoint_name):
-                raise TypeError(f"endpoint {interface.__name__}.{endpoint_name} clashes with the handle's own attribute")
+                raise TypeError(
+                    f"endpoint {interface.__name__}.{endpoint_name} clashes with the handle's own attribute"
+                )
             setattr(self, endpoint_name, _endpoint_method(self, interface, endpoint_name))
 
     def __getattr__(self, name: str) -> Any:  # only reached for names the handle lacks
@@ -326,13 +340,21 @@ class ExecutorHandle(ABC):
         self._check(method, args, kwargs)
         return await self._invoke(method, args, kwargs)
 
-    async def call_then(self, post: Callable[[Any], Any], method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call_then(
+        self, post: Callable[[Any], Any], method: str, *args: Any, **kwargs: Any
+    ) -> Any:
         """``call``, resolving with ``post(result)`` run where the call ended (see ``submit``)."""
         self._check(method, args, kwargs)
         return await self._submit(method, args, kwargs, None, post)
 
-    def submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
-               post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+    def submit(
+        self,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        on_done: Callable[[], None] | None = None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> asyncio.Future:
         """``call`` as a future (checked the same way, at once), for a caller that watches
         the call rather than awaits it (``Supervised``): on runtimes whose calls already
         are futures (threads, processes), no task is made to run it. ``on_done()`` runs on
@@ -358,8 +380,14 @@ class ExecutorHandle(ABC):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``method(*args, **kwargs)`` on the executor and return its result."""
 
-    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
-                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+    def _submit(
+        self,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        on_done: Callable[[], None] | None = None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> asyncio.Future:
         """``_invoke`` as a future (with ``post`` on the loop); a runtime whose calls are
         futures returns them as they are."""
         call = self._invoke(method, args, kwargs)
@@ -392,7 +420,9 @@ class ExecutorHandle(ABC):
         the old one is ended): its factory, under its name and interface. (An executor group
         starts all its ranks again, at a fresh rendezvous.)"""
         if self.factory is None:
-            raise RuntimeError(f"executor {self.name!r} was started without a factory; it cannot be restarted")
+            raise RuntimeError(
+                f"executor {self.name!r} was started without a factory; it cannot be restarted"
+            )
         return partial(runtime.start, self.name, self.factory, self.interface)
 
 
@@ -405,7 +435,9 @@ class Runtime(ABC):
     rendezvous_host: str = "127.0.0.1"
 
     @abstractmethod
-    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> ExecutorHandle:
+    def start(
+        self, name: str, factory: Callable[[], Any], interface: type | None = None
+    ) -> ExecutorHandle:
         """Build an executor object with ``factory`` where it will live, and return a handle
         with the endpoints of ``interface``; an object that lacks one of them fails the start
         (``MissingEndpointError``, here or from ``wait_ready``)."""
@@ -422,14 +454,20 @@ class Runtime(ABC):
         rendezvous): the old one is killed first (if it still runs) so that it cannot answer
         late. The fresh executor holds none of the old one's state; the caller brings it up to
         date (weights, for a generator)."""
-        start = handle.starter(self)  # (one started without a factory fails here, before it is ended)
+        start = handle.starter(
+            self
+        )  # (one started without a factory fails here, before it is ended)
         ended = True
         if handle.alive:
             try:
                 handle.kill()
             except NotImplementedError:  # (a thread): closing would wait on its hung call
                 ended = False
-                logger.warning("%s cannot kill executor %r; it is abandoned, not ended", type(self).__name__, handle.name)
+                logger.warning(
+                    "%s cannot kill executor %r; it is abandoned, not ended",
+                    type(self).__name__,
+                    handle.name,
+                )
         try:
             if ended:
                 handle.close()

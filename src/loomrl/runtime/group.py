@@ -55,7 +55,9 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, 0))
-        except OSError:  # another node's address (a cluster's trainer node): free here, likely there
+        except (
+            OSError
+        ):  # another node's address (a cluster's trainer node): free here, likely there
             sock.bind(("", 0))
         return sock.getsockname()[1]
 
@@ -65,8 +67,13 @@ def new_rendezvous(host: str) -> str:
     return f"tcp://{host}:{free_port(host)}"
 
 
-def start_group(runtime: Runtime, name: str, rank_factory: RankFactory, world_size: int,
-                interface: type | None = None) -> ExecutorGroup:  # fmt: skip
+def start_group(
+    runtime: Runtime,
+    name: str,
+    rank_factory: RankFactory,
+    world_size: int,
+    interface: type | None = None,
+) -> ExecutorGroup:
     """Start ``world_size`` ranks of executor ``name`` on ``runtime``, meeting at a fresh
     rendezvous, and return one handle for all of them (module docstring)."""
     if world_size < 1:
@@ -88,14 +95,20 @@ def start_group(runtime: Runtime, name: str, rank_factory: RankFactory, world_si
     return ExecutorGroup(name, ranks, rank_factory, interface, rendezvous)
 
 
-def _start_together(runtime: Runtime, names: list[str], factories: list[Callable[[], Any]],
-                    interface: type | None) -> list[ExecutorHandle]:  # fmt: skip
+def _start_together(
+    runtime: Runtime, names: list[str], factories: list[Callable[[], Any]], interface: type | None
+) -> list[ExecutorHandle]:
     """Each rank's ``start`` on a thread of its own, so that ranks that wait for each other
     in their constructors can meet; a rank that failed ends those that started."""
     with ThreadPoolExecutor(len(names), thread_name_prefix="loomrl-group-start") as pool:
-        futures = {pool.submit(runtime.start, n, f, interface): n for n, f in zip(names, factories, strict=True)}
+        futures = {
+            pool.submit(runtime.start, n, f, interface): n
+            for n, f in zip(names, factories, strict=True)
+        }
         # the first rank to fail is the cause (the others then time out waiting for it)
-        failed = next(((futures[f], f.exception()) for f in as_completed(futures) if f.exception()), None)
+        failed = next(
+            ((futures[f], f.exception()) for f in as_completed(futures) if f.exception()), None
+        )
     started = [f.result() for f in futures if f.exception() is None]
     if failed is not None:
         _end_quietly(started, runtime)
@@ -134,8 +147,14 @@ def _close_quietly(rank: ExecutorHandle) -> None:
 class ExecutorGroup(ExecutorHandle):
     """N ranks behind one handle (module docstring). ``ranks[i]`` is rank ``i``'s own handle."""
 
-    def __init__(self, name: str, ranks: list[ExecutorHandle], rank_factory: RankFactory,
-                 interface: type | None, rendezvous: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        ranks: list[ExecutorHandle],
+        rank_factory: RankFactory,
+        interface: type | None,
+        rendezvous: str,
+    ) -> None:
         self.name, self.ranks, self.rank_factory = name, ranks, rank_factory
         self.rendezvous = rendezvous
         self.calls = CallTracker()
@@ -151,22 +170,35 @@ class ExecutorGroup(ExecutorHandle):
         if self._dead is not None:
             raise self._dead
         with self.calls.track(method):
-            calls = [asyncio.ensure_future(rank.submit(method, args, kwargs)) for rank in self.ranks]
+            calls = [
+                asyncio.ensure_future(rank.submit(method, args, kwargs)) for rank in self.ranks
+            ]
             try:
                 await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-            except asyncio.CancelledError:  # the caller gave up: the ranks' calls run on (as with one executor)
+            except (
+                asyncio.CancelledError
+            ):  # the caller gave up: the ranks' calls run on (as with one executor)
                 for call in calls:
                     call.add_done_callback(_retrieve)
                 raise
-            failed = next((i for i, call in enumerate(calls) if call.done() and _failure(call) is not None), None)
+            failed = next(
+                (i for i, call in enumerate(calls) if call.done() and _failure(call) is not None),
+                None,
+            )
             if failed is None:
                 return calls[0].result()
             for call in calls:
                 call.add_done_callback(_retrieve)  # the others fail once their ranks are killed
             raise await self._fail(failed, f"its {method!r} call failed", _failure(calls[failed]))
 
-    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
-                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+    def _submit(
+        self,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        on_done: Callable[[], None] | None = None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> asyncio.Future:
         """A call as a task, its failure marked as seen: ``_fail`` logged it, and a caller that
         left (``Supervised`` after a deadline kill) would have it logged again at garbage
         collection, in whatever code runs then."""
@@ -205,14 +237,18 @@ class ExecutorGroup(ExecutorHandle):
         its error is raised (as itself, naming the rank)."""
         waits = [asyncio.ensure_future(rank.ready()) for rank in self.ranks]
         await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((i for i, wait in enumerate(waits) if wait.done() and _failure(wait) is not None), None)
+        failed = next(
+            (i for i, wait in enumerate(waits) if wait.done() and _failure(wait) is not None), None
+        )
         if failed is None:
             return
         for wait in waits:
             wait.add_done_callback(_retrieve)
         cause = _failure(waits[failed])
         await self._fail(failed, "did not start", cause)
-        cause.add_note(f"rank {failed} of executor group {self.name!r} did not start; the other ranks were killed")
+        cause.add_note(
+            f"rank {failed} of executor group {self.name!r} did not start; the other ranks were killed"
+        )
         raise cause
 
     @property
@@ -238,7 +274,9 @@ class ExecutorGroup(ExecutorHandle):
             self._dead = ExecutorDiedError(f"executor group {self.name!r} was killed")
         unkillable = self._kill_ranks()
         if unkillable:
-            raise NotImplementedError(f"cannot kill executor group {self.name!r}'s ranks {', '.join(unkillable)}")
+            raise NotImplementedError(
+                f"cannot kill executor group {self.name!r}'s ranks {', '.join(unkillable)}"
+            )
 
     def close(self) -> None:
         """Close every rank (together: a rank's ``close`` may wait for the others); a group
@@ -250,7 +288,9 @@ class ExecutorGroup(ExecutorHandle):
             self._kill_ranks()
         else:
             self._dead = ExecutorDiedError(f"executor group {self.name!r} was closed")
-        with ThreadPoolExecutor(self.world_size, thread_name_prefix=f"loomrl-{self.name}-close") as pool:
+        with ThreadPoolExecutor(
+            self.world_size, thread_name_prefix=f"loomrl-{self.name}-close"
+        ) as pool:
             list(pool.map(_close_quietly, self.ranks))
 
     def starter(self, runtime: Runtime) -> Callable[[], ExecutorGroup]:
@@ -260,7 +300,9 @@ class ExecutorGroup(ExecutorHandle):
             for rank in self.ranks:  # (ended by now)
                 if rank in runtime.handles:
                     runtime.handles.remove(rank)
-            return start_group(runtime, self.name, self.rank_factory, self.world_size, self.interface)
+            return start_group(
+                runtime, self.name, self.rank_factory, self.world_size, self.interface
+            )
 
         return start_again
 

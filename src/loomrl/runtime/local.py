@@ -31,7 +31,9 @@ CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concur
 class LocalHandle(ExecutorHandle):
     calls_are_futures = True  # (``_submit`` is ``on_thread``'s future)
 
-    def __init__(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> None:
+    def __init__(
+        self, name: str, factory: Callable[[], Any], interface: type | None = None
+    ) -> None:
         self.name, self.factory = name, factory
         self._pool = WorkerThreads(f"loomrl-{name}")
         self._concurrent_pool: WorkerThreads | None = None
@@ -65,11 +67,27 @@ class LocalHandle(ExecutorHandle):
     async def _invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
-                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+    def _submit(
+        self,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        on_done: Callable[[], None] | None = None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> asyncio.Future:
         fn = getattr(self.obj, method)  # (``post`` runs after the call's busy time, on its thread)
-        return on_thread(asyncio.get_running_loop(), self._pool_for(method), on_done, self._timed, method, fn, args,
-                         kwargs, skip_cancelled=True, post=post)  # fmt: skip
+        return on_thread(
+            asyncio.get_running_loop(),
+            self._pool_for(method),
+            on_done,
+            self._timed,
+            method,
+            fn,
+            args,
+            kwargs,
+            skip_cancelled=True,
+            post=post,
+        )
 
     @property
     def where(self) -> str:
@@ -96,7 +114,9 @@ class LocalRuntime(Runtime):
         torch.set_num_threads(torch_threads)
         self.handles: list[LocalHandle] = []
 
-    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> LocalHandle:
+    def start(
+        self, name: str, factory: Callable[[], Any], interface: type | None = None
+    ) -> LocalHandle:
         handle = LocalHandle(name, factory, interface)
         self.handles.append(handle)
         return handle

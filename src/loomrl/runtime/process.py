@@ -106,14 +106,27 @@ def _forward_logs(conn: Connection, process: multiprocessing.process.BaseProcess
             target.handle(record)
 
 
-def _serve(conn: Connection, name: str, factory: Callable[[], Any], interface: type | None,
-           torch_threads: int, log_conn: Connection, log_level: int) -> None:  # fmt: skip
+def _serve(
+    conn: Connection,
+    name: str,
+    factory: Callable[[], Any],
+    interface: type | None,
+    torch_threads: int,
+    log_conn: Connection,
+    log_level: int,
+) -> None:
     """The executor process: build the object, then answer calls until told to stop."""
     root = logging.getLogger()
     root.handlers[:] = [_PipeLogHandler(log_conn, name)]
     root.setLevel(log_level)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the controller's to handle, also when
-        signal.signal(sig, signal.SIG_IGN)  # sent to the process group: it checkpoints, then stops us
+    for sig in (
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+    ):  # the controller's to handle, also when
+        signal.signal(
+            sig, signal.SIG_IGN
+        )  # sent to the process group: it checkpoints, then stops us
     import torch
 
     torch.set_num_threads(torch_threads)
@@ -158,7 +171,13 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
 
 
 class ProcessHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any], torch_threads: int, interface: type | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Any],
+        torch_threads: int,
+        interface: type | None = None,
+    ) -> None:
         self.name, self.factory = name, factory
         self._bind_interface(interface)
         self._conn, child = _CTX.Pipe()
@@ -166,14 +185,27 @@ class ProcessHandle(ExecutorHandle):
         self._readable.register(self._conn.fileno(), select.POLLIN)
         log_reader, log_writer = _CTX.Pipe(duplex=False)
         self.process = _CTX.Process(
-            target=_serve, name=f"loomrl-{name}", daemon=True,
-            args=(child, name, factory, interface, torch_threads, log_writer, logging.getLogger().getEffectiveLevel()),
-        )  # fmt: skip
+            target=_serve,
+            name=f"loomrl-{name}",
+            daemon=True,
+            args=(
+                child,
+                name,
+                factory,
+                interface,
+                torch_threads,
+                log_writer,
+                logging.getLogger().getEffectiveLevel(),
+            ),
+        )
         self.process.start()
         child.close()
         log_writer.close()  # the executor holds the only writer: its exit ends the forwarder
         self._log_forwarder = threading.Thread(
-            target=_forward_logs, args=(log_reader, self.process), name=f"loomrl-{name}-logs", daemon=True
+            target=_forward_logs,
+            args=(log_reader, self.process),
+            name=f"loomrl-{name}-logs",
+            daemon=True,
         )
         self._log_forwarder.start()
         self._busy = BusyClock()
@@ -198,9 +230,10 @@ class ProcessHandle(ExecutorHandle):
             self._join(5)
             code = self.process.exitcode
             how = (
-                f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                f"killed by {signal.Signals(-code).name}"
+                if code is not None and code < 0
                 else f"exited with code {code}"
-            )  # fmt: skip
+            )
             self._dead = ExecutorDiedError(
                 f"executor {self.name!r} (pid {self.process.pid}) {how}; its call was lost"
             )
@@ -213,8 +246,14 @@ class ProcessHandle(ExecutorHandle):
         sentinel open for as long as it lives, so neither closes when the executor dies."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            remaining = LIVENESS_CHECK_S if deadline is None else min(deadline - time.monotonic(), LIVENESS_CHECK_S)
-            if self._readable.poll(max(remaining, 0.0) * 1000):  # (a kept poll object: ~20 us less a call
+            remaining = (
+                LIVENESS_CHECK_S
+                if deadline is None
+                else min(deadline - time.monotonic(), LIVENESS_CHECK_S)
+            )
+            if self._readable.poll(
+                max(remaining, 0.0) * 1000
+            ):  # (a kept poll object: ~20 us less a call
                 return  # than Connection.poll, which builds a selector each time)
             if not self.process.is_alive():  # (waitpid): a reply sent before is in the pipe
                 if self._conn.poll(0):
@@ -255,7 +294,9 @@ class ProcessHandle(ExecutorHandle):
     @property
     def concurrent(self) -> dict[str, bool]:
         """``{endpoint: concurrent}`` as the executor declared it (after it started)."""
-        return self._ready.result() if self._ready.done() and self._ready.exception() is None else {}
+        return (
+            self._ready.result() if self._ready.done() and self._ready.exception() is None else {}
+        )
 
     async def ready(self) -> None:
         await asyncio.wrap_future(self._ready)
@@ -267,8 +308,14 @@ class ProcessHandle(ExecutorHandle):
             await asyncio.wrap_future(self._ready)
         return await self._submit(method, args, kwargs)
 
-    def _submit(self, method: str, args: tuple, kwargs: dict, on_done: Callable[[], None] | None = None,
-                post: Callable[[Any], Any] | None = None) -> asyncio.Future:  # fmt: skip
+    def _submit(
+        self,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        on_done: Callable[[], None] | None = None,
+        post: Callable[[Any], Any] | None = None,
+    ) -> asyncio.Future:
         if not self._started and not self._check_started():  # waits, or raises the start's error
             return super()._submit(method, args, kwargs, on_done, post)
         loop = asyncio.get_running_loop()
@@ -277,7 +324,9 @@ class ProcessHandle(ExecutorHandle):
         except RuntimeError as err:  # the pool was shut down: the handle was closed (replaced)
             if "after shutdown" not in str(err):
                 raise
-            closed = self._dead or ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
+            closed = self._dead or ExecutorDiedError(
+                f"executor {self.name!r} (pid {self.process.pid}) was closed"
+            )
             failed = loop.create_future()
             failed.set_exception(closed)
             return then(failed, on_done)
@@ -321,7 +370,9 @@ class ProcessHandle(ExecutorHandle):
             os.kill(self.process.pid, signal.SIGKILL)
             self._join(30)
         if self._dead is None:
-            self._dead = ExecutorDiedError(f"executor {self.name!r} (pid {self.process.pid}) was closed")
+            self._dead = ExecutorDiedError(
+                f"executor {self.name!r} (pid {self.process.pid}) was closed"
+            )
         self._pool.shutdown(wait=False)  # calls still queued run and fail at once with _dead
         self._conn.close()
         self._log_forwarder.join(timeout=5)  # the executor's last records are shown
@@ -341,7 +392,9 @@ class ProcessRuntime(Runtime):
         self.torch_threads = torch_threads
         self.handles: list[ProcessHandle] = []
 
-    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> ProcessHandle:
+    def start(
+        self, name: str, factory: Callable[[], Any], interface: type | None = None
+    ) -> ProcessHandle:
         try:
             pickle.dumps(factory)
         except Exception as err:

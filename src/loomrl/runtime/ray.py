@@ -57,8 +57,15 @@ ROLES = ("trainer", "generator", "scorer")
 # Ray errors that mean the actor is gone (or unreachable, which with no restarts is the same)
 _DIED = tuple(
     getattr(ray.exceptions, name)
-    for name in ("RayActorError", "ActorUnavailableError", "NodeDiedError", "WorkerCrashedError",
-                 "OwnerDiedError", "ObjectLostError", "LocalRayletDiedError")  # fmt: skip
+    for name in (
+        "RayActorError",
+        "ActorUnavailableError",
+        "NodeDiedError",
+        "WorkerCrashedError",
+        "OwnerDiedError",
+        "ObjectLostError",
+        "LocalRayletDiedError",
+    )
     if hasattr(ray.exceptions, name)
 )
 
@@ -67,7 +74,9 @@ def role_of(name: str) -> str:
     """``"generator3"`` -> ``"generator"``: the role whose resources an executor gets (a name of no known role is refused)."""
     role = base_role(name)
     if role not in ROLES:
-        raise ValueError(f"executor name {name!r} has no known role; expected one of {', '.join(ROLES)} (+ index)")
+        raise ValueError(
+            f"executor name {name!r} has no known role; expected one of {', '.join(ROLES)} (+ index)"
+        )
     return role
 
 
@@ -86,8 +95,14 @@ class _ExecutorActor:
     A factory that raises is remembered and reported by ``ready()`` (as itself), so that the
     controller sees the original error, not Ray's ``ActorDiedError``."""
 
-    def __init__(self, name: str, factory: Callable[[], Any], interface: type | None,
-                 torch_threads: int, log_level: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Any],
+        interface: type | None,
+        torch_threads: int,
+        log_level: int,
+    ) -> None:
         root = logging.getLogger()
         handler = logging.StreamHandler()  # Ray forwards the actor's stderr to the driver
         handler.setFormatter(logging.Formatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
@@ -110,8 +125,12 @@ class _ExecutorActor:
         if self.failure is not None:
             return self.failure
         context = ray.get_runtime_context()
-        where = {"pid": os.getpid(), "node_id": context.get_node_id(), "actor_id": context.get_actor_id(),
-                 "ip": ray.util.get_node_ip_address()}  # fmt: skip
+        where = {
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "actor_id": context.get_actor_id(),
+            "ip": ray.util.get_node_ip_address(),
+        }
         return ("ok", (self.concurrent, where), None, 0.0)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> tuple:
@@ -142,8 +161,15 @@ def how_it_died(err: BaseException) -> str:
 
 
 class RayHandle(ExecutorHandle):
-    def __init__(self, name: str, factory: Callable[[], Any], actor_name: str, options: dict[str, Any],
-                 torch_threads: int, interface: type | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Any],
+        actor_name: str,
+        options: dict[str, Any],
+        torch_threads: int,
+        interface: type | None = None,
+    ) -> None:
         self.name, self.factory, self.actor_name = name, factory, actor_name
         self._bind_interface(interface)
         self.calls = CallTracker()
@@ -172,14 +198,18 @@ class RayHandle(ExecutorHandle):
 
     def _died(self, err: BaseException) -> ExecutorDiedError:
         if self._dead is None:
-            self._dead = ExecutorDiedError(f"executor {self.name!r} ({self.where}) died: {how_it_died(err)}; its call was lost")
+            self._dead = ExecutorDiedError(
+                f"executor {self.name!r} ({self.where}) died: {how_it_died(err)}; its call was lost"
+            )
         return self._dead
 
     def _unpack(self, done: Future) -> Any:
         """A reply, as its value or its raised error."""
         try:
             status, value, tb, busy_s = done.result()
-        except ray.exceptions.RayTaskError as err:  # the reply itself failed (a result that does not pickle)
+        except (
+            ray.exceptions.RayTaskError
+        ) as err:  # the reply itself failed (a result that does not pickle)
             raise err.as_instanceof_cause() from None
         except _DIED as err:
             raise self._died(err) from err
@@ -192,7 +222,9 @@ class RayHandle(ExecutorHandle):
     async def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, bool]:
         """The executor's ``{endpoint: concurrent}`` once it is built; its build error else."""
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), timeout_s)
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(self._ready)), timeout_s
+            )
         except TimeoutError:
             raise TimeoutError(
                 f"executor {self.name!r} did not start within {timeout_s:.0f}s (still loading, or the "
@@ -212,7 +244,9 @@ class RayHandle(ExecutorHandle):
         if self._dead is not None:
             raise self._dead
         with self.calls.track(method):
-            reply = self.actor.call.remote(method, args, kwargs).future()  # submitted now: order kept
+            reply = self.actor.call.remote(
+                method, args, kwargs
+            ).future()  # submitted now: order kept
             await self.wait_started()
             try:
                 await asyncio.wrap_future(reply)
@@ -271,11 +305,18 @@ def _connect(config: RayConfig, num_cpus: float) -> bool:
     kwargs: dict[str, Any] = {"namespace": config.namespace, "runtime_env": config.runtime_env}
     if config.address is not None or os.environ.get("RAY_ADDRESS"):
         ray.init(address=config.address, **kwargs)
-        logger.info("connected to the Ray cluster at %s", config.address or os.environ["RAY_ADDRESS"])
+        logger.info(
+            "connected to the Ray cluster at %s", config.address or os.environ["RAY_ADDRESS"]
+        )
         return False
     object_store = config.object_store_mb << 20 if config.object_store_mb else None
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus), object_store_memory=object_store,
-             include_dashboard=False, **kwargs)  # fmt: skip ("local": a new cluster, never a found one)
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, num_cpus),
+        object_store_memory=object_store,
+        include_dashboard=False,
+        **kwargs,
+    )  # ("local": a new cluster, never a found one)
     logger.info("started a local Ray cluster for this job")
     return True
 
@@ -290,8 +331,13 @@ class RayRuntime(Runtime):
 
     in_process = False
 
-    def __init__(self, config: RayConfig | None = None, torch_threads: int = 1,
-                 executor_names: Sequence[str] = (), transport: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RayConfig | None = None,
+        torch_threads: int = 1,
+        executor_names: Sequence[str] = (),
+        transport: str | None = None,
+    ) -> None:
         import torch
 
         from loomrl.config import RayConfig
@@ -303,7 +349,9 @@ class RayRuntime(Runtime):
         self.job_tag = f"loomrl-{uuid.uuid4().hex[:8]}"
         self._starts = 0
         self.executor_names = list(executor_names)
-        self.owns_cluster = _connect(self.config, sum(self.resources(n)["num_cpus"] for n in self.executor_names))
+        self.owns_cluster = _connect(
+            self.config, sum(self.resources(n)["num_cpus"] for n in self.executor_names)
+        )
         self.placement_group = None
         self._bundles: dict[str, int] = {}
         self._trainer_node: str | None = None
@@ -328,8 +376,9 @@ class RayRuntime(Runtime):
             logger.warning(
                 "weight_sync.transport='shm' reaches only executors on the controller's node, and this Ray "
                 "cluster has %d nodes: pin the job to one node (ray.placement='pack' with room for it), or use "
-                "'torch_dist' or 'files' (docs/cluster.md)", len(nodes),
-            )  # fmt: skip
+                "'torch_dist' or 'files' (docs/cluster.md)",
+                len(nodes),
+            )
         if self.config.placement is not None and self.executor_names:
             self._reserve(self.executor_names)
         multi_node = len(nodes) > 1
@@ -338,7 +387,9 @@ class RayRuntime(Runtime):
             node_id = self._trainer_node or ray.get_runtime_context().get_node_id()
             if self._trainer_node is None:
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
-            self.rendezvous_host = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id)
+            self.rendezvous_host = next(
+                n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id
+            )
 
     def _reserve(self, names: list[str]) -> None:
         from ray.util.placement_group import placement_group, placement_group_table
@@ -346,14 +397,22 @@ class RayRuntime(Runtime):
         bundles = []
         for name in names:
             res = self.resources(name)
-            bundle = {"CPU": res["num_cpus"], "GPU": res["num_gpus"], "memory": res.get("memory", 0)}
+            bundle = {
+                "CPU": res["num_cpus"],
+                "GPU": res["num_gpus"],
+                "memory": res.get("memory", 0),
+            }
             bundle = {k: v for k, v in bundle.items() if v}
             if not bundle:
-                raise ValueError(f"ray.placement needs every executor to ask for something; {name!r} asks for no "
-                                 f"CPU, GPU or memory (ray.num_cpus.{role_of(name)} = 0)")  # fmt: skip
+                raise ValueError(
+                    f"ray.placement needs every executor to ask for something; {name!r} asks for no "
+                    f"CPU, GPU or memory (ray.num_cpus.{role_of(name)} = 0)"
+                )
             bundles.append(bundle)
         strategy = self.config.placement.upper()
-        self.placement_group = placement_group(bundles, strategy=strategy, name=f"{self.job_tag}-pg")
+        self.placement_group = placement_group(
+            bundles, strategy=strategy, name=f"{self.job_tag}-pg"
+        )
         try:
             ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
@@ -362,9 +421,13 @@ class RayRuntime(Runtime):
                 f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}"
             ) from None
         self._bundles = {name: i for i, name in enumerate(names)}
-        trainer = next((n for n in names if base_role(n) == "trainer"), None)  # (or a trainer group's rank 0)
+        trainer = next(
+            (n for n in names if base_role(n) == "trainer"), None
+        )  # (or a trainer group's rank 0)
         if trainer is not None:
-            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][self._bundles[trainer]]
+            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][
+                self._bundles[trainer]
+            ]
 
     def _scheduling(self, name: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import (
@@ -374,21 +437,42 @@ class RayRuntime(Runtime):
 
         if self.placement_group is not None:
             if name not in self._bundles:
-                raise ValueError(f"executor {name!r} has no bundle in the job's placement group "
-                                 f"(planned: {', '.join(self._bundles)})")  # fmt: skip
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=self._bundles[name])}  # fmt: skip
-        if base_role(name) == "trainer" and self._trainer_node is not None:  # (the trainer, or its ranks)
-            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self._trainer_node, soft=False)}
+                raise ValueError(
+                    f"executor {name!r} has no bundle in the job's placement group "
+                    f"(planned: {', '.join(self._bundles)})"
+                )
+            return {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=self._bundles[name]
+                )
+            }
+        if (
+            base_role(name) == "trainer" and self._trainer_node is not None
+        ):  # (the trainer, or its ranks)
+            return {
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    self._trainer_node, soft=False
+                )
+            }
         return {}
 
-    def start(self, name: str, factory: Callable[[], Any], interface: type | None = None) -> RayHandle:
+    def start(
+        self, name: str, factory: Callable[[], Any], interface: type | None = None
+    ) -> RayHandle:
         options = {**self.resources(name), **self._scheduling(name)}
         if self.config.namespace is not None:
             options["namespace"] = self.config.namespace
-        self._starts += 1  # a restarted executor gets a fresh actor name: the old one may not be gone yet
-        handle = RayHandle(name, factory, f"{self.job_tag}-{name}-{self._starts}", options, self.torch_threads,
-                           interface)  # fmt: skip
+        self._starts += (
+            1  # a restarted executor gets a fresh actor name: the old one may not be gone yet
+        )
+        handle = RayHandle(
+            name,
+            factory,
+            f"{self.job_tag}-{name}-{self._starts}",
+            options,
+            self.torch_threads,
+            interface,
+        )
         self.handles.append(handle)
         return handle
 

@@ -66,14 +66,21 @@ class Deadlines:
     """Per ``(role, method, batch-size bucket)`` deadlines from the running times of the
     calls seen so far (``call_key``)."""
 
-    def __init__(self, factor: float = 10.0, min_s: float = 60.0, first_s: float = 900.0, calls: int = 3) -> None:
+    def __init__(
+        self, factor: float = 10.0, min_s: float = 60.0, first_s: float = 900.0, calls: int = 3
+    ) -> None:
         self.factor, self.min_s, self.first_s, self.calls = factor, min_s, first_s, calls
         self._longest: dict[tuple, float] = {}
         self._count: Counter[tuple] = Counter()
 
     @classmethod
     def from_config(cls, faults) -> Deadlines:
-        return cls(faults.deadline_factor, faults.min_deadline_s, faults.first_call_deadline_s, faults.deadline_calls)
+        return cls(
+            faults.deadline_factor,
+            faults.min_deadline_s,
+            faults.first_call_deadline_s,
+            faults.deadline_calls,
+        )
 
     def limit(self, role: str, call: str | tuple[str, int]) -> float | None:
         """Seconds a call may run; None for checkpoint I/O (``NO_DEADLINE``)."""
@@ -99,7 +106,9 @@ class FaultStats:
         self.restarts: Counter[str] = Counter()  # by role
         self.hung_kills = 0
         self.requeued_prompts = 0  # prompts handed out again after their generate call was lost
-        self.rescored_rollouts = 0  # rollouts sent to a scorer again after their score call was lost
+        self.rescored_rollouts = (
+            0  # rollouts sent to a scorer again after their score call was lost
+        )
         self.lost_rollouts = 0  # rollouts whose second score call was lost too (counted as failed)
         self.trainer_restarts = 0  # job restarts from a checkpoint (set by the session)
         self.last_error: str | None = None
@@ -113,8 +122,15 @@ class FaultStats:
     def metrics(self) -> dict[str, float]:
         """The counts as metrics (a copy: built again only when a count changed, which
         is rare, so the step record costs one tuple comparison at C speed)."""
-        key = (self.hung_kills, self.requeued_prompts, self.rescored_rollouts, self.lost_rollouts,
-               self.trainer_restarts, tuple(self.failures.items()), tuple(self.restarts.items()))  # fmt: skip
+        key = (
+            self.hung_kills,
+            self.requeued_prompts,
+            self.rescored_rollouts,
+            self.lost_rollouts,
+            self.trainer_restarts,
+            tuple(self.failures.items()),
+            tuple(self.restarts.items()),
+        )
         if key != self._metrics_key:
             self._metrics_key, self._metrics = key, self._build_metrics()
         return dict(self._metrics)
@@ -141,7 +157,9 @@ class Supervised:
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
-    check_s = 0.5  # how often one check per executor looks whether its running call is past its deadline
+    check_s = (
+        0.5  # how often one check per executor looks whether its running call is past its deadline
+    )
 
     def __init__(
         self,
@@ -195,7 +213,9 @@ class Supervised:
         if method.startswith("_"):
             raise AttributeError(method)
 
-        def call(*args: Any, **kwargs: Any) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
+        def call(
+            *args: Any, **kwargs: Any
+        ) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
             return self.call_then(None, method, *args, **kwargs)
 
         call.__name__ = method
@@ -206,7 +226,9 @@ class Supervised:
         """``method(*args, **kwargs)`` on the executor, watched and healed (to await)."""
         return self.call_then(None, method, *args, **kwargs)
 
-    async def call_then(self, post: Callable[[Any], Any] | None, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call_then(
+        self, post: Callable[[Any], Any] | None, method: str, *args: Any, **kwargs: Any
+    ) -> Any:
         """``call``, resolving with ``post(result)`` run where the call ended, off the
         controller's loop (``ExecutorHandle.submit``); ``post`` None: the result itself."""
         if not self._serving.is_set():  # a restart in progress: calls wait for the fresh executor
@@ -216,8 +238,12 @@ class Supervised:
         handle, incarnation = self.handle, self.incarnation
         self.in_flight += 1
         try:
-            if self.deadlines is None:  # (an in-process runtime: nothing to kill, nothing to restart)
-                if handle.calls_are_futures:  # the handle's future itself: two coroutine frames fewer a call
+            if (
+                self.deadlines is None
+            ):  # (an in-process runtime: nothing to kill, nothing to restart)
+                if (
+                    handle.calls_are_futures
+                ):  # the handle's future itself: two coroutine frames fewer a call
                     return await handle.submit(method, args, kwargs, None, post)
                 if post is None:
                     return await handle.call(method, *args, **kwargs)
@@ -226,8 +252,15 @@ class Supervised:
         finally:
             self.in_flight -= 1
 
-    async def _call_with_deadline(self, handle: ExecutorHandle, incarnation: int, method: str, args: tuple,
-                                  kwargs: dict, post: Callable[[Any], Any] | None = None) -> Any:  # fmt: skip
+    async def _call_with_deadline(
+        self,
+        handle: ExecutorHandle,
+        incarnation: int,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        post: Callable[[Any], Any] | None = None,
+    ) -> Any:
         """The call, watched: it is hung when it has *run* (not waited behind the calls
         before it: an executor runs its calls one at a time, in order) past its deadline."""
         key = call_key(method, args)
@@ -237,11 +270,15 @@ class Supervised:
             call.started = time.monotonic()
         self._queue.append(call)
         try:
-            inner = handle.submit(method, args, kwargs, lambda: self._finished(call), post)  # a future: no task of its own
+            inner = handle.submit(
+                method, args, kwargs, lambda: self._finished(call), post
+            )  # a future: no task of its own
         except BaseException:
             self._finished(call)
             raise
-        if self._deadline_loop is not loop:  # one timer per executor while it has calls, not one per call
+        if (
+            self._deadline_loop is not loop
+        ):  # one timer per executor while it has calls, not one per call
             self._deadline_loop = loop
             loop.call_later(self.check_s, self._check_deadline)
         while True:
@@ -256,17 +293,30 @@ class Supervised:
             # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
             inner.add_done_callback(_take_outcome)
             if self.incarnation == incarnation:
-                await self._heal(handle, incarnation, ExecutorHungError(
-                    f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
-                    f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
-                ), hung=True)  # fmt: skip
+                await self._heal(
+                    handle,
+                    incarnation,
+                    ExecutorHungError(
+                        f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
+                        f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
+                    ),
+                    hung=True,
+                )
         try:
             result = inner.result()
         except ExecutorDiedError as err:
             await self._heal(handle, incarnation, err, hung=False)
-        except asyncio.CancelledError as err:  # not this caller's cancel: the handle dropped the call
-            await self._heal(handle, incarnation, ExecutorDiedError(f"executor {handle.name!r}: call {method!r} "
-                                                                    "was dropped by its handle"), hung=False)  # fmt: skip
+        except (
+            asyncio.CancelledError
+        ) as err:  # not this caller's cancel: the handle dropped the call
+            await self._heal(
+                handle,
+                incarnation,
+                ExecutorDiedError(
+                    f"executor {handle.name!r}: call {method!r} was dropped by its handle"
+                ),
+                hung=False,
+            )
             raise AssertionError("unreachable") from err
         self.deadlines.observe(self.role, key, call.ran_s)
         return result
@@ -304,7 +354,9 @@ class Supervised:
             return None
         return head if time.monotonic() - head.started > head.limit else None
 
-    async def _heal(self, handle: ExecutorHandle, incarnation: int, cause: BaseException, hung: bool) -> None:
+    async def _heal(
+        self, handle: ExecutorHandle, incarnation: int, cause: BaseException, hung: bool
+    ) -> None:
         """Count the loss, replace the executor (once for all the calls lost with it) and
         raise ``ExecutorLostError`` (``TrainerLostError`` for the trainer)."""
         error = TrainerLostError if self.role == "trainer" else ExecutorLostError
@@ -352,8 +404,12 @@ class Supervised:
         self.handle, self._queue = fresh, deque()
         self.incarnation += 1
         self.stats.restarts[self.role] += 1
-        logger.warning("executor %r restarted (%s) in %.1f s; its lost work is handed out again",
-                       self.name, self.where, time.monotonic() - t0)  # fmt: skip
+        logger.warning(
+            "executor %r restarted (%s) in %.1f s; its lost work is handed out again",
+            self.name,
+            self.where,
+            time.monotonic() - t0,
+        )
 
 
 class _Queued:
@@ -380,7 +436,11 @@ def _kill_quietly(handle: ExecutorHandle) -> None:
     try:
         handle.kill()
     except NotImplementedError:
-        logger.warning("executor %r (%s) cannot be killed on this runtime; it is abandoned", handle.name, handle.where)
+        logger.warning(
+            "executor %r (%s) cannot be killed on this runtime; it is abandoned",
+            handle.name,
+            handle.where,
+        )
     except Exception as err:  # noqa: BLE001 - it is being replaced either way
         logger.warning("killing executor %r failed: %s", handle.name, err)
 

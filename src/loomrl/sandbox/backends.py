@@ -121,7 +121,7 @@ def _dev_args() -> list[str]:
         ("stderr", "/proc/self/fd/2"),
     ):
         args += ["--symlink", target, f"/dev/{name}"]
-    return [*args, "--remount-ro", "/dev"]  # fmt: skip
+    return [*args, "--remount-ro", "/dev"]
 
 
 def bwrap_launch(

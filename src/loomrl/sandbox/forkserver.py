@@ -184,9 +184,13 @@ def _clone_parent() -> int:
     api = ctypes.pythonapi
     api.PyOS_BeforeFork()
     pid = _syscall(
-        ctypes.c_long(_SYS_CLONE), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
-        ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_ulong(0),
-    )  # fmt: skip
+        ctypes.c_long(_SYS_CLONE),
+        ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_void_p(0),
+        ctypes.c_ulong(0),
+    )
     if pid == 0:
         api.PyOS_AfterFork_Child()
     else:

@@ -26,7 +26,9 @@ from loomrl.scheduler.model import (
 DEFAULT_POLL_S = 20.0
 SECRET_FIELDS = ("token", "secret")  # never echoed in an error
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
 Phase = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS, pattern=r"^[^\x00-\x1f\x7f]*$")]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 Secret = Annotated[str, StringConstraints(max_length=256)]
@@ -91,10 +93,16 @@ class Cancel(JobCall):
 
 
 ROUTES: dict[str, type[Body]] = {
-    "/v1/register": Register, "/v1/heartbeat": Heartbeat, "/v1/acquire": Acquire, "/v1/wait": Wait,
-    "/v1/release": Release, "/v1/evicted": Evicted, "/v1/boundary": Boundary, "/v1/cancel": Cancel,
+    "/v1/register": Register,
+    "/v1/heartbeat": Heartbeat,
+    "/v1/acquire": Acquire,
+    "/v1/wait": Wait,
+    "/v1/release": Release,
+    "/v1/evicted": Evicted,
+    "/v1/boundary": Boundary,
+    "/v1/cancel": Cancel,
     "/v1/unregister": Unregister,
-}  # fmt: skip
+}
 
 
 def parse(route: str, body: Any) -> Body:

@@ -42,7 +42,9 @@ def _private_folder(folder: Path) -> None:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.stat()
     if info.st_uid != os.getuid():
-        raise PermissionError(f"token folder {folder} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
+        raise PermissionError(
+            f"token folder {folder} belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+        )
     if info.st_mode & 0o022:  # others could swap the file: make it ours alone
         os.chmod(folder, 0o700)
 

@@ -11,37 +11,77 @@ DEFAULT_URL = "http://127.0.0.1:7878"
 
 
 def add_scheduler_commands(sub: Any) -> None:
-    sched = sub.add_parser("scheduler", help="the time-slicing scheduler: serve it, or see where jobs wait")
+    sched = sub.add_parser(
+        "scheduler", help="the time-slicing scheduler: serve it, or see where jobs wait"
+    )
     cmds = sched.add_subparsers(dest="scheduler_command", required=True)
     serve = cmds.add_parser("serve", help="run the scheduler daemon (loopback by default)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default loopback only)"
+    )
     serve.add_argument("--port", type=int, default=7878)
-    serve.add_argument("--device", action="append", dest="devices", metavar="NAME[=CORES]",
-                       help="a device to share: cpu0=0 (CPU cores 0), cpu1=1-3, cuda:0; repeatable "
-                       "(default cpu0=0)")  # fmt: skip
+    serve.add_argument(
+        "--device",
+        action="append",
+        dest="devices",
+        metavar="NAME[=CORES]",
+        help="a device to share: cpu0=0 (CPU cores 0), cpu1=1-3, cuda:0; repeatable "
+        "(default cpu0=0)",
+    )
     serve.add_argument("--policy", choices=["fifo", "priority", "fair"], default="fair")
-    serve.add_argument("--db", default="scheduler.db", help="SQLite file for state and the event log")
-    serve.add_argument("--max-hold-s", type=float, help="ask a holder to yield after this long when others wait")
-    serve.add_argument("--switch-cost-multiple", type=float, default=2.0,
-                       help="hand a device over only when the holder's expected idle gap exceeds this "
-                       "multiple of its swap cost (0: always)")  # fmt: skip
-    serve.add_argument("--quantum-s", type=float, default=1.0, help="fair policy: credit per round, device-seconds")
-    serve.add_argument("--token-file", help="where to write the token jobs register with (0600; default "
-                       "~/.cache/loomrl/scheduler/port-PORT.token, or $LOOMRL_SCHEDULER_TOKEN_FILE)")  # fmt: skip
-    serve.add_argument("--max-connections", type=int, help="open connections at most (default: half the "
-                       "file-descriptor limit, at most 512); at the cap the oldest idle one is closed")  # fmt: skip
-    serve.add_argument("--max-connections-per-client", type=int, help="open connections per client address at "
-                       "most (default: --max-connections)")  # fmt: skip
-    serve.add_argument("--idle-timeout-s", type=float, default=10.0,
-                       help="close a connection whose read or write stalls this long")  # fmt: skip
+    serve.add_argument(
+        "--db", default="scheduler.db", help="SQLite file for state and the event log"
+    )
+    serve.add_argument(
+        "--max-hold-s", type=float, help="ask a holder to yield after this long when others wait"
+    )
+    serve.add_argument(
+        "--switch-cost-multiple",
+        type=float,
+        default=2.0,
+        help="hand a device over only when the holder's expected idle gap exceeds this "
+        "multiple of its swap cost (0: always)",
+    )
+    serve.add_argument(
+        "--quantum-s", type=float, default=1.0, help="fair policy: credit per round, device-seconds"
+    )
+    serve.add_argument(
+        "--token-file",
+        help="where to write the token jobs register with (0600; default "
+        "~/.cache/loomrl/scheduler/port-PORT.token, or $LOOMRL_SCHEDULER_TOKEN_FILE)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections at most (default: half the "
+        "file-descriptor limit, at most 512); at the cap the oldest idle one is closed",
+    )
+    serve.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        help="open connections per client address at most (default: --max-connections)",
+    )
+    serve.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=10.0,
+        help="close a connection whose read or write stalls this long",
+    )
     serve.set_defaults(fn=cmd_serve)
-    status = cmds.add_parser("status", help="devices, leases, the queue and jobs of a running daemon")
+    status = cmds.add_parser(
+        "status", help="devices, leases, the queue and jobs of a running daemon"
+    )
     status.add_argument("--url", default=DEFAULT_URL)
     status.add_argument("--json", action="store_true", help="the raw snapshot")
     status.set_defaults(fn=cmd_status)
-    sim = sub.add_parser("simulate", help="project jobs sharing devices under each policy (discrete events)")
-    sim.add_argument("--scenario", default="llm-d",
-                     help="'llm-d' (their published two-job case), 'cluster', or a JSON file of jobs")  # fmt: skip
+    sim = sub.add_parser(
+        "simulate", help="project jobs sharing devices under each policy (discrete events)"
+    )
+    sim.add_argument(
+        "--scenario",
+        default="llm-d",
+        help="'llm-d' (their published two-job case), 'cluster', or a JSON file of jobs",
+    )
     sim.add_argument("--policy", choices=["fifo", "priority", "fair", "all"], default="all")
     sim.add_argument("--duration-s", type=float, default=None, help="simulated seconds")
     sim.add_argument("--num-jobs", type=int, default=32, help="cluster scenario: jobs")
@@ -57,17 +97,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         devices = parse_devices(args.devices or ["cpu0=0"])
-        daemon = SchedulerDaemon(devices, policy=args.policy, db_path=args.db, host=args.host, port=args.port,
-                                 max_hold_s=args.max_hold_s, switch_cost_multiple=args.switch_cost_multiple,
-                                 quantum_s=args.quantum_s, token_file=args.token_file,
-                                 max_connections=args.max_connections,
-                                 max_connections_per_client=args.max_connections_per_client,
-                                 idle_timeout_s=args.idle_timeout_s)  # fmt: skip
+        daemon = SchedulerDaemon(
+            devices,
+            policy=args.policy,
+            db_path=args.db,
+            host=args.host,
+            port=args.port,
+            max_hold_s=args.max_hold_s,
+            switch_cost_multiple=args.switch_cost_multiple,
+            quantum_s=args.quantum_s,
+            token_file=args.token_file,
+            max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+            idle_timeout_s=args.idle_timeout_s,
+        )
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"scheduler on {daemon.url} (policy {args.policy}; devices {', '.join(devices)}; state in {args.db}); "
-          f"dashboard at {daemon.url}/; jobs register with the token in {daemon.token_file}", flush=True)  # fmt: skip
+    print(
+        f"scheduler on {daemon.url} (policy {args.policy}; devices {', '.join(devices)}; state in {args.db}); "
+        f"dashboard at {daemon.url}/; jobs register with the token in {daemon.token_file}",
+        flush=True,
+    )
     daemon.serve_forever()
     return 0
 
@@ -93,28 +144,57 @@ def print_status(snap: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    devices = Table(title=f"devices (policy {snap['policy']}; utilisation over the last {snap['window_s']:g} s)")
+    devices = Table(
+        title=f"devices (policy {snap['policy']}; utilisation over the last {snap['window_s']:g} s)"
+    )
     for col in ("device", "cores", "holder", "phase", "held s", "resident", "utilisation"):
         devices.add_column(col)
     for d in snap["devices"]:
         h = d["holder"] or {}
-        devices.add_row(d["name"], ",".join(map(str, d["cores"] or [])) or "-", h.get("job", "-"),
-                        h.get("phase", "-") + (" (offloading)" if h.get("state") == "evicting" else ""),
-                        f"{h['held_s']:.1f}" if h else "-", d["resident"] or "-", f"{d['utilisation']:.0%}")  # fmt: skip
+        devices.add_row(
+            d["name"],
+            ",".join(map(str, d["cores"] or [])) or "-",
+            h.get("job", "-"),
+            h.get("phase", "-") + (" (offloading)" if h.get("state") == "evicting" else ""),
+            f"{h['held_s']:.1f}" if h else "-",
+            d["resident"] or "-",
+            f"{d['utilisation']:.0%}",
+        )
     console.print(devices)
     queue = Table(title="queue")
     for col in ("job", "phase", "devices", "waited s", "deadline in s", "why"):
         queue.add_column(col)
     for q in snap["queue"]:
         deadline = "-" if q["deadline_in_s"] is None else f"{q['deadline_in_s']:.1f}"
-        queue.add_row(q["job"], q["phase"], ",".join(q["devices"]), f"{q['waited_s']:.1f}", deadline, q["why"])
+        queue.add_row(
+            q["job"], q["phase"], ",".join(q["devices"]), f"{q['waited_s']:.1f}", deadline, q["why"]
+        )
     console.print(queue)
     jobs = Table(title="jobs")
-    for col in ("job", "state", "priority", "weight", "device s", "swap s", "wait s", "grants", "slowdown"):
+    for col in (
+        "job",
+        "state",
+        "priority",
+        "weight",
+        "device s",
+        "swap s",
+        "wait s",
+        "grants",
+        "slowdown",
+    ):
         jobs.add_column(col)
     for j in snap["jobs"]:
-        jobs.add_row(j["name"], j["state"], str(j["priority"]), f"{j['weight']:g}", f"{j['device_s']:.1f}",
-                     f"{j['swap_s']:.2f}", f"{j['wait_s']:.1f}", str(j["grants"]), f"{j['slowdown']:.2f}x")  # fmt: skip
+        jobs.add_row(
+            j["name"],
+            j["state"],
+            str(j["priority"]),
+            f"{j['weight']:g}",
+            f"{j['device_s']:.1f}",
+            f"{j['swap_s']:.2f}",
+            f"{j['wait_s']:.1f}",
+            str(j["grants"]),
+            f"{j['slowdown']:.2f}x",
+        )
     console.print(jobs)
 
 
@@ -146,26 +226,55 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     solo = {j.name: simulate([j], "fifo", duration, tick_s=max(0.05, duration / 1e5)) for j in jobs}
     rows = []
     for policy in policies:
-        r = simulate(jobs, policy, duration, switch_cost_multiple=args.switch_cost_multiple, seed=args.seed,
-                     tick_s=max(0.05, duration / 1e5))  # fmt: skip
+        r = simulate(
+            jobs,
+            policy,
+            duration,
+            switch_cost_multiple=args.switch_cost_multiple,
+            seed=args.seed,
+            tick_s=max(0.05, duration / 1e5),
+        )
         solo_rate = sum(solo[n].completions[n] for n in r.completions)
         slowdowns = [solo[n].completions[n] / max(c, 1) for n, c in r.completions.items()]
-        rows.append({"policy": policy, "duty": sum(r.duty.values()) / len(r.duty),
-                     "useful_duty": sum(r.useful_duty.values()) / len(r.useful_duty),
-                     "solo_duty": sum(sum(s.duty.values()) for s in solo.values()) / len(solo),
-                     "aggregate_vs_solo": sum(r.completions.values()) / max(solo_rate / len(jobs), 1e-9) / len(r.duty),
-                     "slowdown_median": sorted(slowdowns)[len(slowdowns) // 2], "jain": r.jain,
-                     "swap_share": r.swap_share})  # fmt: skip
+        rows.append(
+            {
+                "policy": policy,
+                "duty": sum(r.duty.values()) / len(r.duty),
+                "useful_duty": sum(r.useful_duty.values()) / len(r.useful_duty),
+                "solo_duty": sum(sum(s.duty.values()) for s in solo.values()) / len(solo),
+                "aggregate_vs_solo": sum(r.completions.values())
+                / max(solo_rate / len(jobs), 1e-9)
+                / len(r.duty),
+                "slowdown_median": sorted(slowdowns)[len(slowdowns) // 2],
+                "jain": r.jain,
+                "swap_share": r.swap_share,
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title=f"simulated: {args.scenario}, {len(jobs)} jobs, {duration:g} s")
-    for col in ("policy", "solo duty (mean)", "duty", "useful duty", "aggregate / solo job", "slowdown (median)",
-                "Jain", "swap share"):  # fmt: skip
+    for col in (
+        "policy",
+        "solo duty (mean)",
+        "duty",
+        "useful duty",
+        "aggregate / solo job",
+        "slowdown (median)",
+        "Jain",
+        "swap share",
+    ):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["policy"], f"{row['solo_duty']:.1%}", f"{row['duty']:.1%}", f"{row['useful_duty']:.1%}",
-                      f"{row['aggregate_vs_solo']:.2f}x", f"{row['slowdown_median']:.2f}x", f"{row['jain']:.3f}",
-                      f"{row['swap_share']:.1%}")  # fmt: skip
+        table.add_row(
+            row["policy"],
+            f"{row['solo_duty']:.1%}",
+            f"{row['duty']:.1%}",
+            f"{row['useful_duty']:.1%}",
+            f"{row['aggregate_vs_solo']:.2f}x",
+            f"{row['slowdown_median']:.2f}x",
+            f"{row['jain']:.3f}",
+            f"{row['swap_share']:.1%}",
+        )
     Console().print(table)
     return 0

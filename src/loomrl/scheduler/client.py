@@ -45,9 +45,14 @@ from loomrl.scheduler.model import (
 logger = logging.getLogger(__name__)
 
 ERRORS: dict[str, type[SchedulerError]] = {
-    "AcquireTimeout": AcquireTimeout, "LeaseLost": LeaseLost, "LockOrderError": LockOrderError,
-    "UnknownJob": UnknownJob, "BadRequest": BadRequest, "Unauthorized": Unauthorized, "Forbidden": Forbidden,
-}  # fmt: skip
+    "AcquireTimeout": AcquireTimeout,
+    "LeaseLost": LeaseLost,
+    "LockOrderError": LockOrderError,
+    "UnknownJob": UnknownJob,
+    "BadRequest": BadRequest,
+    "Unauthorized": Unauthorized,
+    "Forbidden": Forbidden,
+}
 
 
 class Offloadable(Protocol):
@@ -58,8 +63,12 @@ class Offloadable(Protocol):
 def post(url: str, route: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
     data = json.dumps(body).encode()
     if len(data) > MAX_BODY_BYTES:  # the daemon would refuse it unread (413)
-        raise BadRequest(f"{route}: a body of {len(data)} bytes is over the scheduler's limit of {MAX_BODY_BYTES}")
-    req = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"})
+        raise BadRequest(
+            f"{route}: a body of {len(data)} bytes is over the scheduler's limit of {MAX_BODY_BYTES}"
+        )
+    req = urllib.request.Request(
+        url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read() or b"{}")
@@ -69,7 +78,9 @@ def post(url: str, route: str, body: dict[str, Any], timeout_s: float = 30.0) ->
         except ValueError:
             payload = {}
         cls = ERRORS.get(payload.get("type", ""), SchedulerError)
-        raise cls(payload.get("error") or f"scheduler answered HTTP {err.code} to {route}") from None
+        raise cls(
+            payload.get("error") or f"scheduler answered HTTP {err.code} to {route}"
+        ) from None
     except urllib.error.URLError as err:
         raise SchedulerError(f"cannot reach the scheduler at {url}: {err.reason}") from None
 
@@ -79,7 +90,9 @@ def get_json(url: str, route: str, timeout_s: float = 10.0) -> dict[str, Any]:
         with urllib.request.urlopen(url.rstrip("/") + route, timeout=timeout_s) as resp:
             return json.loads(resp.read())
     except urllib.error.URLError as err:
-        raise SchedulerError(f"cannot reach the scheduler at {url}: {getattr(err, 'reason', err)}") from None
+        raise SchedulerError(
+            f"cannot reach the scheduler at {url}: {getattr(err, 'reason', err)}"
+        ) from None
 
 
 @dataclass
@@ -101,29 +114,57 @@ class Lease:
 
 
 class SchedulerClient:
-    def __init__(self, url: str, name: str, *, priority: int = 0, weight: float = 1.0,
-                 heartbeat_timeout_s: float = 10.0, heartbeat_interval_s: float | None = None,
-                 pin: bool = True, poll_s: float = 20.0, token: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        *,
+        priority: int = 0,
+        weight: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        heartbeat_interval_s: float | None = None,
+        pin: bool = True,
+        poll_s: float = 20.0,
+        token: str | None = None,
+    ) -> None:
         from loomrl.scheduler.auth import read_token
 
         self.url, self.name, self.pin, self.poll_s = url, name, pin, poll_s
-        out = post(url, "/v1/register", {"name": name, "priority": priority, "weight": weight,
-                                         "heartbeat_timeout_s": heartbeat_timeout_s,
-                                         "token": token or read_token(url)})  # fmt: skip
+        out = post(
+            url,
+            "/v1/register",
+            {
+                "name": name,
+                "priority": priority,
+                "weight": weight,
+                "heartbeat_timeout_s": heartbeat_timeout_s,
+                "token": token or read_token(url),
+            },
+        )
         self.job_id: str = out["job_id"]
         self.job_secret: str = out["secret"]  # proves every later call is this job's
         self.state: list[Offloadable] = []
         self.offloaded = False
         self.lost: str | None = None
         self.state_lock = threading.Lock()  # one phase (or offload) of this job at a time
-        self.stats = {"offload_s": 0.0, "restore_s": 0.0, "num_offloads": 0, "wait_s": 0.0, "held_s": 0.0,
-                      "num_leases": 0}  # fmt: skip
+        self.stats = {
+            "offload_s": 0.0,
+            "restore_s": 0.0,
+            "num_offloads": 0,
+            "wait_s": 0.0,
+            "held_s": 0.0,
+            "num_leases": 0,
+        }
         self._gap_ema_s: dict[str, float] = {}  # phase -> the gap after it, before the next acquire
         self._released: tuple[str, float] | None = None  # (phase, when) of the last release
         self._stop = threading.Event()
         interval = heartbeat_interval_s or heartbeat_timeout_s / 4
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,), daemon=True,
-                                           name=f"scheduler-heartbeat-{name}")  # fmt: skip
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(interval,),
+            daemon=True,
+            name=f"scheduler-heartbeat-{name}",
+        )
         self._heartbeat.start()
 
     def attach(self, state: Offloadable) -> None:
@@ -133,12 +174,20 @@ class SchedulerClient:
     def _post(self, route: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
         if self.lost:
             raise LeaseLost(self.lost)
-        return post(self.url, route, {"job_id": self.job_id, "secret": self.job_secret, **body}, timeout_s)
+        return post(
+            self.url, route, {"job_id": self.job_id, "secret": self.job_secret, **body}, timeout_s
+        )
 
     # -- leases --------------------------------------------------------------------------
 
-    def acquire(self, devices: str | list[str], phase: str, *, expected_s: float | None = None,
-                timeout_s: float | None = None) -> Lease:  # fmt: skip
+    def acquire(
+        self,
+        devices: str | list[str],
+        phase: str,
+        *,
+        expected_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Lease:
         """Block until the devices are this job's, or raise ``AcquireTimeout`` past
         ``timeout_s`` with the reason it waited. Prefer ``with client.lease(...)``."""
         devices = [devices] if isinstance(devices, str) else list(devices)
@@ -148,13 +197,22 @@ class SchedulerClient:
             gap, ema = t0 - at, self._gap_ema_s.get(last)
             self._gap_ema_s[last] = gap if ema is None else 0.7 * ema + 0.3 * gap
             self._released = None
-        body = {"devices": devices, "phase": phase, "expected_s": expected_s, "timeout_s": timeout_s,
-                "poll_s": self.poll_s}  # fmt: skip
+        body = {
+            "devices": devices,
+            "phase": phase,
+            "expected_s": expected_s,
+            "timeout_s": timeout_s,
+            "poll_s": self.poll_s,
+        }
         out = self._post("/v1/acquire", body, timeout_s=self.poll_s + 30)
         while "pending" in out:
-            out = self._post("/v1/wait", {"request_id": out["pending"], "poll_s": self.poll_s}, self.poll_s + 30)
+            out = self._post(
+                "/v1/wait", {"request_id": out["pending"], "poll_s": self.poll_s}, self.poll_s + 30
+            )
         self.stats["wait_s"] += time.time() - t0
-        return Lease(out["lease_id"], out["devices"], out["cores"], out["waited_s"], self, phase=phase)
+        return Lease(
+            out["lease_id"], out["devices"], out["cores"], out["waited_s"], self, phase=phase
+        )
 
     def begin(self, lease: Lease) -> None:
         """The start of a phase (holding ``state_lock``): bring the state back if it left."""
@@ -171,8 +229,14 @@ class SchedulerClient:
         self.stats["num_leases"] += 1
         if self.lost:
             return
-        out = self._post("/v1/release", {"lease_id": lease.id, "restore_s": lease.restore_s,
-                                         "expected_idle_s": self._gap_ema_s.get(lease.phase)})  # fmt: skip
+        out = self._post(
+            "/v1/release",
+            {
+                "lease_id": lease.id,
+                "restore_s": lease.restore_s,
+                "expected_idle_s": self._gap_ema_s.get(lease.phase),
+            },
+        )
         if out.get("evict"):
             self._offload(lease.devices)
         self._released = (lease.phase, time.time())
@@ -183,8 +247,14 @@ class SchedulerClient:
             self.end(lease)
 
     @contextmanager
-    def lease(self, devices: str | list[str], phase: str, *, expected_s: float | None = None,
-              timeout_s: float | None = None) -> Iterator[Lease]:  # fmt: skip
+    def lease(
+        self,
+        devices: str | list[str],
+        phase: str,
+        *,
+        expected_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[Lease]:
         """Run the body as a device phase: acquired, restored, pinned; then released."""
         # Not under the state lock while waiting: the heartbeat thread may have to offload
         # this job's state for the job the scheduler picks first.

@@ -98,8 +98,12 @@ class Scheduler:
         self.requests = {r.id: r for r in store.load(Request) if r.state == "waiting"}
         self.leases = {x.id: x for x in store.load(Lease) if x.state in ("held", "evicting")}
         if self.jobs or self.requests:
-            logger.info("scheduler state restored: %d jobs, %d waiting, %d leases",
-                        len(self.jobs), len(self.requests), len(self.leases))  # fmt: skip
+            logger.info(
+                "scheduler state restored: %d jobs, %d waiting, %d leases",
+                len(self.jobs),
+                len(self.requests),
+                len(self.leases),
+            )
 
     def save(self, record: Record) -> None:
         if self.store is not None:
@@ -112,7 +116,9 @@ class Scheduler:
             self.store.set_meta("counter", self._counter)
         return f"{prefix}{self._counter:06d}-{secrets.token_hex(8)}"
 
-    def event(self, now: float, kind: str, job: str | None = None, device: str | None = None, **data: Any) -> None:
+    def event(
+        self, now: float, kind: str, job: str | None = None, device: str | None = None, **data: Any
+    ) -> None:
         name = self.jobs[job].name if job in self.jobs else job
         ev = {"t": now, "kind": kind, "job": name, "device": device, **data}
         self.events.append(ev)
@@ -121,13 +127,29 @@ class Scheduler:
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def register(self, name: str, now: float, *, priority: int = 0, weight: float = 1.0,
-                 heartbeat_timeout_s: float = 10.0, secret_sha256: str | None = None) -> Job:  # fmt: skip
+    def register(
+        self,
+        name: str,
+        now: float,
+        *,
+        priority: int = 0,
+        weight: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        secret_sha256: str | None = None,
+    ) -> Job:
         weight = check_number("weight", weight, MIN_WEIGHT, MAX_WEIGHT)
         heartbeat_timeout_s = check_number("heartbeat_timeout_s", heartbeat_timeout_s, 1e-9)
-        job = Job(id=self._new_id("j"), name=name, priority=priority, weight=weight,
-                  heartbeat_timeout_s=heartbeat_timeout_s, registered_at=now, last_heartbeat=now,
-                  seq=self._counter, secret_sha256=secret_sha256)  # fmt: skip
+        job = Job(
+            id=self._new_id("j"),
+            name=name,
+            priority=priority,
+            weight=weight,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            registered_at=now,
+            last_heartbeat=now,
+            seq=self._counter,
+            secret_sha256=secret_sha256,
+        )
         self.jobs[job.id] = job
         self.save(job)
         self.event(now, "register", job.id, priority=priority, weight=weight)
@@ -138,8 +160,10 @@ class Scheduler:
         if job is None:
             raise UnknownJob(f"unknown job id {job_id!r}: register first")
         if job.state == "dead":
-            raise LeaseLost(f"job {job.name!r} ({job_id}) missed its heartbeat deadline "
-                            f"({job.heartbeat_timeout_s:g} s) and lost its leases; register again")  # fmt: skip
+            raise LeaseLost(
+                f"job {job.name!r} ({job_id}) missed its heartbeat deadline "
+                f"({job.heartbeat_timeout_s:g} s) and lost its leases; register again"
+            )
         if job.state == "done":
             raise UnknownJob(f"job {job.name!r} ({job_id}) has unregistered")
         return job
@@ -150,8 +174,11 @@ class Scheduler:
         job = self.job(job_id)
         job.last_heartbeat = now
         self.save(job)
-        evict = [d.name for d in self.devices.values()
-                 if d.resident == job_id and d.holder is None and d.evict_for is not None]  # fmt: skip
+        evict = [
+            d.name
+            for d in self.devices.values()
+            if d.resident == job_id and d.holder is None and d.evict_for is not None
+        ]
         yields = [x.id for x in self.leases.values() if x.job_id == job_id and x.yield_requested]
         return {"evict": evict, "yield": yields}
 
@@ -164,8 +191,14 @@ class Scheduler:
             if lease.state == "held":
                 self._charge_use(lease, now - lease.granted_at)
             self._end_lease(lease, now, "lost" if state == "dead" else "released")
-            self.event(now, "lease_lost" if state == "dead" else "release", job.id,
-                       ",".join(lease.devices), lease=lease.id, why=why)  # fmt: skip
+            self.event(
+                now,
+                "lease_lost" if state == "dead" else "release",
+                job.id,
+                ",".join(lease.devices),
+                lease=lease.id,
+                why=why,
+            )
         for device in self.devices.values():
             if device.resident == job.id:
                 device.resident, device.evict_for = None, None
@@ -178,8 +211,16 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------
 
-    def request(self, job_id: str, devices: list[str], phase: str, now: float, *,
-                expected_s: float | None = None, timeout_s: float | None = None) -> Request:  # fmt: skip
+    def request(
+        self,
+        job_id: str,
+        devices: list[str],
+        phase: str,
+        now: float,
+        *,
+        expected_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Request:
         job = self.job(job_id)
         if expected_s is not None:
             expected_s = check_number("expected_s", expected_s)
@@ -189,7 +230,9 @@ class Scheduler:
             raise SchedulerError("an acquire needs at least one device")
         unknown = [d for d in devices if d not in self.devices]
         if unknown:
-            raise SchedulerError(f"unknown device(s) {unknown}; this scheduler has {sorted(self.devices)}")
+            raise SchedulerError(
+                f"unknown device(s) {unknown}; this scheduler has {sorted(self.devices)}"
+            )
         wanted = sorted(set(devices))
         held = sorted({d for x in self.leases.values() if x.job_id == job_id for d in x.devices})
         if held and wanted[0] < held[-1] and wanted[0] not in held:
@@ -198,9 +241,15 @@ class Scheduler:
                 f"order, so {wanted[0]!r} cannot be asked for while holding {held[-1]!r}; ask for all "
                 "devices in one acquire, or release first"
             )
-        request = Request(id=self._new_id("r"), job_id=job_id, devices=wanted, phase=phase,
-                          expected_s=expected_s, requested_at=now,
-                          deadline_at=None if timeout_s is None else now + timeout_s)  # fmt: skip
+        request = Request(
+            id=self._new_id("r"),
+            job_id=job_id,
+            devices=wanted,
+            phase=phase,
+            expected_s=expected_s,
+            requested_at=now,
+            deadline_at=None if timeout_s is None else now + timeout_s,
+        )
         self.requests[request.id] = request
         self.save(request)
         self.event(now, "request", job_id, ",".join(wanted), phase=phase, request=request.id)
@@ -232,18 +281,36 @@ class Scheduler:
         """Apply every deadline due by ``now`` (heartbeats, acquires, max hold), then grant."""
         for job in list(self.jobs.values()):
             if job.state == "alive" and now - job.last_heartbeat > job.heartbeat_timeout_s:
-                logger.warning("job %r missed its heartbeat deadline; its leases are reclaimed", job.name)
-                self._drop_job(job, now, "dead", f"missed its heartbeat deadline ({job.heartbeat_timeout_s:g} s)")
+                logger.warning(
+                    "job %r missed its heartbeat deadline; its leases are reclaimed", job.name
+                )
+                self._drop_job(
+                    job,
+                    now,
+                    "dead",
+                    f"missed its heartbeat deadline ({job.heartbeat_timeout_s:g} s)",
+                )
         for request in list(self.requests.values()):
             if request.deadline_at is not None and now >= request.deadline_at:
                 self._timeout(request, now)
         if self.max_hold_s is not None:
             for lease in self.leases.values():
                 over = now - lease.granted_at > self.max_hold_s
-                if over and lease.state == "held" and not lease.yield_requested and self._others_wait(lease):
+                if (
+                    over
+                    and lease.state == "held"
+                    and not lease.yield_requested
+                    and self._others_wait(lease)
+                ):
                     lease.yield_requested = True
                     self.save(lease)
-                    self.event(now, "yield_requested", lease.job_id, ",".join(lease.devices), lease=lease.id)
+                    self.event(
+                        now,
+                        "yield_requested",
+                        lease.job_id,
+                        ",".join(lease.devices),
+                        lease=lease.id,
+                    )
         self.schedule(now)
 
     def _timeout(self, request: Request, now: float) -> None:
@@ -251,8 +318,10 @@ class Scheduler:
         job = self.jobs[request.job_id]
         job.wait_s += waited
         self.save(job)
-        error = (f"acquire of {request.devices} for job {job.name!r} (phase {request.phase!r}) timed out "
-                 f"after {waited:.2f} s: {self.why_waiting(request, now)}")  # fmt: skip
+        error = (
+            f"acquire of {request.devices} for job {job.name!r} (phase {request.phase!r}) timed out "
+            f"after {waited:.2f} s: {self.why_waiting(request, now)}"
+        )
         self._finish_request(request, "timed_out", error)
         self.event(now, "timeout", request.job_id, ",".join(request.devices), request=request.id)
 
@@ -291,7 +360,11 @@ class Scheduler:
         if device.reserved_for is not None and now < device.reserved_until:
             return device.reserved_for
         resident = self.jobs.get(device.resident or "")
-        if resident is not None and device.evict_for is None and self._switch_deferred(resident, now):
+        if (
+            resident is not None
+            and device.evict_for is None
+            and self._switch_deferred(resident, now)
+        ):
             return resident.id
         return None
 
@@ -323,7 +396,13 @@ class Scheduler:
             if device.evict_for is None and not self._switch_deferred(resident, now):
                 device.evict_for = request.job_id  # the resident job offloads at its next heartbeat
                 self.save(device)
-                self.event(now, "evict_requested", resident.id, name, for_job=self.jobs[request.job_id].name)
+                self.event(
+                    now,
+                    "evict_requested",
+                    resident.id,
+                    name,
+                    for_job=self.jobs[request.job_id].name,
+                )
         if blocked:
             return False
         self._grant(request, now)
@@ -331,8 +410,15 @@ class Scheduler:
 
     def _grant(self, request: Request, now: float) -> None:
         job = self.jobs[request.job_id]
-        lease = Lease(id=self._new_id("l"), job_id=job.id, devices=request.devices, phase=request.phase,
-                      granted_at=now, expected_s=request.expected_s, request_id=request.id)  # fmt: skip
+        lease = Lease(
+            id=self._new_id("l"),
+            job_id=job.id,
+            devices=request.devices,
+            phase=request.phase,
+            granted_at=now,
+            expected_s=request.expected_s,
+            request_id=request.id,
+        )
         self.leases[lease.id] = lease
         for name in request.devices:
             device = self.devices[name]
@@ -347,11 +433,21 @@ class Scheduler:
         self.save(lease)
         if hasattr(self.policy, "on_grant"):
             self.policy.on_grant(job)
-        self.event(now, "grant", job.id, ",".join(lease.devices), lease=lease.id, phase=lease.phase,
-                   waited_s=round(now - request.requested_at, 4))  # fmt: skip
+        self.event(
+            now,
+            "grant",
+            job.id,
+            ",".join(lease.devices),
+            lease=lease.id,
+            phase=lease.phase,
+            waited_s=round(now - request.requested_at, 4),
+        )
 
     def _others_wait(self, lease: Lease) -> bool:
-        return any(r.job_id != lease.job_id and set(r.devices) & set(lease.devices) for r in self.requests.values())
+        return any(
+            r.job_id != lease.job_id and set(r.devices) & set(lease.devices)
+            for r in self.requests.values()
+        )
 
     # -- the end of a lease --------------------------------------------------------------
 
@@ -362,8 +458,15 @@ class Scheduler:
             raise LeaseLost(f"lease {lease_id!r} is not held by job {job_id!r} (released, or lost)")
         return lease
 
-    def release(self, lease_id: str, job_id: str, now: float, *, restore_s: float = 0.0,
-                expected_idle_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def release(
+        self,
+        lease_id: str,
+        job_id: str,
+        now: float,
+        *,
+        restore_s: float = 0.0,
+        expected_idle_s: float | None = None,
+    ) -> dict[str, Any]:
         """End a phase. Returns ``{"evict": True}`` when another job waits for these devices
         and should get them: the caller then offloads and calls ``evicted``. Otherwise the
         job's state stays resident (lazy eviction) and the devices are free."""
@@ -377,7 +480,11 @@ class Scheduler:
         job.expected_idle_s, job.released_at = expected_idle_s, now
         if restore_s > 0:
             job.swap_s += restore_s
-            job.restore_ema_s = restore_s if job.restore_ema_s is None else (1 - EMA) * job.restore_ema_s + EMA * restore_s
+            job.restore_ema_s = (
+                restore_s
+                if job.restore_ema_s is None
+                else (1 - EMA) * job.restore_ema_s + EMA * restore_s
+            )
             self.policy.on_charge(job, restore_s)
         self._charge_use(lease, now - lease.granted_at)  # before the policy looks at accounts
         back_soon = expected_idle_s is not None and expected_idle_s <= self.hold_gap_s
@@ -386,9 +493,20 @@ class Scheduler:
             self._end_lease(lease, now, "released")
             for name in lease.devices:
                 device = self.devices[name]
-                device.reserved_for, device.reserved_until = job_id, now + expected_idle_s + self.hold_gap_s
+                device.reserved_for, device.reserved_until = (
+                    job_id,
+                    now + expected_idle_s + self.hold_gap_s,
+                )
                 self.save(device)
-            self.event(now, "release", job_id, ",".join(lease.devices), lease=lease.id, evict=False, kept=True)
+            self.event(
+                now,
+                "release",
+                job_id,
+                ",".join(lease.devices),
+                lease=lease.id,
+                evict=False,
+                kept=True,
+            )
             return {"evict": False}
         if waiter is not None and not self._switch_deferred(job, now):
             lease.state, lease.evict_for = "evicting", waiter.job_id
@@ -402,16 +520,29 @@ class Scheduler:
         self.schedule(now)
         return {"evict": False}
 
-    def _next_waiter(self, lease: Lease, now: float, include_holder: bool = False) -> Request | None:
+    def _next_waiter(
+        self, lease: Lease, now: float, include_holder: bool = False
+    ) -> Request | None:
         """The request the policy would grant next on the lease's devices; with
         ``include_holder``, the holder competes too, as a request made now."""
         for name in lease.devices:
-            waiters = [r for r in self.requests.values() if name in r.devices and r.job_id != lease.job_id]
+            waiters = [
+                r for r in self.requests.values() if name in r.devices and r.job_id != lease.job_id
+            ]
             if not waiters:
                 continue
             if include_holder:
-                waiters.append(Request(id="~holder", job_id=lease.job_id, devices=lease.devices, phase=lease.phase,
-                                       expected_s=lease.expected_s, requested_at=now, deadline_at=None))  # fmt: skip
+                waiters.append(
+                    Request(
+                        id="~holder",
+                        job_id=lease.job_id,
+                        devices=lease.devices,
+                        phase=lease.phase,
+                        expected_s=lease.expected_s,
+                        requested_at=now,
+                        deadline_at=None,
+                    )
+                )
             return self.policy.pick(name, waiters, self, now) or waiters[0]
         return None
 
@@ -422,12 +553,24 @@ class Scheduler:
         self.save(job)
         for name in lease.devices:
             self.devices[name].busy_s += held_s
-        self._span(lease.devices, job, lease.phase, lease.granted_at, lease.granted_at + held_s, "lease")
+        self._span(
+            lease.devices, job, lease.phase, lease.granted_at, lease.granted_at + held_s, "lease"
+        )
 
-    def _span(self, devices: list[str], job: Job, phase: str, start: float, end: float, kind: str) -> None:
+    def _span(
+        self, devices: list[str], job: Job, phase: str, start: float, end: float, kind: str
+    ) -> None:
         for name in devices:
-            self.intervals.append({"device": name, "job": job.name, "phase": phase, "kind": kind,
-                                   "start": start, "end": end})  # fmt: skip
+            self.intervals.append(
+                {
+                    "device": name,
+                    "job": job.name,
+                    "phase": phase,
+                    "kind": kind,
+                    "start": start,
+                    "end": end,
+                }
+            )
         while self.intervals and self.intervals[0]["end"] < end - self.history_s:
             self.intervals.popleft()
 
@@ -443,14 +586,22 @@ class Scheduler:
                 self.save(device)
         self.save(lease)
 
-    def evicted(self, job_id: str, devices: list[str], now: float, *, offload_s: float = 0.0) -> None:
+    def evicted(
+        self, job_id: str, devices: list[str], now: float, *, offload_s: float = 0.0
+    ) -> None:
         """The job's state has left ``devices``; the offload is charged to the job it made
         room for (and counts as one swap of that job)."""
         offload_s = check_number("offload_s", offload_s)
         job = self.job(job_id)
         if offload_s > 0:
-            job.offload_ema_s = offload_s if job.offload_ema_s is None else (1 - EMA) * job.offload_ema_s + EMA * offload_s
-        for lease in [x for x in self.leases.values() if x.job_id == job_id and x.state == "evicting"]:
+            job.offload_ema_s = (
+                offload_s
+                if job.offload_ema_s is None
+                else (1 - EMA) * job.offload_ema_s + EMA * offload_s
+            )
+        for lease in [
+            x for x in self.leases.values() if x.job_id == job_id and x.state == "evicting"
+        ]:
             if not set(lease.devices) & set(devices):
                 continue
             start = lease.extra.get("released_at", now)
@@ -468,8 +619,15 @@ class Scheduler:
         self.event(now, "evicted", job_id, ",".join(devices), offload_s=round(offload_s, 4))
         self.schedule(now)
 
-    def _charge_swap(self, cause_id: str | None, evicted: Job, devices: list[str], seconds: float,
-                     start: float, end: float) -> None:  # fmt: skip
+    def _charge_swap(
+        self,
+        cause_id: str | None,
+        evicted: Job,
+        devices: list[str],
+        seconds: float,
+        start: float,
+        end: float,
+    ) -> None:
         cause = self.jobs.get(cause_id or "", evicted)
         cause.swap_s += seconds
         cause.num_swaps += 1
@@ -487,13 +645,21 @@ class Scheduler:
             if holder is not None:
                 who = self.jobs[holder.job_id].name
                 what = "offloading" if holder.state == "evicting" else f"phase {holder.phase!r}"
-                reasons.append(f"{name} held by job {who!r} ({what}) for {now - holder.granted_at:.2f} s")
+                reasons.append(
+                    f"{name} held by job {who!r} ({what}) for {now - holder.granted_at:.2f} s"
+                )
             elif device.resident not in (None, request.job_id):
                 who = self.jobs[device.resident].name
-                reasons.append(f"{name} waits for job {who!r} to offload" if device.evict_for
-                               else f"{name} kept for job {who!r} (its idle gap is shorter than the switch cost)")  # fmt: skip
-        ahead = sum(1 for r in self.requests.values()
-                    if r.requested_at < request.requested_at and set(r.devices) & set(request.devices))  # fmt: skip
+                reasons.append(
+                    f"{name} waits for job {who!r} to offload"
+                    if device.evict_for
+                    else f"{name} kept for job {who!r} (its idle gap is shorter than the switch cost)"
+                )
+        ahead = sum(
+            1
+            for r in self.requests.values()
+            if r.requested_at < request.requested_at and set(r.devices) & set(request.devices)
+        )
         if ahead:
             reasons.append(f"{ahead} request(s) ahead in the queue (policy {self.policy.name})")
         return "; ".join(reasons) or f"not picked yet by policy {self.policy.name}"

@@ -40,8 +40,14 @@ from loomrl.scheduler.model import (
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATUS = {BadRequest: 400, Unauthorized: 401, Forbidden: 403, UnknownJob: 404, AcquireTimeout: 408,
-                LeaseLost: 410}  # fmt: skip
+ERROR_STATUS = {
+    BadRequest: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    UnknownJob: 404,
+    AcquireTimeout: 408,
+    LeaseLost: 410,
+}
 IDLE_TIMEOUT_S = 10.0
 RESERVED_FDS = 64  # the store, logs, pipes and the listening socket
 
@@ -65,8 +71,14 @@ class CappedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
-                 max_connections: int | None = None, max_per_client: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        max_connections: int | None = None,
+        max_per_client: int | None = None,
+    ) -> None:
         super().__init__(address, handler)
         self.max_connections = max_connections or default_max_connections()
         self.max_per_client = max_per_client or self.max_connections
@@ -75,7 +87,9 @@ class CappedHTTPServer(ThreadingHTTPServer):
         self.counts = {"evicted": 0, "refused": 0}
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        client = str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
+        client = (
+            str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
+        )
         with self._conns_lock:
             same = [c for c in self._conns.values() if c.client == client]
             if len(self._conns) >= self.max_connections:
@@ -119,7 +133,9 @@ class CappedHTTPServer(ThreadingHTTPServer):
             return len(self._conns)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.debug("scheduler: connection from %s ended with an error", client_address, exc_info=True)
+        logger.debug(
+            "scheduler: connection from %s ended with an error", client_address, exc_info=True
+        )
 
 
 def _refuse(sock: socket.socket) -> None:
@@ -203,7 +219,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._error(404, f"no such page {path[:100]!r}", "NotFound")
         except Exception as err:  # an answer, never a dropped connection
             logger.exception("scheduler: GET %s failed", path[:100])
-            self._error(500, f"GET {path[:100]}: internal error: {type(err).__name__}: {err}", "InternalError")
+            self._error(
+                500,
+                f"GET {path[:100]}: internal error: {type(err).__name__}: {err}",
+                "InternalError",
+            )
 
     def do_POST(self) -> None:  # noqa: N802
         route = self.path.split("?", 1)[0][:100]
@@ -247,11 +267,15 @@ class Handler(BaseHTTPRequestHandler):
         try:
             length = int(raw)
         except ValueError:
-            raise _Refused(400, f"Content-Length must be a number of bytes, got {raw[:40]!r}") from None
+            raise _Refused(
+                400, f"Content-Length must be a number of bytes, got {raw[:40]!r}"
+            ) from None
         if length < 0:
             raise _Refused(400, f"Content-Length must be >= 0, got {length}")
         if length > self.max_body_bytes:
-            raise _Refused(413, f"a body of {length} bytes is over the limit of {self.max_body_bytes} bytes")
+            raise _Refused(
+                413, f"a body of {length} bytes is over the limit of {self.max_body_bytes} bytes"
+            )
         data = self.rfile.read(length)
         return data if len(data) == length else None
 
@@ -272,11 +296,14 @@ class Handler(BaseHTTPRequestHandler):
             self._error(ERROR_STATUS.get(type(err), 409), str(err), type(err).__name__)
         except Exception as err:
             logger.exception("scheduler: POST %s failed", route)
-            self._error(500, f"{route}: internal error: {type(err).__name__}: {err}", "InternalError")
+            self._error(
+                500, f"{route}: internal error: {type(err).__name__}: {err}", "InternalError"
+            )
 
 
-def make_handler(daemon: Any, *, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:  # fmt: skip
+def make_handler(
+    daemon: Any, *, idle_timeout_s: float = IDLE_TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES
+) -> type[BaseHTTPRequestHandler]:
     """The request handler for ``daemon`` (a ``SchedulerDaemon``)."""
     attrs = {"daemon": daemon, "timeout": idle_timeout_s, "max_body_bytes": max_body_bytes}
     return type("SchedulerHandler", (Handler,), attrs)

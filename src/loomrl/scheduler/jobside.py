@@ -35,7 +35,9 @@ class _ExecutorState:
             from loomrl.runtime.supervision import ExecutorLostError
 
             try:
-                return await handle.call(method) or 0.0  # an engine without a real offload answers None
+                return (
+                    await handle.call(method) or 0.0
+                )  # an engine without a real offload answers None
             except ExecutorLostError as err:  # replaced: the fresh executor holds nothing to move
                 if not err.restarted:
                     raise
@@ -56,8 +58,14 @@ class _ExecutorState:
 class JobLeases:
     def __init__(self, cfg: SchedulerConfig, job_name: str, handles: list[Any]) -> None:
         self.cfg = cfg
-        self.client = SchedulerClient(cfg.url, job_name, priority=cfg.priority, weight=cfg.weight,
-                                      heartbeat_timeout_s=cfg.heartbeat_timeout_s, pin=cfg.pin)  # fmt: skip
+        self.client = SchedulerClient(
+            cfg.url,
+            job_name,
+            priority=cfg.priority,
+            weight=cfg.weight,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            pin=cfg.pin,
+        )
         self.handles = handles
         self._state: _ExecutorState | None = None
         self.waited_s = 0.0
@@ -118,14 +126,21 @@ class JobLeases:
         if not (self.cfg.pin and cores):
             yield
             return
-        pids = sorted({h.pid for h in self.handles if getattr(h, "pid", None) not in (None, os.getpid())})
+        pids = sorted(
+            {h.pid for h in self.handles if getattr(h, "pid", None) not in (None, os.getpid())}
+        )
         with pinned(cores, whole_process=True), _pinned_pids(cores, pids):
             yield
 
     def metrics(self) -> dict[str, float]:
         s = self.client.stats
-        return {"scheduler/wait_s": s["wait_s"], "scheduler/held_s": s["held_s"], "scheduler/offload_s": s["offload_s"],
-                "scheduler/restore_s": s["restore_s"], "scheduler/num_offloads": float(s["num_offloads"])}  # fmt: skip
+        return {
+            "scheduler/wait_s": s["wait_s"],
+            "scheduler/held_s": s["held_s"],
+            "scheduler/offload_s": s["offload_s"],
+            "scheduler/restore_s": s["restore_s"],
+            "scheduler/num_offloads": float(s["num_offloads"]),
+        }
 
     def close(self) -> None:
         self.client.close()
@@ -134,6 +149,11 @@ class JobLeases:
 @contextmanager
 def _pinned_pids(cores: list[int], pids: list[int]):
     """Executor processes (the process runtime) on the lease's cores meanwhile."""
-    tids = [int(t) for pid in pids if os.path.isdir(f"/proc/{pid}/task") for t in os.listdir(f"/proc/{pid}/task")]
+    tids = [
+        int(t)
+        for pid in pids
+        if os.path.isdir(f"/proc/{pid}/task")
+        for t in os.listdir(f"/proc/{pid}/task")
+    ]
     with pinned_threads(cores, tids):
         yield

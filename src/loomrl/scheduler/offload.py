@@ -39,7 +39,9 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # storage data pointer -> the shared mapping that holds it; an entry leaves with its mapping
 _HOMES: dict[int, weakref.ref] = {}
 _populate = {"supported": True}  # cleared where the kernel has no MADV_POPULATE_READ
-_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # what an offloaded tensor holds
+_PLACEHOLDERS: dict[
+    tuple[torch.dtype, torch.device], torch.Tensor
+] = {}  # what an offloaded tensor holds
 
 
 @dataclass
@@ -93,7 +95,11 @@ def _tensors(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_d
 
 
 def default_offload_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else tempfile.gettempdir()
+    )
 
 
 def release_freed_memory() -> None:
@@ -136,12 +142,19 @@ def _rehome(tensors: list[torch.Tensor], directory: str) -> tuple[mmap.mmap, lis
     return area, homes
 
 
-def offload(module: Modules, optimizer: torch.optim.Optimizer | None = None, *, tensor_dicts: list[dict] | None = None,
-            directory: str | None = None) -> OffloadedState:  # fmt: skip
+def offload(
+    module: Modules,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    tensor_dicts: list[dict] | None = None,
+    directory: str | None = None,
+) -> OffloadedState:
     """Take every tensor of ``module`` (one or a list), ``optimizer`` and ``tensor_dicts``
     off its device; returns what ``restore`` needs. Nothing may use them until then."""
     t0 = time.perf_counter()
-    entries, mappings, moved, copied = _take(module, optimizer, tensor_dicts or [], directory or default_offload_dir())
+    entries, mappings, moved, copied = _take(
+        module, optimizer, tensor_dicts or [], directory or default_offload_dir()
+    )
     if any(e.host is not None for e in entries):
         torch.cuda.synchronize()
     for e in entries:
@@ -155,8 +168,12 @@ def offload(module: Modules, optimizer: torch.optim.Optimizer | None = None, *, 
     return OffloadedState(entries, mappings, moved, copied, time.perf_counter() - t0)
 
 
-def _take(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_dicts: list[dict],
-          directory: str) -> tuple[list[_Entry], list[mmap.mmap], int, int]:  # fmt: skip
+def _take(
+    modules: Modules,
+    optimizer: torch.optim.Optimizer | None,
+    tensor_dicts: list[dict],
+    directory: str,
+) -> tuple[list[_Entry], list[mmap.mmap], int, int]:
     """The entries, each with its tensor in a shared mapping (CPU) or a pinned copy (CUDA),
     the mappings they are in, the bytes moved and the bytes copied. The originals of copied
     tensors are referenced only by their owners when it returns."""
@@ -240,8 +257,14 @@ class Swappable:
     """A module (and optimizer) that a scheduler client can offload and restore; the
     trainer's or the generator's state."""
 
-    def __init__(self, module: Modules, optimizer: torch.optim.Optimizer | None = None, *,
-                 tensor_dicts: list[dict] | None = None, directory: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: Modules,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        tensor_dicts: list[dict] | None = None,
+        directory: str | None = None,
+    ) -> None:
         self.module, self.optimizer, self.directory = module, optimizer, directory
         self.tensor_dicts = tensor_dicts or []
         self._state: OffloadedState | None = None
@@ -252,7 +275,12 @@ class Swappable:
 
     def offload(self) -> float:
         if self._state is None:
-            self._state = offload(self.module, self.optimizer, tensor_dicts=self.tensor_dicts, directory=self.directory)
+            self._state = offload(
+                self.module,
+                self.optimizer,
+                tensor_dicts=self.tensor_dicts,
+                directory=self.directory,
+            )
             return self._state.seconds
         return 0.0
 

@@ -19,7 +19,9 @@ Scheduler = Any  # loomrl.scheduler.core.Scheduler (not imported: core imports t
 class Policy(Protocol):
     name: str
 
-    def pick(self, device: str, waiters: list[Request], sched: Scheduler, now: float) -> Request | None: ...
+    def pick(
+        self, device: str, waiters: list[Request], sched: Scheduler, now: float
+    ) -> Request | None: ...
 
     def on_charge(self, job: Job, seconds: float) -> None: ...
 
@@ -29,7 +31,9 @@ class Fifo:
 
     name = "fifo"
 
-    def pick(self, device: str, waiters: list[Request], sched: Scheduler, now: float) -> Request | None:
+    def pick(
+        self, device: str, waiters: list[Request], sched: Scheduler, now: float
+    ) -> Request | None:
         return min(waiters, key=lambda r: (r.requested_at, r.id)) if waiters else None
 
     def on_charge(self, job: Job, seconds: float) -> None:
@@ -44,8 +48,12 @@ class PriorityBackfill:
 
     name = "priority"
 
-    def pick(self, device: str, waiters: list[Request], sched: Scheduler, now: float) -> Request | None:
-        ordered = sorted(waiters, key=lambda r: (-sched.jobs[r.job_id].priority, r.requested_at, r.id))
+    def pick(
+        self, device: str, waiters: list[Request], sched: Scheduler, now: float
+    ) -> Request | None:
+        ordered = sorted(
+            waiters, key=lambda r: (-sched.jobs[r.job_id].priority, r.requested_at, r.id)
+        )
         if not ordered:
             return None
         head = ordered[0]
@@ -81,7 +89,9 @@ class FairShare:
         self.quantum_s = quantum_s
         self.last_seq = -1
 
-    def pick(self, device: str, waiters: list[Request], sched: Scheduler, now: float) -> Request | None:
+    def pick(
+        self, device: str, waiters: list[Request], sched: Scheduler, now: float
+    ) -> Request | None:
         if not waiters:
             return None
         by_job: dict[str, Request] = {}
@@ -89,14 +99,18 @@ class FairShare:
             by_job.setdefault(r.job_id, r)
         jobs = sorted((sched.jobs[j] for j in by_job), key=lambda j: j.seq)
         # round-robin order: the jobs after the one served last, then the rest
-        jobs = [j for j in jobs if j.seq > self.last_seq] + [j for j in jobs if j.seq <= self.last_seq]
+        jobs = [j for j in jobs if j.seq > self.last_seq] + [
+            j for j in jobs if j.seq <= self.last_seq
+        ]
         if not any(j.deficit_s > 0 for j in jobs):
             # Rounds go to every live job, also those between phases (their idle gap is
             # part of their work), so a job with short gaps is not starved of credit.
             rounds = min(math.floor(-j.deficit_s / (self.quantum_s * j.weight)) + 1 for j in jobs)
             for j in sched.jobs.values():
                 if j.state == "alive":
-                    j.deficit_s = min(j.deficit_s + rounds * self.quantum_s * j.weight, self.quantum_s * j.weight)
+                    j.deficit_s = min(
+                        j.deficit_s + rounds * self.quantum_s * j.weight, self.quantum_s * j.weight
+                    )
                     sched.save(j)
         # The most credit per weight first (ties in round-robin order): a job that was away
         # between phases (a tool call) and returns with credit is served before jobs that

@@ -73,29 +73,58 @@ def parse_devices(specs: list[str]) -> dict[str, list[int] | None]:
             try:
                 ids.extend(range(int(lo), int(hi or lo) + 1))
             except ValueError:
-                raise ValueError(f"bad core list {cores!r} in device spec {spec!r}: expected e.g. 0-1,3") from None
+                raise ValueError(
+                    f"bad core list {cores!r} in device spec {spec!r}: expected e.g. 0-1,3"
+                ) from None
         devices[name] = ids
     return devices
 
 
 class SchedulerDaemon:
-    def __init__(self, devices: dict[str, list[int] | None], *, policy: str = "fair", db_path: str = ":memory:",
-                 host: str = "127.0.0.1", port: int = 0, tick_s: float = 0.05, max_hold_s: float | None = None,
-                 switch_cost_multiple: float = 0.0, quantum_s: float = 1.0, token_file: str | Path | None = None,
-                 max_connections: int | None = None, max_connections_per_client: int | None = None,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, stall_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        devices: dict[str, list[int] | None],
+        *,
+        policy: str = "fair",
+        db_path: str = ":memory:",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tick_s: float = 0.05,
+        max_hold_s: float | None = None,
+        switch_cost_multiple: float = 0.0,
+        quantum_s: float = 1.0,
+        token_file: str | Path | None = None,
+        max_connections: int | None = None,
+        max_connections_per_client: int | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        stall_s: float | None = None,
+    ) -> None:
         from loomrl.scheduler.store import SqliteStore
 
         self.store = SqliteStore(db_path)
         self.lock = threading.Condition()
-        self.core = Scheduler(devices, policy, max_hold_s=max_hold_s, switch_cost_multiple=switch_cost_multiple,
-                              quantum_s=quantum_s, store=self.store, now=time.time())  # fmt: skip
+        self.core = Scheduler(
+            devices,
+            policy,
+            max_hold_s=max_hold_s,
+            switch_cost_multiple=switch_cost_multiple,
+            quantum_s=quantum_s,
+            store=self.store,
+            now=time.time(),
+        )
         self.tick_s = tick_s
         self.stall_s = stall_s if stall_s is not None else max(2.0, 50 * tick_s)
-        self.httpd = CappedHTTPServer((host, port), make_handler(self, idle_timeout_s=idle_timeout_s),
-                                      max_connections=max_connections,
-                                      max_per_client=max_connections_per_client)  # fmt: skip
-        self.token_file = Path(token_file) if token_file else auth.default_token_file(self.httpd.server_address[1])
+        self.httpd = CappedHTTPServer(
+            (host, port),
+            make_handler(self, idle_timeout_s=idle_timeout_s),
+            max_connections=max_connections,
+            max_per_client=max_connections_per_client,
+        )
+        self.token_file = (
+            Path(token_file)
+            if token_file
+            else auth.default_token_file(self.httpd.server_address[1])
+        )
         try:
             self.token = auth.write_token_file(self.token_file)
         except OSError:
@@ -115,11 +144,18 @@ class SchedulerDaemon:
 
     def start(self) -> SchedulerDaemon:
         for target in (self.httpd.serve_forever, self._tick_loop):
-            thread = threading.Thread(target=target, daemon=True, name=f"scheduler-{target.__name__}")
+            thread = threading.Thread(
+                target=target, daemon=True, name=f"scheduler-{target.__name__}"
+            )
             thread.start()
             self._threads.append(thread)
-        logger.info("scheduler listening on %s (policy %s, devices %s; token in %s)", self.url,
-                    self.core.policy.name, sorted(self.core.devices), self.token_file)  # fmt: skip
+        logger.info(
+            "scheduler listening on %s (policy %s, devices %s; token in %s)",
+            self.url,
+            self.core.policy.name,
+            sorted(self.core.devices),
+            self.token_file,
+        )
         return self
 
     def serve_forever(self) -> None:
@@ -166,8 +202,11 @@ class SchedulerDaemon:
         now = time.time()
         if now - self._last_error_logged >= TICK_ERROR_LOG_EVERY_S:
             self._last_error_logged = now
-            logger.error("scheduler: a scheduling pass failed (%d so far); the loop goes on", self.tick_errors,
-                         exc_info=err)  # fmt: skip
+            logger.error(
+                "scheduler: a scheduling pass failed (%d so far); the loop goes on",
+                self.tick_errors,
+                exc_info=err,
+            )
 
     def health(self) -> dict[str, Any]:
         """Not ok when the tick thread has ended or no pass completed for ``stall_s``
@@ -181,7 +220,12 @@ class SchedulerDaemon:
             why = f"no scheduling pass completed for {age:.1f} s (limit {self.stall_s:g} s)"
             if self.last_tick_error:
                 why += f"; the last one failed: {self.last_tick_error}"
-        return {"ok": why is None, "why": why, "tick_age_s": round(age, 3), "tick_errors": self.tick_errors}
+        return {
+            "ok": why is None,
+            "why": why,
+            "tick_age_s": round(age, 3),
+            "tick_errors": self.tick_errors,
+        }
 
     # -- the API, under the lock ---------------------------------------------------------
 
@@ -203,34 +247,54 @@ class SchedulerDaemon:
 
     def _register(self, req: api.Register, now: float) -> dict[str, Any]:
         if not auth.same(req.token, self.token):
-            raise Unauthorized(f"registering needs the daemon's token ({'a wrong one was given' if req.token else 'none given'}): "
-                               f"a job of the daemon's user reads it from {self.token_file}; others get it from "
-                               f"the daemon's owner and set {auth.TOKEN_ENV}")  # fmt: skip
+            raise Unauthorized(
+                f"registering needs the daemon's token ({'a wrong one was given' if req.token else 'none given'}): "
+                f"a job of the daemon's user reads it from {self.token_file}; others get it from "
+                f"the daemon's owner and set {auth.TOKEN_ENV}"
+            )
         secret, secret_sha256 = auth.new_secret()
-        job = self.core.register(req.name, now, priority=req.priority, weight=req.weight,
-                                 heartbeat_timeout_s=req.heartbeat_timeout_s, secret_sha256=secret_sha256)  # fmt: skip
+        job = self.core.register(
+            req.name,
+            now,
+            priority=req.priority,
+            weight=req.weight,
+            heartbeat_timeout_s=req.heartbeat_timeout_s,
+            secret_sha256=secret_sha256,
+        )
         return {"job_id": job.id, "secret": secret, "heartbeat_timeout_s": job.heartbeat_timeout_s}
 
     def _authorize(self, req: api.JobCall) -> None:
         job = self.core.jobs.get(req.job_id)
         if job is None:
             raise UnknownJob(f"unknown job id {req.job_id!r}: register first")
-        if job.secret_sha256 is None or not auth.same(auth.digest(req.secret or ""), job.secret_sha256):
-            raise Forbidden(f"a call for job {job.name!r} needs that job's secret (returned when it registered)")
+        if job.secret_sha256 is None or not auth.same(
+            auth.digest(req.secret or ""), job.secret_sha256
+        ):
+            raise Forbidden(
+                f"a call for job {job.name!r} needs that job's secret (returned when it registered)"
+            )
 
     def _job_call(self, req: api.JobCall, now: float) -> dict[str, Any]:
         core = self.core
         if isinstance(req, api.Heartbeat):
             return core.heartbeat(req.job_id, now)
         if isinstance(req, api.Release):
-            return core.release(req.lease_id, req.job_id, now, restore_s=req.restore_s,
-                                expected_idle_s=req.expected_idle_s)  # fmt: skip
+            return core.release(
+                req.lease_id,
+                req.job_id,
+                now,
+                restore_s=req.restore_s,
+                expected_idle_s=req.expected_idle_s,
+            )
         if isinstance(req, api.Evicted):
             core.evicted(req.job_id, list(req.devices), now, offload_s=req.offload_s)
         elif isinstance(req, api.Boundary):
             lease = core.lease(req.lease_id, req.job_id)
-            waiting = sum(1 for r in core.requests.values()
-                          if r.job_id != lease.job_id and set(r.devices) & set(lease.devices))  # fmt: skip
+            waiting = sum(
+                1
+                for r in core.requests.values()
+                if r.job_id != lease.job_id and set(r.devices) & set(lease.devices)
+            )
             return {"yield": lease.yield_requested, "waiting": waiting}
         elif isinstance(req, api.Cancel):
             core.job(req.job_id)
@@ -246,18 +310,30 @@ class SchedulerDaemon:
             self._authorize(req)
             now = time.time()
             if isinstance(req, api.Acquire):
-                request = self.core.request(req.job_id, list(req.devices), req.phase, now, expected_s=req.expected_s,
-                                            timeout_s=req.timeout_s)  # fmt: skip
+                request = self.core.request(
+                    req.job_id,
+                    list(req.devices),
+                    req.phase,
+                    now,
+                    expected_s=req.expected_s,
+                    timeout_s=req.timeout_s,
+                )
                 self.lock.notify_all()
             else:
                 self.core.job(req.job_id)
                 request = self.core.lookup(req.request_id)
                 if request is None or request.job_id != req.job_id:
-                    raise SchedulerError(f"unknown request {req.request_id!r} for job {req.job_id!r}")
+                    raise SchedulerError(
+                        f"unknown request {req.request_id!r} for job {req.job_id!r}"
+                    )
             poll_end = now + req.poll_s
             while request.state == "waiting":
                 now = time.time()
-                limit = poll_end if request.deadline_at is None else min(poll_end, request.deadline_at + self.tick_s)
+                limit = (
+                    poll_end
+                    if request.deadline_at is None
+                    else min(poll_end, request.deadline_at + self.tick_s)
+                )
                 if now >= limit:
                     break
                 self.lock.wait(timeout=min(limit - now, 0.5))
@@ -266,10 +342,18 @@ class SchedulerDaemon:
             if request.state == "granted":
                 lease = self.core.leases.get(request.lease_id or "")
                 if lease is None:
-                    raise LeaseLost(f"lease {request.lease_id} was granted and then lost before it was collected")
-                cores = sorted({c for d in lease.devices for c in (self.core.devices[d].cores or [])})
-                return {"lease_id": lease.id, "devices": lease.devices, "cores": cores or None,
-                        "waited_s": lease.granted_at - request.requested_at}  # fmt: skip
+                    raise LeaseLost(
+                        f"lease {request.lease_id} was granted and then lost before it was collected"
+                    )
+                cores = sorted(
+                    {c for d in lease.devices for c in (self.core.devices[d].cores or [])}
+                )
+                return {
+                    "lease_id": lease.id,
+                    "devices": lease.devices,
+                    "cores": cores or None,
+                    "waited_s": lease.granted_at - request.requested_at,
+                }
             if request.state == "timed_out":
                 raise AcquireTimeout(request.error or "acquire timed out")
             raise SchedulerError(request.error or f"request {request.id} was {request.state}")
@@ -284,7 +368,10 @@ class SchedulerDaemon:
         from loomrl.scheduler.metrics import render
 
         snap = self.status()
-        snap["daemon"] = {**self.health(), "connections": self.httpd.num_connections(),
-                          "connections_evicted": self.httpd.counts["evicted"],
-                          "connections_refused": self.httpd.counts["refused"]}  # fmt: skip
+        snap["daemon"] = {
+            **self.health(),
+            "connections": self.httpd.num_connections(),
+            "connections_evicted": self.httpd.counts["evicted"],
+            "connections_refused": self.httpd.counts["refused"],
+        }
         return render(snap)

@@ -57,19 +57,38 @@ def jain(values: list[float]) -> float:
 
 
 class _Sim:
-    def __init__(self, jobs: list[SimJob], policy: str, *, switch_cost_multiple: float, max_hold_s: float | None,
-                 tick_s: float, quantum_s: float, seed: int, heartbeat_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        jobs: list[SimJob],
+        policy: str,
+        *,
+        switch_cost_multiple: float,
+        max_hold_s: float | None,
+        tick_s: float,
+        quantum_s: float,
+        seed: int,
+        heartbeat_s: float = 0.0,
+    ) -> None:
         self.heartbeat_s = heartbeat_s
         devices = sorted({j.device for j in jobs})
-        self.core = Scheduler({d: None for d in devices}, policy, switch_cost_multiple=switch_cost_multiple,
-                              max_hold_s=max_hold_s, quantum_s=quantum_s)  # fmt: skip
+        self.core = Scheduler(
+            {d: None for d in devices},
+            policy,
+            switch_cost_multiple=switch_cost_multiple,
+            max_hold_s=max_hold_s,
+            quantum_s=quantum_s,
+        )
         self.jobs = jobs
         self.rng = random.Random(seed)
         self.tick_s = tick_s
         self.queue: list[tuple[float, int, str, int]] = []
         self.seq = itertools.count()
-        self.ids = [self.core.register(j.name, 0.0, priority=j.priority, weight=j.weight,
-                                       heartbeat_timeout_s=1e12).id for j in jobs]  # fmt: skip
+        self.ids = [
+            self.core.register(
+                j.name, 0.0, priority=j.priority, weight=j.weight, heartbeat_timeout_s=1e12
+            ).id
+            for j in jobs
+        ]
         self.phase = [0] * len(jobs)
         self.pending: dict[int, str] = {}  # job index -> request id
         self.lease_of: dict[int, str] = {}
@@ -108,8 +127,9 @@ class _Sim:
         if kind == "idle":
             self.at(t + self.length(i, seconds), "advance", i)
         else:
-            self.pending[i] = self.core.request(self.ids[i], [self.jobs[i].device], "device", t,
-                                                expected_s=seconds).id  # fmt: skip
+            self.pending[i] = self.core.request(
+                self.ids[i], [self.jobs[i].device], "device", t, expected_s=seconds
+            ).id
 
     def _on_advance(self, t: float, i: int) -> None:
         self.phase[i] += 1
@@ -144,8 +164,13 @@ class _Sim:
 
     def _on_release(self, t: float, i: int) -> None:
         gap = self._gap_after(i)
-        out = self.core.release(self.lease_of.pop(i), self.ids[i], t, restore_s=self.lease_restore.pop(i, 0.0),
-                                expected_idle_s=gap)  # fmt: skip
+        out = self.core.release(
+            self.lease_of.pop(i),
+            self.ids[i],
+            t,
+            restore_s=self.lease_restore.pop(i, 0.0),
+            expected_idle_s=gap,
+        )
         if out["evict"]:
             self.offloaded[i] = True
             self.evicting.add(i)
@@ -176,12 +201,29 @@ class _Sim:
                     self.at(t + self.heartbeat_s / 2 + self.jobs[i].offload_s, "idle_evicted", i)
 
 
-def simulate(jobs: list[SimJob], policy: str = "fair", duration_s: float = 600.0, *,
-             switch_cost_multiple: float = 0.0, max_hold_s: float | None = None, tick_s: float = 0.05,
-             quantum_s: float = 1.0, seed: int = 0, heartbeat_s: float = 0.0,
-             hold_gap_s: float = 0.05) -> SimResult:  # fmt: skip
-    sim = _Sim(jobs, policy, switch_cost_multiple=switch_cost_multiple, max_hold_s=max_hold_s, tick_s=tick_s,
-               quantum_s=quantum_s, seed=seed, heartbeat_s=heartbeat_s)  # fmt: skip
+def simulate(
+    jobs: list[SimJob],
+    policy: str = "fair",
+    duration_s: float = 600.0,
+    *,
+    switch_cost_multiple: float = 0.0,
+    max_hold_s: float | None = None,
+    tick_s: float = 0.05,
+    quantum_s: float = 1.0,
+    seed: int = 0,
+    heartbeat_s: float = 0.0,
+    hold_gap_s: float = 0.05,
+) -> SimResult:
+    sim = _Sim(
+        jobs,
+        policy,
+        switch_cost_multiple=switch_cost_multiple,
+        max_hold_s=max_hold_s,
+        tick_s=tick_s,
+        quantum_s=quantum_s,
+        seed=seed,
+        heartbeat_s=heartbeat_s,
+    )
     sim.core.hold_gap_s = hold_gap_s
     sim.run(duration_s)
     core = sim.core
@@ -193,10 +235,17 @@ def simulate(jobs: list[SimJob], policy: str = "fair", duration_s: float = 600.0
     swap_s = {n: core.jobs[i].swap_s for n, i in zip(names, sim.ids)}
     duty = {d.name: min(1.0, d.busy_s / duration_s) for d in core.devices.values()}
     useful = {d: min(1.0, s / duration_s) for d, s in sim.useful.items()}
-    return SimResult(policy=core.policy.name, duration_s=duration_s, duty=duty, useful_duty=useful,
-                     completions=dict(zip(names, sim.completions)), device_s=device_s, swap_s=swap_s,
-                     jain=jain(list(device_s.values())),
-                     swap_share=sum(swap_s.values()) / (duration_s * len(core.devices)))  # fmt: skip
+    return SimResult(
+        policy=core.policy.name,
+        duration_s=duration_s,
+        duty=duty,
+        useful_duty=useful,
+        completions=dict(zip(names, sim.completions)),
+        device_s=device_s,
+        swap_s=swap_s,
+        jain=jain(list(device_s.values())),
+        swap_share=sum(swap_s.values()) / (duration_s * len(core.devices)),
+    )
 
 
 def llm_d_case(train_s: float = 194.0) -> list[SimJob]:
@@ -204,8 +253,16 @@ def llm_d_case(train_s: float = 194.0) -> list[SimJob]:
     snapshot and 9 s to restore a job's GPU state. ``train_s`` (not published) sets the
     phase length; the idle gap follows from the 41.6%."""
     idle_s = train_s * (1 / 0.416 - 1)
-    return [SimJob(name, [("device", train_s), ("idle", idle_s)], offload_s=21.0, restore_s=9.0,
-                   start_s=start) for name, start in (("job-a", 0.0), ("job-b", train_s / 2))]  # fmt: skip
+    return [
+        SimJob(
+            name,
+            [("device", train_s), ("idle", idle_s)],
+            offload_s=21.0,
+            restore_s=9.0,
+            start_s=start,
+        )
+        for name, start in (("job-a", 0.0), ("job-b", train_s / 2))
+    ]
 
 
 def cluster_case(num_jobs: int, num_devices: int, seed: int = 0) -> list[SimJob]:
@@ -217,7 +274,15 @@ def cluster_case(num_jobs: int, num_devices: int, seed: int = 0) -> list[SimJob]
         busy = rng.uniform(1.0, 10.0)
         alone = rng.uniform(0.2, 0.7)
         swap = busy * rng.uniform(0.02, 0.05)
-        jobs.append(SimJob(f"job-{n}", [("device", busy), ("idle", busy * (1 / alone - 1))], offload_s=swap / 2,
-                           restore_s=swap / 2, device=f"dev{n % num_devices}", start_s=rng.uniform(0, busy),
-                           jitter=0.2))  # fmt: skip
+        jobs.append(
+            SimJob(
+                f"job-{n}",
+                [("device", busy), ("idle", busy * (1 / alone - 1))],
+                offload_s=swap / 2,
+                restore_s=swap / 2,
+                device=f"dev{n % num_devices}",
+                start_s=rng.uniform(0, busy),
+                jitter=0.2,
+            )
+        )
     return jobs

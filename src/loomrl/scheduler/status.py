@@ -32,42 +32,94 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
     for d in sorted(sched.devices.values(), key=lambda d: d.name):
         holder = sched.leases.get(d.holder or "")
         resident = sched.jobs.get(d.resident or "")
-        devices.append({
-            "name": d.name, "cores": d.cores,
-            "holder": None if holder is None else {
-                "lease": holder.id, "job": sched.jobs[holder.job_id].name, "phase": holder.phase,
-                "state": holder.state, "held_s": now - holder.granted_at,
-                "yield_requested": holder.yield_requested},
-            "resident": None if resident is None else resident.name,
-            "utilisation": busy_in_window(sched, d.name, window_start, now) / span,
-            "busy_s": d.busy_s,
-        })  # fmt: skip
+        devices.append(
+            {
+                "name": d.name,
+                "cores": d.cores,
+                "holder": None
+                if holder is None
+                else {
+                    "lease": holder.id,
+                    "job": sched.jobs[holder.job_id].name,
+                    "phase": holder.phase,
+                    "state": holder.state,
+                    "held_s": now - holder.granted_at,
+                    "yield_requested": holder.yield_requested,
+                },
+                "resident": None if resident is None else resident.name,
+                "utilisation": busy_in_window(sched, d.name, window_start, now) / span,
+                "busy_s": d.busy_s,
+            }
+        )
     queue = []
     for r in sorted(sched.requests.values(), key=lambda r: (r.requested_at, r.id)):
-        queue.append({"request": r.id, "job": sched.jobs[r.job_id].name, "phase": r.phase,
-                      "devices": r.devices, "waited_s": now - r.requested_at,
-                      "deadline_in_s": None if r.deadline_at is None else r.deadline_at - now,
-                      "why": sched.why_waiting(r, now)})  # fmt: skip
+        queue.append(
+            {
+                "request": r.id,
+                "job": sched.jobs[r.job_id].name,
+                "phase": r.phase,
+                "devices": r.devices,
+                "waited_s": now - r.requested_at,
+                "deadline_in_s": None if r.deadline_at is None else r.deadline_at - now,
+                "why": sched.why_waiting(r, now),
+            }
+        )
     jobs = []
     for j in sorted(sched.jobs.values(), key=lambda j: j.seq):
         end = j.ended_at if j.ended_at is not None else now
         elapsed = max(end - j.registered_at, 1e-9)
         waiting_now = sum(now - r.requested_at for r in sched.requests.values() if r.job_id == j.id)
         wait = j.wait_s + waiting_now
-        jobs.append({
-            "name": j.name, "state": j.state, "priority": j.priority, "weight": j.weight,
-            "device_s": j.device_s, "swap_s": j.swap_s, "wait_s": wait, "grants": j.num_grants,
-            "swaps": j.num_swaps, "deficit_s": j.deficit_s, "elapsed_s": elapsed,
-            # what waiting for devices stretched its run by: elapsed / (elapsed - wait)
-            "slowdown": elapsed / max(elapsed - wait, 1e-9),
-            "heartbeat_age_s": now - j.last_heartbeat,
-        })  # fmt: skip
-    leases = [{"lease": x.id, "job": sched.jobs[x.job_id].name, "devices": x.devices, "phase": x.phase,
-               "state": x.state, "held_s": now - x.granted_at} for x in sched.leases.values()]  # fmt: skip
+        jobs.append(
+            {
+                "name": j.name,
+                "state": j.state,
+                "priority": j.priority,
+                "weight": j.weight,
+                "device_s": j.device_s,
+                "swap_s": j.swap_s,
+                "wait_s": wait,
+                "grants": j.num_grants,
+                "swaps": j.num_swaps,
+                "deficit_s": j.deficit_s,
+                "elapsed_s": elapsed,
+                # what waiting for devices stretched its run by: elapsed / (elapsed - wait)
+                "slowdown": elapsed / max(elapsed - wait, 1e-9),
+                "heartbeat_age_s": now - j.last_heartbeat,
+            }
+        )
+    leases = [
+        {
+            "lease": x.id,
+            "job": sched.jobs[x.job_id].name,
+            "devices": x.devices,
+            "phase": x.phase,
+            "state": x.state,
+            "held_s": now - x.granted_at,
+        }
+        for x in sched.leases.values()
+    ]
     timeline = [s for s in sched.intervals if s["end"] >= now - window_s]
-    timeline += [{"device": n, "job": sched.jobs[x.job_id].name, "phase": x.phase,
-                  "kind": "swap" if x.state == "evicting" else "lease", "start": x.granted_at, "end": now}
-                 for x in sched.leases.values() for n in x.devices]  # fmt: skip
-    return {"now": now, "policy": sched.policy.name, "window_s": window_s, "devices": devices,
-            "queue": queue, "jobs": jobs, "leases": leases, "timeline": timeline,
-            "events": list(sched.events)[-30:]}  # fmt: skip
+    timeline += [
+        {
+            "device": n,
+            "job": sched.jobs[x.job_id].name,
+            "phase": x.phase,
+            "kind": "swap" if x.state == "evicting" else "lease",
+            "start": x.granted_at,
+            "end": now,
+        }
+        for x in sched.leases.values()
+        for n in x.devices
+    ]
+    return {
+        "now": now,
+        "policy": sched.policy.name,
+        "window_s": window_s,
+        "devices": devices,
+        "queue": queue,
+        "jobs": jobs,
+        "leases": leases,
+        "timeline": timeline,
+        "events": list(sched.events)[-30:],
+    }

@@ -38,17 +38,23 @@ class SqliteStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         for table, _ in TABLES.values():
-            self.db.execute(f"CREATE TABLE IF NOT EXISTS {table} (id TEXT PRIMARY KEY, state TEXT, body TEXT NOT NULL)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                        "t REAL, kind TEXT, job TEXT, device TEXT, body TEXT)")  # fmt: skip
+            self.db.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} (id TEXT PRIMARY KEY, state TEXT, body TEXT NOT NULL)"
+            )
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "t REAL, kind TEXT, job TEXT, device TEXT, body TEXT)"
+        )
         self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
 
     def save(self, record: Record) -> None:
         table, key = TABLES[type(record)]
         body = record.to_dict()
         with self._lock:
-            self.db.execute(f"INSERT OR REPLACE INTO {table} (id, state, body) VALUES (?, ?, ?)",
-                            (body[key], body.get("state"), json.dumps(body)))  # fmt: skip
+            self.db.execute(
+                f"INSERT OR REPLACE INTO {table} (id, state, body) VALUES (?, ?, ?)",
+                (body[key], body.get("state"), json.dumps(body)),
+            )
 
     def load(self, cls: type[R]) -> list[R]:
         table, _ = TABLES[cls]
@@ -64,12 +70,22 @@ class SqliteStore:
 
     def log_event(self, event: dict[str, Any]) -> None:
         with self._lock:
-            self.db.execute("INSERT INTO events (t, kind, job, device, body) VALUES (?, ?, ?, ?, ?)",
-                            (event["t"], event["kind"], event.get("job"), event.get("device"), json.dumps(event)))  # fmt: skip
+            self.db.execute(
+                "INSERT INTO events (t, kind, job, device, body) VALUES (?, ?, ?, ?, ?)",
+                (
+                    event["t"],
+                    event["kind"],
+                    event.get("job"),
+                    event.get("device"),
+                    json.dumps(event),
+                ),
+            )
 
     def events(self, limit: int = 100) -> list[dict[str, Any]]:
         with self._lock:
-            rows = self.db.execute("SELECT body FROM events ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+            rows = self.db.execute(
+                "SELECT body FROM events ORDER BY seq DESC LIMIT ?", (limit,)
+            ).fetchall()
         return [json.loads(body) for (body,) in reversed(rows)]
 
     def get_meta(self, key: str, default: Any = None) -> Any:
@@ -79,7 +95,9 @@ class SqliteStore:
 
     def set_meta(self, key: str, value: Any) -> None:
         with self._lock:
-            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+            self.db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value))
+            )
 
     def close(self) -> None:
         with self._lock:

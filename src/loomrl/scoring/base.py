@@ -80,7 +80,9 @@ class BatchedModelScorer(RewardEndpoints):
         """The item's token ids; raises ``RewardFailure`` for one that cannot be scored."""
 
     @abstractmethod
-    def score_batch(self, ids: list[list[int]], items: list[ScoreItem]) -> list[float | RewardFailure]:
+    def score_batch(
+        self, ids: list[list[int]], items: list[ScoreItem]
+    ) -> list[float | RewardFailure]:
         """Each row's score (or ``RewardFailure``), in the order given."""
 
     @endpoint  # one call at a time, in order: one model, one batch on its device at a time
@@ -94,9 +96,13 @@ class BatchedModelScorer(RewardEndpoints):
             except RewardFailure as failure:
                 values[i] = failure
         order = list(encoded)
-        for batch in token_budget_batches([len(encoded[i]) for i in order], self.max_tokens_per_batch):
+        for batch in token_budget_batches(
+            [len(encoded[i]) for i in order], self.max_tokens_per_batch
+        ):
             rows = [order[k] for k in batch]
-            for i, value in zip(rows, self.score_batch([encoded[i] for i in rows], [items[i] for i in rows])):
+            for i, value in zip(
+                rows, self.score_batch([encoded[i] for i in rows], [items[i] for i in rows])
+            ):
                 values[i] = value
             self._num_batches += 1
         seconds = (time.perf_counter() - t0) / max(len(items), 1)
@@ -132,8 +138,11 @@ class BatchedModelScorer(RewardEndpoints):
 
     def metrics(self) -> dict[str, float]:
         """This executor's counts so far (they add up over executors in the job's metrics)."""
-        return {"scorer/model_items": float(self._num_items), "scorer/model_batches": float(self._num_batches),
-                "scorer/model_busy_s": self._model_s}  # fmt: skip
+        return {
+            "scorer/model_items": float(self._num_items),
+            "scorer/model_batches": float(self._num_batches),
+            "scorer/model_busy_s": self._model_s,
+        }
 
 
 def load_frozen(model, device, dtype):

@@ -30,8 +30,11 @@ def judge_prompt(template: str, item: ScoreItem) -> str:
     try:
         return template.format(**{**row, "prompt": prompt, "completion": completion})
     except (KeyError, IndexError, ValueError) as err:
-        raise RewardFailure("judge_template", f"task.scorer.prompt_template cannot be filled in for this row "
-                            f"(columns {sorted(row)}): {type(err).__name__}: {err}") from None  # fmt: skip
+        raise RewardFailure(
+            "judge_template",
+            f"task.scorer.prompt_template cannot be filled in for this row "
+            f"(columns {sorted(row)}): {type(err).__name__}: {err}",
+        ) from None
 
 
 def parse_judgement(parser: Any, text: str) -> float | RewardFailure:
@@ -39,14 +42,21 @@ def parse_judgement(parser: Any, text: str) -> float | RewardFailure:
     try:
         value = parser(text)
     except Exception as err:  # noqa: BLE001 - user code: any error is an unparsed judgement
-        return RewardFailure("judge_unparsed", f"the judge's text was not parsed ({type(err).__name__}: {err}): "
-                             f"{text[:TEXT_SHOWN]!r}")  # fmt: skip
+        return RewardFailure(
+            "judge_unparsed",
+            f"the judge's text was not parsed ({type(err).__name__}: {err}): {text[:TEXT_SHOWN]!r}",
+        )
     if value is None:
-        return RewardFailure("judge_unparsed", f"the judge's text was not parsed (the parser returned None): "
-                             f"{text[:TEXT_SHOWN]!r}")  # fmt: skip
+        return RewardFailure(
+            "judge_unparsed",
+            f"the judge's text was not parsed (the parser returned None): {text[:TEXT_SHOWN]!r}",
+        )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return RewardFailure("invalid", f"the judge parser returned {_safe_repr(value)} for {text[:TEXT_SHOWN]!r}, "
-                             "expected a float")  # fmt: skip
+        return RewardFailure(
+            "invalid",
+            f"the judge parser returned {_safe_repr(value)} for {text[:TEXT_SHOWN]!r}, "
+            "expected a float",
+        )
     return value
 
 
@@ -70,17 +80,23 @@ class JudgeScorer(BatchedModelScorer):
     def encode(self, item: ScoreItem) -> list[int]:
         text = judge_prompt(self.cfg.prompt_template, item)
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)  # fmt: skip
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
             ids = self.tokenizer(text).input_ids
         if self.max_length is not None and len(ids) + self.cfg.max_new_tokens > self.max_length:
-            raise RewardFailure("too_long", f"the judge reads at most {self.max_length} tokens; this judge prompt is "
-                                f"{len(ids)} and task.scorer.max_new_tokens {self.cfg.max_new_tokens}")  # fmt: skip
+            raise RewardFailure(
+                "too_long",
+                f"the judge reads at most {self.max_length} tokens; this judge prompt is "
+                f"{len(ids)} and task.scorer.max_new_tokens {self.cfg.max_new_tokens}",
+            )
         return ids
 
-    def score_batch(self, ids: list[list[int]], items: list[ScoreItem]) -> list[float | RewardFailure]:
+    def score_batch(
+        self, ids: list[list[int]], items: list[ScoreItem]
+    ) -> list[float | RewardFailure]:
         return [parse_judgement(self.parser, text) for text in self.judge(ids)]
 
     def judge(self, ids: list[list[int]]) -> list[str]:
@@ -88,9 +104,18 @@ class JudgeScorer(BatchedModelScorer):
         import torch
 
         longest, pad = max(map(len, ids)), self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (longest - len(row)) + row for row in ids], device=self.device)
-        mask = torch.tensor([[0] * (longest - len(row)) + [1] * len(row) for row in ids], device=self.device)
+        input_ids = torch.tensor(
+            [[pad] * (longest - len(row)) + row for row in ids], device=self.device
+        )
+        mask = torch.tensor(
+            [[0] * (longest - len(row)) + [1] * len(row) for row in ids], device=self.device
+        )
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                                      do_sample=False, pad_token_id=pad)  # fmt: skip
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return self.tokenizer.batch_decode(out[:, longest:], skip_special_tokens=True)

@@ -39,14 +39,20 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: Any = None):
     hf_logging.disable_progress_bar()
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ModelScorerError(f"task.scorer.path {path!r} is not a local Hugging Face model folder (no config.json)")
+        raise ModelScorerError(
+            f"task.scorer.path {path!r} is not a local Hugging Face model folder (no config.json)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        folder, local_files_only=True, dtype=torch.float32
+    )
     if model.config.num_labels != 1:
-        raise ModelScorerError(f"task.scorer.path {path!r} has num_labels={model.config.num_labels}; a reward model "
-                               "gives one score (num_labels == 1)")  # fmt: skip
+        raise ModelScorerError(
+            f"task.scorer.path {path!r} has num_labels={model.config.num_labels}; a reward model "
+            "gives one score (num_labels == 1)"
+        )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return load_frozen(model, device, dtype or torch.float32), tokenizer
@@ -56,7 +62,10 @@ def reward_model_text(tokenizer, prompt: str, completion: str) -> tuple[str, boo
     """The text the reward model reads for a pair, and whether the tokenizer should add its
     special tokens (a chat template writes its own)."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": completion},
+        ]
         return tokenizer.apply_chat_template(messages, tokenize=False), False
     return prompt + completion, True
 
@@ -69,28 +78,46 @@ class RewardModelScorer(BatchedModelScorer):
 
         super().__init__()
         self.cfg = cfg
-        self.max_tokens_per_batch, self.normalize, self.clip = cfg.max_tokens_per_batch, cfg.normalize, cfg.clip
+        self.max_tokens_per_batch, self.normalize, self.clip = (
+            cfg.max_tokens_per_batch,
+            cfg.normalize,
+            cfg.clip,
+        )
         self.device, dtype = resolve_placement(cfg)
         self.model, self.tokenizer = load_reward_model(cfg.path, self.device, dtype)
         self.max_length = model_context_length(cfg.path)
-        logger.info("reward model %s on %s (%s), %d-token batches", cfg.path, self.device, dtype,
-                    cfg.max_tokens_per_batch)  # fmt: skip
+        logger.info(
+            "reward model %s on %s (%s), %d-token batches",
+            cfg.path,
+            self.device,
+            dtype,
+            cfg.max_tokens_per_batch,
+        )
 
     def encode(self, item: ScoreItem) -> list[int]:
         text, special = reward_model_text(self.tokenizer, item[0], item[1])
         ids = self.tokenizer(text, add_special_tokens=special).input_ids
         if self.max_length is not None and len(ids) > self.max_length:
-            raise RewardFailure("too_long", f"the reward model reads at most {self.max_length} tokens; this "
-                                f"prompt and completion are {len(ids)}")  # fmt: skip
+            raise RewardFailure(
+                "too_long",
+                f"the reward model reads at most {self.max_length} tokens; this "
+                f"prompt and completion are {len(ids)}",
+            )
         return ids
 
-    def score_batch(self, ids: list[list[int]], items: list[ScoreItem]) -> list[float | RewardFailure]:
+    def score_batch(
+        self, ids: list[list[int]], items: list[ScoreItem]
+    ) -> list[float | RewardFailure]:
         import torch
 
         longest = max(map(len, ids))
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([row + [pad] * (longest - len(row)) for row in ids], device=self.device)
-        mask = torch.tensor([[1] * len(row) + [0] * (longest - len(row)) for row in ids], device=self.device)
+        input_ids = torch.tensor(
+            [row + [pad] * (longest - len(row)) for row in ids], device=self.device
+        )
+        mask = torch.tensor(
+            [[1] * len(row) + [0] * (longest - len(row)) for row in ids], device=self.device
+        )
         with torch.inference_mode():
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits  # [batch, 1]
         return logits[:, 0].float().tolist()

@@ -20,7 +20,9 @@ WRITE_EVERY_S = 0.2  # how often the writer looks for records (flush and close w
 class MetricsLogger:
     """Appends records to ``run_dir/metrics.jsonl`` and, when available, ``run_dir/tb``."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, tensorboard: bool = True, purge_step: int | None = None
+    ) -> None:
         """``purge_step``: a resumed run's first step; TensorBoard hides the events the run
         wrote at or after it before the crash (metrics.jsonl is cut by the caller)."""
         self.path = run_dir / "metrics.jsonl"
@@ -43,7 +45,9 @@ class MetricsLogger:
         # record: a wake-up of another thread costs the loop ~12 us, and the writer's
         # turns take the GIL from the executors' threads on ``local`` once, not every step.
         self._kick = threading.Event()
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], int] | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], int] | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
         self._error: BaseException | None = None  # the first metrics.jsonl write that failed
         self._thread = threading.Thread(target=self._write, name="loomrl-metrics", daemon=True)
         self._thread.start()
@@ -104,7 +108,10 @@ class MetricsLogger:
             try:  # the common case, all in C: no value is NaN or infinite
                 line = json.dumps(record, sort_keys=True, allow_nan=False)
             except ValueError:  # JSON has no NaN or infinity: they are written as null
-                clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+                clean = {
+                    k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in record.items()
+                }
                 line = json.dumps(clean, sort_keys=True)
             try:
                 self._file.write(line + "\n")
@@ -112,13 +119,20 @@ class MetricsLogger:
                 self._error = self._error or err
             if self._tb is None:
                 continue
-            scalars = [(k, v) for k, v in record.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+            scalars = [
+                (k, v)
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ]
             try:
                 self._write_step(scalars, step)
             except Exception as err:  # noqa: BLE001 - keep draining; metrics.jsonl has every record
                 if not tb_failed:
-                    logger.warning("TensorBoard write failed at step %d (%s); metrics.jsonl is complete", step, err)
+                    logger.warning(
+                        "TensorBoard write failed at step %d (%s); metrics.jsonl is complete",
+                        step,
+                        err,
+                    )
                 tb_failed = True
 
     def _write_samples(self, samples: list[dict[str, Any]], step: int) -> None:
@@ -133,15 +147,23 @@ class MetricsLogger:
             try:  # markdown: a prompt and its completion per sample, as code blocks
                 self._tb.add_text("samples", "\n\n".join(_as_markdown(s) for s in samples), step)
             except Exception as err:  # noqa: BLE001 - samples.jsonl has them
-                logger.warning("TensorBoard text write failed at step %d (%s); samples.jsonl has the samples", step, err)
+                logger.warning(
+                    "TensorBoard text write failed at step %d (%s); samples.jsonl has the samples",
+                    step,
+                    err,
+                )
 
     def _write_step(self, scalars: list[tuple[str, float]], step: int) -> None:
         """A step's scalars as one event of many values (TensorBoard reads it as the same
         scalar series as one event per scalar; one event costs about what one scalar did)."""
         from tensorboardX.proto.summary_pb2 import Summary
 
-        summary = Summary(value=[Summary.Value(tag=_INVALID_TAG.sub("_", key), simple_value=float(value))
-                                 for key, value in scalars])  # fmt: skip
+        summary = Summary(
+            value=[
+                Summary.Value(tag=_INVALID_TAG.sub("_", key), simple_value=float(value))
+                for key, value in scalars
+            ]
+        )
         self._tb._get_file_writer().add_summary(summary, step)
 
     def close(self) -> None:

@@ -27,8 +27,14 @@ def step_samples(groups: list[Any], count: int) -> list[dict[str, Any]]:
         else:
             first = group.rollouts[0]
             prompt, completion, reward = first.prompt, first.completion, first.reward
-        samples.append({"prompt_index": group.prompt_index, "prompt": prompt, "completion": completion,
-                        "reward": reward})  # fmt: skip
+        samples.append(
+            {
+                "prompt_index": group.prompt_index,
+                "prompt": prompt,
+                "completion": completion,
+                "reward": reward,
+            }
+        )
     return samples
 
 
@@ -56,6 +62,10 @@ class ZeroVarianceWatch:
                 "warm-start it with supervised steps first (loomrl.training.sft, as examples/arithmetic does), use a "
                 "reward with partial credit, or raise group_size "
                 "(said at most every %d steps; rollout/zero_variance_frac has each step's fraction)",
-                step, flat, len(rewards), sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1), self.every_steps,
-            )  # fmt: skip
+                step,
+                flat,
+                len(rewards),
+                sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1),
+                self.every_steps,
+            )
         return fraction

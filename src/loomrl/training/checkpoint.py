@@ -77,7 +77,11 @@ def _write_folder(tmp: Path, step: int, state: dict[str, Any]) -> None:
     torch.save(state, tmp / STATE_FILE)
     with (tmp / STATE_FILE).open("rb") as f:
         os.fsync(f.fileno())
-    manifest = {"step": step, "version": state.get("trainer", {}).get("version"), "sha256": _sha256(tmp / STATE_FILE)}
+    manifest = {
+        "step": step,
+        "version": state.get("trainer", {}).get("version"),
+        "sha256": _sha256(tmp / STATE_FILE),
+    }
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
 
@@ -85,8 +89,9 @@ def _failed_write_message(root: Path, final: Path, err: OSError) -> str:
     good = newest_verified(root, below=final)
     hint = (
         f"the newest checkpoint that verifies is {good.name}: `loomrl resume {root.parent} --from {checkpoint_step(good)}`"
-        if good is not None else "no earlier checkpoint verifies: there is nothing to resume from yet"
-    )  # fmt: skip
+        if good is not None
+        else "no earlier checkpoint verifies: there is nothing to resume from yet"
+    )
     return (
         f"checkpoint of step {checkpoint_step(final)} could not be written under {root} ({err}); its partial "
         f"folder was removed; {hint}"
@@ -115,7 +120,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST_FILE} ({err})") from None
     expected = manifest.get("sha256") if isinstance(manifest, dict) else None
     if not isinstance(expected, str):
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} has no 'sha256' string (got {manifest!r:.80})")
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST_FILE} has no 'sha256' string (got {manifest!r:.80})"
+        )
     actual = _sha256(state_path)
     if actual != expected:
         raise CheckpointError(

@@ -45,11 +45,15 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         grad_logp = grad_logp.float() if grad_logp is not None else torch.zeros_like(entropy)
-        grad_entropy = grad_entropy.float() if grad_entropy is not None else torch.zeros_like(entropy)
+        grad_entropy = (
+            grad_entropy.float() if grad_entropy is not None else torch.zeros_like(entropy)
+        )
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
             h = hidden[start:end].float()
-            grad_z = _chunk_logsoftmax(h, w, ctx.temperature)  # log p, recomputed; becomes d loss / d z in place
+            grad_z = _chunk_logsoftmax(
+                h, w, ctx.temperature
+            )  # log p, recomputed; becomes d loss / d z in place
             probs = grad_z.exp()
             # d logp_t / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
             g_lp, g_ent = grad_logp[start:end, None], grad_entropy[start:end, None]
@@ -68,7 +72,9 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _chunk_logsoftmax(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logsoftmax(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T / temperature)`` in fp32 ``[chunk, vocab]``, with one
     other block of that size alive at most (the logits, freed on return)."""
     logits = hidden.float() @ weight.t()
@@ -78,14 +84,22 @@ def _chunk_logsoftmax(hidden: torch.Tensor, weight: torch.Tensor, temperature: f
 
 
 def chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [..., H]`` and ``targets [...]`` -> fp32 ``(logp, entropy)`` shaped like
     ``targets``, computed outside autocast (see ``ChunkedLogprobs``)."""
     shape = targets.shape
     with torch.autocast(hidden.device.type, enabled=False):
         logp, entropy = ChunkedLogprobs.apply(
-            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(chunk)
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            targets.reshape(-1),
+            float(temperature),
+            int(chunk),
         )
     return logp.view(shape), entropy.view(shape)
 

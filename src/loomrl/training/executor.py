@@ -31,12 +31,20 @@ class TrainerExecutor(TrainerEndpoints):
         master = master_dtype(resolve_precision(cfg.trainer, device))
         model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed, dtype=master)
         self.trainer = Trainer(
-            model, self.tokenizer, cfg.algorithm, cfg.trainer, cfg.generation.temperature,
-            trace=cfg.uses_traces(cfg.trainer.trace), reference_dtype=resolve_dtype(cfg.model, device),
+            model,
+            self.tokenizer,
+            cfg.algorithm,
+            cfg.trainer,
+            cfg.generation.temperature,
+            trace=cfg.uses_traces(cfg.trainer.trace),
+            reference_dtype=resolve_dtype(cfg.model, device),
         )
         ws = cfg.weight_sync
         self.publisher = Publisher(
-            sender, codec=ws.codec, full_every=ws.full_every, publish_dtype=ws.publish_dtype,
+            sender,
+            codec=ws.codec,
+            full_every=ws.full_every,
+            publish_dtype=ws.publish_dtype,
             options=CodecOptions(level=ws.zstd_level),
         )
 
@@ -57,7 +65,9 @@ class TrainerExecutor(TrainerEndpoints):
 
     def publish(self, full: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = self.publisher.publish(synced_params(self.trainer.model), self.trainer.version, full=full)
+        metrics = self.publisher.publish(
+            synced_params(self.trainer.model), self.trainer.version, full=full
+        )
         metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
 
@@ -86,8 +96,11 @@ class TrainerExecutor(TrainerEndpoints):
 
             t = self.trainer
             last = getattr(self.publisher, "_last", None)
-            self._swap = Swappable([t.model] + ([t.reference] if t.reference is not None else []), t.optimizer,
-                                   tensor_dicts=[last] if isinstance(last, dict) else [])  # fmt: skip
+            self._swap = Swappable(
+                [t.model] + ([t.reference] if t.reference is not None else []),
+                t.optimizer,
+                tensor_dicts=[last] if isinstance(last, dict) else [],
+            )
         if self.trainer.traces is not None:  # traces hold the tensors offload replaces
             self.trainer.traces.clear()
         return self._swap.offload()

@@ -80,5 +80,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A frozen eval-mode copy of ``model`` with its parameters in ``dtype``, cast one at a
     time (no full copy in the model's own dtype on the way), e.g. the KL reference."""
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in model.parameters()}
+    memo = {
+        id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+        for p in model.parameters()
+    }
     return copy.deepcopy(model, memo).eval()

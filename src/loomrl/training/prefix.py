@@ -50,7 +50,9 @@ def padded_tensor(rows: list[list], width: int, fill, dtype: torch.dtype) -> tor
     return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
 
 
-def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int) -> PrefixBatch:
+def build_prefix_batch(
+    rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int
+) -> PrefixBatch:
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(r.prompt_ids), len(index)) for r in rollouts]
     prompts = [list(p) for p in index]
@@ -59,15 +61,22 @@ def build_prefix_batch(rollouts: list[Rollout], advantages: list[float], version
     s = max(max(map(len, completions)), 1)
     prefix_attn = padded_tensor([[1] * len(p) for p in prompts], width, 0, torch.long)
     return PrefixBatch(
-        padded_tensor(prompts, width, pad_id, torch.long), prefix_attn, prefix_attn.sum(1), torch.tensor(owner),
-        padded_tensor(completions, s, pad_id, torch.long), padded_tensor([[1] * len(c) for c in completions], s, 0, torch.long),
+        padded_tensor(prompts, width, pad_id, torch.long),
+        prefix_attn,
+        prefix_attn.sum(1),
+        torch.tensor(owner),
+        padded_tensor(completions, s, pad_id, torch.long),
+        padded_tensor([[1] * len(c) for c in completions], s, 0, torch.long),
         padded_tensor([r.loss_mask for r in rollouts], s, 0.0, torch.float32),
         padded_tensor([r.behaviour_logprobs for r in rollouts], s, 0.0, torch.float32),
-        torch.tensor(advantages, dtype=torch.float32), torch.tensor([r.version == version for r in rollouts]),
+        torch.tensor(advantages, dtype=torch.float32),
+        torch.tensor([r.version == version for r in rollouts]),
     )
 
 
-def prefix_logits(model: torch.nn.Module, batch: PrefixBatch, *, hidden: bool = False) -> torch.Tensor:
+def prefix_logits(
+    model: torch.nn.Module, batch: PrefixBatch, *, hidden: bool = False
+) -> torch.Tensor:
     """Logits ``[rows, S, vocab]``: position ``j`` predicts completion token ``j``.
     ``hidden=True``: the final hidden states ``[rows, S, H]`` that those logits project
     (the decoder without its output projection, for ``loomrl.training.chunked``)."""
@@ -78,18 +87,33 @@ def prefix_logits(model: torch.nn.Module, batch: PrefixBatch, *, hidden: bool = 
             out = final_hidden(model, **inputs)
             return out.last_hidden_state, out.past_key_values
     else:
+
         def run(**inputs):
             out = model(**inputs)
             return out.logits, out.past_key_values
 
-    states, cache = run(input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True)
-    last = states[torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1]  # predicts the first token
+    states, cache = run(
+        input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True
+    )
+    last = states[
+        torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1
+    ]  # predicts the first token
     first = last.index_select(0, batch.owner).unsqueeze(1)
     if batch.suffix_ids.shape[1] == 1:
         return first
     inputs = batch.suffix_ids[:, :-1]
-    positions = batch.prefix_len.index_select(0, batch.owner)[:, None] + torch.arange(inputs.shape[1], device=inputs.device)[None, :]
-    attention = torch.cat([batch.prefix_attn.index_select(0, batch.owner), batch.suffix_attn[:, :-1]], dim=1)
-    rest, _ = run(input_ids=inputs, attention_mask=attention, position_ids=positions,
-                  past_key_values=repeat_cache(cache, batch.owner), use_cache=False)
+    positions = (
+        batch.prefix_len.index_select(0, batch.owner)[:, None]
+        + torch.arange(inputs.shape[1], device=inputs.device)[None, :]
+    )
+    attention = torch.cat(
+        [batch.prefix_attn.index_select(0, batch.owner), batch.suffix_attn[:, :-1]], dim=1
+    )
+    rest, _ = run(
+        input_ids=inputs,
+        attention_mask=attention,
+        position_ids=positions,
+        past_key_values=repeat_cache(cache, batch.owner),
+        use_cache=False,
+    )
     return torch.cat([first, rest], dim=1)

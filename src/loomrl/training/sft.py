@@ -40,9 +40,17 @@ def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
 
 
 def supervised_warmstart(
-    model_spec: str, rows: list[dict[str, Any]], out: Path | None, *, steps: int, batch_size: int,
-    lr: float, seed: int, on_step: Callable[[int, Any, Any, float], bool | None] | None = None,
-    weight_decay: float = 0.01, warmup_steps: int = 0,
+    model_spec: str,
+    rows: list[dict[str, Any]],
+    out: Path | None,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    on_step: Callable[[int, Any, Any, float], bool | None] | None = None,
+    weight_decay: float = 0.01,
+    warmup_steps: int = 0,
 ) -> float:
     """Train up to ``steps`` AdamW steps on random batches of ``rows``; save to ``out``
     (unless None); returns the last loss. The learning rate rises linearly over
@@ -57,7 +65,9 @@ def supervised_warmstart(
     model.train()
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+    )
     t0, loss = time.time(), torch.tensor(float("nan"))
     for step in range(steps):
         ids, mask, attn = answer_batch(tok, rng.sample(rows, batch_size))
@@ -91,8 +101,13 @@ def greedy_accuracy(model, tok, rows: list[dict[str, Any]], answer_key: str = "a
         for length in sorted({len(p) for p in prompts}):  # equal lengths: no padding needed
             batch = [(p, r) for p, r in zip(prompts, rows) if len(p) == length]
             ids = torch.tensor([p for p, _ in batch])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=tok.pad_token_id)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
             texts = tok.batch_decode(out[:, length:], skip_special_tokens=True)
             correct += sum(t.strip() == str(r[answer_key]) for t, (_, r) in zip(texts, batch))
     model.train(was_training)
@@ -117,43 +132,81 @@ class AccuracyTarget:
         return accuracy >= self.target
 
 
-def _warmstart_parser(description: str, default_out: str, default_steps: int, default_target_accuracy: float,
-                      default_weight_decay: float) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _warmstart_parser(
+    description: str,
+    default_out: str,
+    default_steps: int,
+    default_target_accuracy: float,
+    default_weight_decay: float,
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path(default_out))
-    parser.add_argument("--steps", type=int, default=default_steps,
-                        help="steps; with --target-accuracy, the most steps")
-    parser.add_argument("--target-accuracy", type=float, default=default_target_accuracy,
-                        help="stop once greedy accuracy on held-out training rows reaches this (0: off)")
-    parser.add_argument("--probe-rows", type=int, default=200,
-                        help="training rows held out of the warm-start to measure that accuracy")
-    parser.add_argument("--check-every", type=int, default=5,
-                        help="steps between accuracy checks (the transition can pass 25%% -> 55%% in 25 steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=default_steps,
+        help="steps; with --target-accuracy, the most steps",
+    )
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=default_target_accuracy,
+        help="stop once greedy accuracy on held-out training rows reaches this (0: off)",
+    )
+    parser.add_argument(
+        "--probe-rows",
+        type=int,
+        default=200,
+        help="training rows held out of the warm-start to measure that accuracy",
+    )
+    parser.add_argument(
+        "--check-every",
+        type=int,
+        default=5,
+        help="steps between accuracy checks (the transition can pass 25%% -> 55%% in 25 steps)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--weight-decay", type=float, default=default_weight_decay, help="AdamW weight decay")
+    parser.add_argument(
+        "--weight-decay", type=float, default=default_weight_decay, help="AdamW weight decay"
+    )
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny:llama")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads; another count changes the floating-point order")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads; another count changes the floating-point order",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     return parser
 
 
 def warmstart_main(
-    *, train_file: Path, default_out: str, default_steps: int, description: str,
-    default_target_accuracy: float = 0.0, default_weight_decay: float = 0.01, argv: list[str] | None = None,
+    *,
+    train_file: Path,
+    default_out: str,
+    default_steps: int,
+    description: str,
+    default_target_accuracy: float = 0.0,
+    default_weight_decay: float = 0.01,
+    argv: list[str] | None = None,
 ) -> None:
     """Command line of an example's warm-start; rebuilds only when missing or when the
     settings or the training data changed (recorded in ``warmstart.json`` next to the
     weights)."""
-    parser = _warmstart_parser(description, default_out, default_steps, default_target_accuracy,
-                               default_weight_decay)
+    parser = _warmstart_parser(
+        description, default_out, default_steps, default_target_accuracy, default_weight_decay
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "force")}
-    settings["train_sha256"] = hashlib.sha256(train_file.read_bytes()).hexdigest()  # new data: rebuild
+    settings["train_sha256"] = hashlib.sha256(
+        train_file.read_bytes()
+    ).hexdigest()  # new data: rebuild
     marker = args.out / "warmstart.json"
     recorded = json.loads(marker.read_text()) if marker.is_file() else None
     if recorded is not None:
@@ -171,17 +224,35 @@ def warmstart_main(
     if args.target_accuracy > 0:
         rows, probe = rows[: -args.probe_rows], rows[-args.probe_rows :]
         on_step = AccuracyTarget(probe, args.target_accuracy, args.check_every)
-    supervised_warmstart(args.model, rows, args.out, steps=args.steps, batch_size=args.batch_size,
-                         lr=args.lr, seed=args.seed, on_step=on_step, weight_decay=args.weight_decay,
-                         warmup_steps=args.warmup_steps)
+    supervised_warmstart(
+        args.model,
+        rows,
+        args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        on_step=on_step,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+    )
     if on_step is not None:
         reached = on_step.reached
         settings["reached"] = reached
         if reached.get("accuracy", 0.0) < args.target_accuracy:
-            logger.warning("warm-start reached only %.1f%% of the %.1f%% target in %d steps; RL may have "
-                           "little signal", 100 * reached.get("accuracy", 0.0), 100 * args.target_accuracy,
-                           args.steps)
+            logger.warning(
+                "warm-start reached only %.1f%% of the %.1f%% target in %d steps; RL may have "
+                "little signal",
+                100 * reached.get("accuracy", 0.0),
+                100 * args.target_accuracy,
+                args.steps,
+            )
     marker.write_text(json.dumps(settings, indent=2))
-    print(f"warm-start model saved to {args.out}" + (
-        f" (step {on_step.reached['step']}, {on_step.reached['accuracy']:.1%} on held-out training rows)"
-        if on_step is not None and on_step.reached else ""))
+    print(
+        f"warm-start model saved to {args.out}"
+        + (
+            f" (step {on_step.reached['step']}, {on_step.reached['accuracy']:.1%} on held-out training rows)"
+            if on_step is not None and on_step.reached
+            else ""
+        )
+    )

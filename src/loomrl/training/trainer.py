@@ -34,8 +34,19 @@ class TokenBatch:
     same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
 
     def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask,
-                                                    self.behaviour, self.advantages, self.same_version)))  # fmt: skip
+        return TokenBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.target_mask,
+                    self.behaviour,
+                    self.advantages,
+                    self.same_version,
+                )
+            )
+        )
 
 
 def build_token_batch(
@@ -48,15 +59,25 @@ def build_token_batch(
     return TokenBatch(
         padded_tensor(ids, width, pad_id, torch.long),
         padded_tensor([[1] * len(row) for row in ids], width, 0, torch.long),
-        padded_tensor([a + r.loss_mask for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32),
-        padded_tensor([a + r.behaviour_logprobs for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32),
+        padded_tensor(
+            [a + r.loss_mask for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32
+        ),
+        padded_tensor(
+            [a + r.behaviour_logprobs for a, r in zip(shift, rollouts)],
+            width - 1,
+            0.0,
+            torch.float32,
+        ),
         torch.tensor(advantages, dtype=torch.float32),
         torch.tensor([r.version == version for r in rollouts]),
     )
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: TokenBatch | PrefixBatch, temperature: float, chunk: int | None = None
+    model: torch.nn.Module,
+    batch: TokenBatch | PrefixBatch,
+    temperature: float,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each next token and the entropy of each prediction, in fp32, aligned
     with ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch,
@@ -68,7 +89,12 @@ def token_logprobs(
         if isinstance(batch, PrefixBatch):
             hidden, targets = prefix_logits(model, batch, hidden=True), batch.suffix_ids
         else:
-            out = final_hidden(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            out = final_hidden(
+                model,
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                use_cache=False,
+            )
             hidden, targets = out.last_hidden_state[:, :-1], batch.input_ids[:, 1:]
         return chunked_logprobs(hidden, weight, targets, temperature, chunk)
     if isinstance(batch, PrefixBatch):
@@ -102,7 +128,14 @@ class Logprobs(torch.nn.Module):
     @staticmethod
     def inputs(batch: TokenBatch | PrefixBatch) -> tuple[torch.Tensor, ...]:
         if isinstance(batch, PrefixBatch):
-            return batch.prefix_ids, batch.prefix_attn, batch.prefix_len, batch.owner, batch.suffix_ids, batch.suffix_attn
+            return (
+                batch.prefix_ids,
+                batch.prefix_attn,
+                batch.prefix_len,
+                batch.owner,
+                batch.suffix_ids,
+                batch.suffix_attn,
+            )
         return batch.input_ids, batch.attention_mask
 
 
@@ -126,7 +159,9 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
     return list(chain.from_iterable(kept)), list(chain.from_iterable(per_group))
 
 
-def micro_batch_slices(rollouts: list[Rollout], max_rows: int, max_tokens: int | None) -> list[slice]:
+def micro_batch_slices(
+    rollouts: list[Rollout], max_rows: int, max_tokens: int | None
+) -> list[slice]:
     """Consecutive micro-batches of at most ``max_rows`` rollouts and, with ``max_tokens``,
     at most that many padded tokens (rows x the longest prompt + completion); a rollout
     longer than ``max_tokens`` is a micro-batch of its own."""
@@ -134,7 +169,10 @@ def micro_batch_slices(rollouts: list[Rollout], max_rows: int, max_tokens: int |
     for i, r in enumerate(rollouts):
         length = len(r.prompt_ids) + len(r.completion_ids)
         rows = i - start
-        if rows and (rows >= max_rows or (max_tokens is not None and max(width, length) * (rows + 1) > max_tokens)):
+        if rows and (
+            rows >= max_rows
+            or (max_tokens is not None and max(width, length) * (rows + 1) > max_tokens)
+        ):
             slices.append(slice(start, i))
             start, width = i, 0
         width = max(width, length)
@@ -190,7 +228,9 @@ class Trainer:
             prec.enable_gradient_checkpointing(self.model)
         self.chunk = prec.chunk_tokens(trainer, self.precision, self.device)
         if self.chunk is not None and output_weight(self.model) is None:
-            logger.info("trainer.chunked_logprobs: the output projection is not a plain Linear; full log-softmax")
+            logger.info(
+                "trainer.chunked_logprobs: the output projection is not a plain Linear; full log-softmax"
+            )
             self.chunk = None
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
@@ -205,17 +245,28 @@ class Trainer:
         # tensor, which matters when a generator thread shares it (runtime = "local").
         fused = True if trainer.fused_optimizer and self.device.type in ("cpu", "cuda") else None
         self.optimizer = torch.optim.AdamW(
-            params, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=fused
+            params,
+            lr=trainer.lr,
+            betas=tuple(trainer.betas),
+            weight_decay=trainer.weight_decay,
+            fused=fused,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
         self.traces = None
         wants_trace = trainer.trace is True if trace is None else trace
         # (fp32 only: a trace would freeze autocast's choices, and the chunked path's own backward)
-        if wants_trace and can_trace(self.model) and self.chunk is None and self.precision == "fp32":
+        if (
+            wants_trace
+            and can_trace(self.model)
+            and self.chunk is None
+            and self.precision == "fp32"
+        ):
             self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
         self.reference = None
-        if algorithm.kl_coef > 0:  # frozen, in the compute dtype: no second fp32 copy where bf16 does
+        if (
+            algorithm.kl_coef > 0
+        ):  # frozen, in the compute dtype: no second fp32 copy where bf16 does
             dtype = reference_dtype or prec.compute_dtype(self.precision)
             self.reference = prec.frozen_copy(self.model, dtype)
 
@@ -230,7 +281,9 @@ class Trainer:
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in micro_batch_slices(rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch):
+        for rows in micro_batch_slices(
+            rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        ):
             micro = self._micro_batch(rollouts[rows], advantages[rows])
             self._micro_step(micro, total_tokens, total_seqs, batch_stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -267,15 +320,21 @@ class Trainer:
             metrics.update(self.traces.metrics("train"))
         return metrics
 
-    def _micro_batch(self, rollouts: list[Rollout], advantages: list[float]) -> TokenBatch | PrefixBatch:
+    def _micro_batch(
+        self, rollouts: list[Rollout], advantages: list[float]
+    ) -> TokenBatch | PrefixBatch:
         """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
         if self._prefix_ok is None:  # decided once, from the model's own cache
             self._prefix_ok = self.cfg.shared_prefix and probe_can_repeat(self.model)
             if self.cfg.shared_prefix and not self._prefix_ok:
-                logger.info("trainer.shared_prefix: this model's KV cache cannot be shared (sliding-window, "
-                            "linear-attention or custom layers); every row runs its own prompt")
+                logger.info(
+                    "trainer.shared_prefix: this model's KV cache cannot be shared (sliding-window, "
+                    "linear-attention or custom layers); every row runs its own prompt"
+                )
         if self._prefix_ok and len({tuple(r.prompt_ids) for r in rollouts}) < len(rollouts):
-            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
+            return build_prefix_batch(rollouts, advantages, self.version, self.pad_id).to(
+                self.device
+            )
         return build_token_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
 
     def _micro_step(
@@ -290,8 +349,14 @@ class Trainer:
         logp, entropy = logp.float(), entropy.float()  # no-ops but for the full path in bf16
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
-            self.algo.loss, logp, batch.behaviour, batch.advantages, mask,
-            clip_eps=self.algo.clip_eps, delta=self.algo.delta, aggregation=self.algo.aggregation,
+            self.algo.loss,
+            logp,
+            batch.behaviour,
+            batch.advantages,
+            mask,
+            clip_eps=self.algo.clip_eps,
+            delta=self.algo.delta,
+            aggregation=self.algo.aggregation,
         )
         n_tokens = float(mask.sum())
         if self.algo.aggregation == "token":
@@ -312,7 +377,9 @@ class Trainer:
         self._phase_s["backward"] += time.perf_counter() - t1
         with torch.no_grad():
             acc.add("train/loss", float(loss), weight, weighted_sum=True)
-            acc.add("train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens)
+            acc.add(
+                "train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens
+            )
             acc.add("train/clip_fraction", stats.clip_fraction, n_tokens)
             acc.add("train/importance_ratio_mean", stats.ratio_mean, n_tokens)
             acc.add("train/importance_weight_mean", stats.weight_mean, n_tokens)
@@ -339,7 +406,9 @@ class Trainer:
         self.version = int(state["version"])
 
 
-UPDATE_BUCKET_NUMEL = 32 * 2**20  # parameters copied at a time to measure the update (128 MiB in fp32)
+UPDATE_BUCKET_NUMEL = (
+    32 * 2**20
+)  # parameters copied at a time to measure the update (128 MiB in fp32)
 
 
 def step_and_measure(optimizer: torch.optim.Optimizer) -> tuple[float, float]:

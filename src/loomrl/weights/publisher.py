@@ -108,7 +108,9 @@ class Publisher:
         self._transfer_s += time.perf_counter() - self._t
         return update
 
-    def publish(self, state: dict[str, torch.Tensor], version: int, full: bool = False) -> dict[str, float]:
+    def publish(
+        self, state: dict[str, torch.Tensor], version: int, full: bool = False
+    ) -> dict[str, float]:
         """Cast, encode and send ``state`` as ``version`` (``full``: as a full snapshot,
         whatever the codec); returns ``weight_sync/*`` metrics."""
         if getattr(self.sender, "carries_tensors", False):
@@ -147,7 +149,6 @@ class Publisher:
             metrics["weight_sync/changed_fraction"] = changed / max(total, 1)
         self._last, self._last_version, self._last_digest = new, version, update.digest
         return metrics
-
 
     def _publish_tensors(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The tensor lane: cast into the lane's device buffer, digest there, send; always a

@@ -135,7 +135,9 @@ class TensorUpdate:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Each tensor as a view of the flat buffer."""
         return {
-            s.name: self.flat[s.offset : s.offset + s.nbytes].view(parse_dtype(s.dtype)).view(s.shape)
+            s.name: self.flat[s.offset : s.offset + s.nbytes]
+            .view(parse_dtype(s.dtype))
+            .view(s.shape)
             for s in self.slots
         }
 
@@ -152,9 +154,15 @@ class TensorUpdate:
     def from_manifest(cls, manifest: dict, flat: torch.Tensor) -> TensorUpdate:
         """Inverse of ``manifest()`` with the buffer received; checks the slots tile it."""
         try:
-            slots = [TensorSlot(str(n), tuple(int(d) for d in shape), str(dt), int(o), int(b))
-                     for n, shape, dt, o, b in manifest["slots"]]  # fmt: skip
-            version, digest, nbytes = int(manifest["version"]), str(manifest["digest"]), int(manifest["nbytes"])
+            slots = [
+                TensorSlot(str(n), tuple(int(d) for d in shape), str(dt), int(o), int(b))
+                for n, shape, dt, o, b in manifest["slots"]
+            ]
+            version, digest, nbytes = (
+                int(manifest["version"]),
+                str(manifest["digest"]),
+                int(manifest["nbytes"]),
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise WeightUpdateError(f"malformed tensor-lane manifest: {err!r}") from None
         pos = 0
@@ -163,17 +171,26 @@ class TensorUpdate:
             for d in s.shape:
                 numel *= d
             if s.offset != pos or s.nbytes != numel * parse_dtype(s.dtype).itemsize:
-                raise WeightUpdateError(f"tensor-lane manifest: slot {s.name!r} does not tile the buffer")
+                raise WeightUpdateError(
+                    f"tensor-lane manifest: slot {s.name!r} does not tile the buffer"
+                )
             pos += s.nbytes
         if pos != nbytes or flat.numel() != nbytes:
-            raise WeightUpdateError(f"tensor-lane buffer of {flat.numel()} bytes, manifest says {nbytes}")
+            raise WeightUpdateError(
+                f"tensor-lane buffer of {flat.numel()} bytes, manifest says {nbytes}"
+            )
         return cls(version, flat, slots, digest)
 
     def header(self) -> bytes:
         return json.dumps(self.manifest(), separators=(",", ":")).encode()
 
-    def prepare(self, state: dict[str, torch.Tensor], *, have_version: int | None = None,
-                have_digest: str | None = None) -> PreparedTensorUpdate:  # fmt: skip
+    def prepare(
+        self,
+        state: dict[str, torch.Tensor],
+        *,
+        have_version: int | None = None,
+        have_digest: str | None = None,
+    ) -> PreparedTensorUpdate:
         """Verify the buffer against the digest (on its device); nothing is written yet."""
         digest = buffer_digest(self.slots, self.flat, self.digest.partition(":")[0])
         if digest != self.digest:
@@ -211,8 +228,13 @@ def pack_into(flat: torch.Tensor, slots: list[TensorSlot], state: dict[str, torc
             view.copy_(state[s.name].detach())
 
 
-def pack_update(state: dict[str, torch.Tensor], dtype: torch.dtype, version: int,
-                out: torch.Tensor | None = None, device: torch.device | None = None) -> TensorUpdate:  # fmt: skip
+def pack_update(
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    version: int,
+    out: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> TensorUpdate:
     """``state`` cast to ``dtype`` into ``out`` (or a fresh buffer on ``device``, by default
     that of ``state``'s first tensor) and digested there."""
     slots = layout_of(state, dtype)

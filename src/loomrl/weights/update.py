@@ -80,7 +80,11 @@ class WeightUpdate:
         return sum(e.changed for e in self.tensors) / numel if numel else 0.0
 
     def prepare(
-        self, state: dict[str, torch.Tensor], *, have_version: int | None = None, have_digest: str | None = None
+        self,
+        state: dict[str, torch.Tensor],
+        *,
+        have_version: int | None = None,
+        have_digest: str | None = None,
     ) -> PreparedUpdate:
         """``prepare_update(state, self, ...)``: what a subscriber calls on any lane's update."""
         return prepare_update(state, self, have_version=have_version, have_digest=have_digest)
@@ -153,13 +157,23 @@ def _encode_entry(
     bits = bits_view(t)
     shape, dtype = tuple(t.shape), str(t.dtype)
     if old is None or tuple(old.shape) != shape or old.dtype != t.dtype:
-        return TensorEntry(name, shape, dtype, checksum(bits), MODE_RAW, offset, bits.nbytes, bits.size), bits
+        return TensorEntry(
+            name, shape, dtype, checksum(bits), MODE_RAW, offset, bits.nbytes, bits.size
+        ), bits
     enc = encode_delta(bits_view(old), bits, opts)
     nbytes = len(enc.chunk)
     entry = TensorEntry(
-        name, shape, dtype, enc.checksum, enc.mode, offset, nbytes, enc.changed,
-        checksum(enc.chunk) if nbytes else 0, enc.gap_bytes,
-    )  # fmt: skip
+        name,
+        shape,
+        dtype,
+        enc.checksum,
+        enc.mode,
+        offset,
+        nbytes,
+        enc.changed,
+        checksum(enc.chunk) if nbytes else 0,
+        enc.gap_bytes,
+    )
     return entry, enc.chunk
 
 

@@ -28,6 +28,7 @@ from loomrl.weights.update import WeightUpdate, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
+
 class TransportError(RuntimeError):
     """A transport could not move an update (too large for its buffers, peer gone, ...)."""
 

@@ -39,7 +39,9 @@ def make_transport(kind: str, **kwargs: Any) -> Transport:
     try:
         target = _REGISTRY[kind]
     except KeyError:
-        raise ValueError(f"unknown weight transport {kind!r}; expected one of {', '.join(_REGISTRY)}") from None
+        raise ValueError(
+            f"unknown weight transport {kind!r}; expected one of {', '.join(_REGISTRY)}"
+        ) from None
     module, _, name = target.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(**kwargs)

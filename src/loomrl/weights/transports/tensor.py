@@ -63,7 +63,9 @@ class TensorSender(Sender):
 
     carries_tensors = True
 
-    def pack(self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> TensorUpdate:
+    def pack(
+        self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int
+    ) -> TensorUpdate:
         return pack_update(state, dtype, version)
 
 
@@ -111,7 +113,9 @@ class _Mailbox:
     def write(self, content: dict) -> None:
         self.count += 1
         tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         try:
             os.write(fd, self.token + self.count.to_bytes(8, "little") + pickle.dumps(content))
         finally:
@@ -153,11 +157,15 @@ class IpcTensorSender(TensorSender):
             return
         from torch.multiprocessing.reductions import reduce_tensor
 
-        self.slots = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(self.t.num_slots)]
+        self.slots = [
+            torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(self.t.num_slots)
+        ]
         self.handles = [reduce_tensor(s) for s in self.slots]  # (rebuild function, args)
         self.generation = uuid.uuid4().hex  # receivers reopen the handles when it changes
 
-    def pack(self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> TensorUpdate:
+    def pack(
+        self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int
+    ) -> TensorUpdate:
         device = next(iter(state.values())).device
         if device.type != "cuda":
             raise TransportError(
@@ -172,8 +180,14 @@ class IpcTensorSender(TensorSender):
     def _put(self, update: TensorUpdate) -> None:
         slot = next(i for i, s in enumerate(self.slots) if s.data_ptr() == update.flat.data_ptr())
         torch.cuda.synchronize(update.flat.device)  # the slot is written before it is named
-        self.mailbox.write({"generation": self.generation, "handles": self.handles,
-                            "slot": slot, "manifest": update.manifest()})  # fmt: skip
+        self.mailbox.write(
+            {
+                "generation": self.generation,
+                "handles": self.handles,
+                "slot": slot,
+                "manifest": update.manifest(),
+            }
+        )
 
     def close(self) -> None:
         self.mailbox.unlink()
@@ -215,13 +229,17 @@ class IpcTensorReceiver(Receiver):
 class BroadcastTensorSender(TorchDistSender, TensorSender):
     """Rank 0 of the group: announces, then broadcasts the manifest and the buffer."""
 
-    def pack(self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> TensorUpdate:
+    def pack(
+        self, state: dict[str, torch.Tensor], dtype: torch.dtype, version: int
+    ) -> TensorUpdate:
         return pack_update(state, dtype, version, device=self.group.device)
 
     def _put(self, update: TensorUpdate) -> None:
         head = torch.frombuffer(bytearray(update.header()), dtype=torch.uint8)
         with self.lock:
-            self._announce("update", update)  # signed, naming the version and digest the receivers check
+            self._announce(
+                "update", update
+            )  # signed, naming the version and digest the receivers check
             self.group.broadcast(torch.tensor([head.numel(), update.nbytes], dtype=torch.int64))
             self.group.broadcast(head)
             for start in range(0, update.nbytes, self.t.bucket_bytes):
@@ -269,8 +287,15 @@ class TensorTransport(Transport):
 
     name = "tensor"
 
-    def __init__(self, mode: str = "local", *, name: str | None = None, num_slots: int = 3,
-                 root: str | None = None, **dist_kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mode: str = "local",
+        *,
+        name: str | None = None,
+        num_slots: int = 3,
+        root: str | None = None,
+        **dist_kwargs: Any,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"tensor lane mode must be one of {', '.join(MODES)}, got {mode!r}")
         if dist_kwargs and mode != "broadcast":
@@ -326,8 +351,10 @@ def choose_lane(mode: str, *, in_process: bool, device: str) -> tuple[str, dict[
     ``broadcast`` when asked for; the byte lane (``shm``) where the tensor lane cannot work."""
     if mode == "broadcast":
         if in_process:
-            raise ValueError("weight_sync.tensor_mode='broadcast' needs one process per executor; the local "
-                             "runtime runs threads: use tensor_mode='auto'")  # fmt: skip
+            raise ValueError(
+                "weight_sync.tensor_mode='broadcast' needs one process per executor; the local "
+                "runtime runs threads: use tensor_mode='auto'"
+            )
         return "tensor", {"mode": "broadcast"}
     if in_process:
         return "tensor", {"mode": "local"}
@@ -339,6 +366,7 @@ def choose_lane(mode: str, *, in_process: bool, device: str) -> tuple[str, dict[
     logger.warning(
         "weight_sync.transport='tensor': executors in other processes share tensors by CUDA IPC, which needs "
         "the models on a CUDA device (model.device=%r resolves to %s here); using the byte lane 'shm' instead",
-        device, resolved,
-    )  # fmt: skip
+        device,
+        resolved,
+    )
     return "shm", {"name": uuid.uuid4().hex[:16]}

@@ -83,7 +83,9 @@ def _tcp_store(host: str, port: int, t: TorchDistTransport, timeout: timedelta) 
         sock.listen(max(128, t.world_size))
     except OSError as err:
         sock.close()
-        raise OSError(f"torch_dist: cannot listen on {host}:{port} for the weight group's store: {err}") from None  # fmt: skip
+        raise OSError(
+            f"torch_dist: cannot listen on {host}:{port} for the weight group's store: {err}"
+        ) from None
     fd = sock.detach()  # the store owns the listening socket from here on
     return dist.TCPStore(host, port, t.world_size, True, timeout, master_listen_fd=fd)
 
@@ -235,8 +237,12 @@ class TorchDistReceiver(Receiver):
             if self.secret is not None and value not in rejected:
                 rejected.add(value)
                 self.rejected_keys += 1
-                logger.warning("torch_dist: ignored an announcement at ready/%d that does not verify (%.40r); "
-                               "someone else wrote to the weight group's store", count, value)  # fmt: skip
+                logger.warning(
+                    "torch_dist: ignored an announcement at ready/%d that does not verify (%.40r); "
+                    "someone else wrote to the weight group's store",
+                    count,
+                    value,
+                )
             # without a secret, a close cannot be told from a forged one: stay until closed
             self.stop.wait(0.005 if self.secret is not None else 0.05)
         return None
@@ -280,7 +286,9 @@ class TorchDistReceiver(Receiver):
             except Exception as err:  # the group is broken (peer gone, timeout): stop here
                 self.stats.failures += 1
                 self.error = f"{type(err).__name__}: {err}"
-                logger.error("torch_dist receiver stopped: %s; no further weight updates arrive", self.error)
+                logger.error(
+                    "torch_dist receiver stopped: %s; no further weight updates arrive", self.error
+                )
                 return
             self.store.put(update)
 
@@ -314,8 +322,11 @@ def _resolve_backend(backend: str, world_size: int) -> str:
     is how a job's executors sit on a one-GPU host, and each rank's device is its current
     one. Ask for ``nccl`` where every rank has a GPU of its own."""
     if backend == "nccl" and torch.cuda.is_available() and world_size > torch.cuda.device_count():
-        logger.warning("torch_dist: %d ranks over %d GPUs; NCCL needs a GPU per rank", world_size,
-                       torch.cuda.device_count())  # fmt: skip
+        logger.warning(
+            "torch_dist: %d ranks over %d GPUs; NCCL needs a GPU per rank",
+            world_size,
+            torch.cuda.device_count(),
+        )
     return "gloo" if backend == "auto" else backend
 
 
@@ -331,7 +342,9 @@ class TorchDistTransport(Transport):
     """
 
     name = "torch_dist"
-    sender_class: type[TorchDistSender] = TorchDistSender  # the tensor lane's broadcast mode sends tensors
+    sender_class: type[TorchDistSender] = (
+        TorchDistSender  # the tensor lane's broadcast mode sends tensors
+    )
     receiver_class: type[TorchDistReceiver] = TorchDistReceiver
 
     def __init__(
@@ -356,7 +369,11 @@ class TorchDistTransport(Transport):
             )
         self.rank, self.world_size = rank, world_size
         self.init_method, self.store, self.group = init_method, store, group
-        self.backend, self.bucket_bytes, self.timeout_s = _resolve_backend(backend, world_size), bucket_bytes, timeout_s
+        self.backend, self.bucket_bytes, self.timeout_s = (
+            _resolve_backend(backend, world_size),
+            bucket_bytes,
+            timeout_s,
+        )
         self._sides: list = []
         self.secret = secret
 
