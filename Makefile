@@ -37,6 +37,7 @@ test-ray: $(RAY_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 clean:
 	rm -rf $(VENV) runs .cache
