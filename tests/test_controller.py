@@ -277,7 +277,7 @@ def test_buffer_drops_stale_groups_and_counts_them():
             dropped.append(g.prompt_index)
 
         for i, v in enumerate([0, 2, 1, 3, 2]):
-            await buf.put(group(i, v))
+            await buf.put_many([group(i, v)])
         batch = await buf.take(3, version=3, on_drop=on_drop)
         return dropped, [g.prompt_index for g in batch.groups], batch.staleness
 

@@ -116,9 +116,6 @@ class RolloutBuffer:
         self._waiters = _Waiters()
         self._interrupted = False
 
-    async def put(self, group: Group) -> None:
-        await self.put_many([group])
-
     async def put_many(self, groups: list[Group]) -> None:
         """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
         sizes = list(map(_size, groups))

@@ -13,8 +13,6 @@ from loomrl.weights.transports.registry import (
     TransportSpec,
     make_transport,
     open_transport,
-    register_transport,
-    transport_kinds,
 )
 
 __all__ = [
@@ -27,7 +25,5 @@ __all__ = [
     "UpdateRef",
     "make_transport",
     "open_transport",
-    "register_transport",
     "select_update",
-    "transport_kinds",
 ]

@@ -21,7 +21,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from loomrl.weights.update import WeightUpdate, WeightUpdateError
@@ -44,10 +44,6 @@ class TransferStats:
     failures: int = 0
     num_updates: int = 0
     num_fulls: int = 0  # full snapshots among the updates
-
-    def as_metrics(self, prefix: str) -> dict[str, float]:
-        """``{prefix}/bytes_sent`` ... as floats, for a metrics sink."""
-        return {f"{prefix}/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
 
 @dataclass(frozen=True)

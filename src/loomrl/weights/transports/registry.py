@@ -3,7 +3,7 @@
 The registry maps a name to where its class lives (``module:Class``), imported only when a
 transport of that kind is built: the interface in ``base.py`` knows none of its
 implementations, and a new transport (Ray's object store, NCCL) is one more file and one
-``register_transport`` call.
+line in ``_REGISTRY`` (and its name in ``weight_sync.transport``).
 """
 
 from __future__ import annotations
@@ -22,20 +22,8 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def register_transport(kind: str, target: str) -> None:
-    """Make ``make_transport(kind, ...)`` build ``target`` (``"package.module:Class"``)."""
-    if ":" not in target:
-        raise ValueError(f"transport target must be 'module:Class', got {target!r}")
-    _REGISTRY[kind] = target
-
-
-def transport_kinds() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
 def make_transport(kind: str, **kwargs: Any) -> Transport:
-    """Build a transport by name: ``inproc``, ``shm``, ``torch_dist``, ``files``, ``tensor`` or a
-    registered one."""
+    """Build a transport by name: ``inproc``, ``shm``, ``torch_dist``, ``files`` or ``tensor``."""
     try:
         target = _REGISTRY[kind]
     except KeyError:
