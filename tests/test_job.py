@@ -168,6 +168,22 @@ def _shm_files() -> set[str]:
     )
 
 
+def _shm_held_by(pids: list[int]) -> set[str]:
+    """The loomrl shm files that these processes map or hold open: this job's weight
+    channel, whatever other jobs on the machine create meanwhile."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            fds = [str(fd.readlink()) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        for path in [line.split()[-1] for line in lines if len(line.split()) >= 6] + fds:
+            if path.startswith("/dev/shm/loomrl-"):
+                found.add(path.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+    return found
+
+
 @pytest.mark.parametrize("runtime", ["local", "process"])
 def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, tiny_data, runtime):
     train, evals = tiny_data
@@ -198,8 +214,8 @@ def test_async_run_killed_and_resumed_loses_and_duplicates_no_prompt(tmp_path, t
             break
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    job_shm = _shm_files() - shm_at_start
     executors = _children(proc.pid)
+    job_shm = (_shm_files() - shm_at_start) & _shm_held_by([proc.pid, *executors])
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert _all_gone(executors)  # executor processes notice the controller is gone and exit
