@@ -118,20 +118,21 @@ class DeviceQuantLinear(torch.nn.Module):
         return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         if self.kind == "int8":
             weight = self.qweight.to(x.dtype) * self.scales.t().to(x.dtype)
             out = torch.nn.functional.linear(rows, weight, self.bias)
         else:
             x_scales = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
             x_q = (rows.float() / x_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            # rowwise scales: fp32 [rows, 1] and [1, out]; bf16 out (what rowwise scaling takes)
             out = torch._scaled_mm(
                 x_q,
                 self.qweight.t(),  # [in, out], column-major as _scaled_mm wants
                 scale_a=x_scales,
                 scale_b=self.scales,
-                out_dtype=x.dtype,
-            )
+                out_dtype=torch.bfloat16,
+            ).to(x.dtype)
             out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], -1)
 
