@@ -8,13 +8,14 @@ import copy
 import pytest
 import torch
 
+from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.generation.hf import HFGenerator, published_state
 from loomrl.job import Job
 from loomrl.models import load_model_and_tokenizer
 from loomrl.models.quantize import CpuInt8Linear, quantize_int8, quantize_linears
 from loomrl.telemetry.metrics import read_metrics
-from loomrl.training.trainer import build_token_batch, token_logprobs
-from loomrl.types import GenerationRequest, Rollout, SamplingParams
+from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
+from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
 from loomrl.weights import encode_update
 
 from conftest import TINY_MODEL
@@ -30,9 +31,10 @@ def _logprobs(model, tok) -> torch.Tensor:
         for p, c in zip(PROMPTS, COMPLETIONS)
     ]
     batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, tok.pad_token_id)
+    batch = batch.to(next(model.parameters()).device)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature=1.0)
-    return logp * batch.target_mask
+    return (logp.float() * batch.target_mask).cpu()
 
 
 def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -109,6 +111,27 @@ def test_fp8_on_the_cpu_is_a_clear_error(trainer_model, tiny_job):
         HFGenerator(copy.deepcopy(model), tok, quantize="fp8")
     with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):  # at start
         Job(tiny_job(generation={"quantize": "fp8"}, model={"device": "cpu"})).run()
+
+
+def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
+    model, tok = trainer_model
+    model = copy.deepcopy(model)
+    rollouts = []
+    for i in range(8):  # behaviour log-probs about e lower than the policy's on odd rollouts
+        prompt, completion = tok(PROMPTS[i % 2]).input_ids, [7 + i % 4] * (1 + i % 3)
+        behaviour = [-4.6 - (i % 2)] * len(completion)
+        rollouts.append(Rollout(i, prompt, completion, behaviour, [1] * len(completion), 0))
+        rollouts[-1].reward = float(i // 2 % 2)
+    batch = build_token_batch(rollouts, [0.0] * 8, 0, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=1.0)
+    over = (torch.exp(logp - batch.behaviour) > 2.0).float() * batch.target_mask
+    want = float(over.sum() / batch.target_mask.sum())
+    assert 0.2 < want < 0.8  # the check below can tell a wrong share
+    trainer = Trainer(model, tok, AlgorithmConfig(delta=2.0), TrainerConfig(lr=1e-3), 1.0)
+    metrics = trainer.train_step([Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)])
+    assert metrics["train/importance_ratio_truncated_frac"] == pytest.approx(want, abs=1e-6)
+    assert metrics["train/importance_ratio_max"] > 2.0
 
 
 @pytest.mark.parametrize("runtime", ["local", "process"])
