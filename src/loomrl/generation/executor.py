@@ -27,6 +27,7 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
         static_cache=cuda_graphs,
         cuda_graphs=cuda_graphs,
         stop=gen.stop,
+        quantize=gen.quantize,
     )
 
 

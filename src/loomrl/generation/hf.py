@@ -62,6 +62,9 @@ class HFGenerator(Generator):
     a CUDA device. ``eos_check_every``: steps between host syncs that end the loop once every
     sequence is done (1 on the CPU, where a sync costs nothing; each one on a GPU stalls the
     launch queue, and the steps run past the last EOS are masked out, not reported).
+
+    ``quantize`` ('int8', 'fp8'; ``loomrl.models.quantize``): the Linear layers hold quantized
+    weights, re-quantized from the unquantized mirror after every update; no tracing then.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class HFGenerator(Generator):
         cuda_graphs: bool = False,
         eos_check_every: int | None = None,
         stop: list[str] | None = None,
+        quantize: str = "none",
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -93,8 +97,11 @@ class HFGenerator(Generator):
         self.device = module_device(model)
         mirror = published_state(model, DTYPES[publish_dtype])
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
+        self.quantized = self._quantize(quantize)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
-        self.trace = trace  # forward passes from TorchScript traces (loomrl.models.traces)
+        self.trace = (
+            trace and self.quantized is None
+        )  # forward passes from TorchScript traces (loomrl.models.traces)
         self._traced: ShapeTraces | None = None
         self._static: StaticDecoder | None = self._static_decoder(
             static_cache or cuda_graphs, cuda_graphs
@@ -115,6 +122,25 @@ class HFGenerator(Generator):
             logger.info("generator decodes on a dynamic cache: no static cache for %s", why)
             return None
         return StaticDecoder(self.model, cuda_graphs=cuda_graphs and self.device.type == "cuda")
+
+    def _quantize(self, kind: str):
+        """The model's Linear layers quantized from the mirror (``generation.quantize``), or
+        None for full precision. The mirror stays unquantized: updates apply to it, and
+        ``load_weights`` re-quantizes the layers each one changed."""
+        if kind == "none":
+            return None
+        from loomrl.models.quantize import quantize_linears
+        from loomrl.weights.lora import is_peft_model
+
+        if is_peft_model(self.model):
+            raise ValueError(
+                f"generation.quantize={kind!r} does not take a LoRA model (model.lora); use 'none'"
+            )
+        quantized = quantize_linears(self.model, kind)
+        with torch.no_grad():
+            for name in filter(quantized.owns, self.mirror):
+                quantized.load(name, self.mirror[name])
+        return quantized
 
     # -- weights -------------------------------------------------------------------------
 
@@ -143,7 +169,10 @@ class HFGenerator(Generator):
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
-                params[name].copy_(tensor)
+                if self.quantized is not None and self.quantized.owns(name):
+                    self.quantized.load(name, tensor)  # re-quantized from the mirror
+                else:
+                    params[name].copy_(tensor)
 
     def update_weights(self, update) -> int:
         return self.receiver.apply(update)

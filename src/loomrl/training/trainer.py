@@ -384,6 +384,13 @@ class Trainer:
             acc.add("train/importance_ratio_mean", stats.ratio_mean, n_tokens)
             acc.add("train/importance_weight_mean", stats.weight_mean, n_tokens)
             acc.max("train/importance_ratio_max", stats.ratio_max)
+            # tokens whose ratio pi_theta / mu is past algorithm.delta (aipo and tis cap them)
+            over = (torch.exp(logp.detach() - batch.behaviour) > self.algo.delta).float() * mask
+            acc.add(
+                "train/importance_ratio_truncated_frac",
+                float(over.sum()) / max(n_tokens, 1.0),
+                n_tokens,
+            )
             same = batch.same_version.unsqueeze(1).float() * mask
             if same.sum() > 0:
                 diff = ((logp.detach() - batch.behaviour).abs() * same).sum() / same.sum()

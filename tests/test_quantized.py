@@ -1,0 +1,175 @@
+"""Quantized generation (generation.quantize): the generator's quantized Linear layers follow
+every weight update, a delta update equals a full one, and a quantized job runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.generation.hf import HFGenerator, published_state
+from loomrl.job import Job
+from loomrl.models import load_model_and_tokenizer
+from loomrl.models.quantize import CpuInt8Linear, quantize_int8, quantize_linears
+from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
+from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
+from loomrl.weights import encode_update
+
+from conftest import TINY_MODEL
+
+PROMPTS = ["45+17=", "3+4="]
+COMPLETIONS = [[5, 9, 11, 2], [7, 3]]
+
+
+def _logprobs(model, tok) -> torch.Tensor:
+    """Log-probs of fixed completions under ``model``: [rows, seq], masked tokens zero."""
+    rollouts = [
+        Rollout(0, tok(p).input_ids, c, [0.0] * len(c), [1] * len(c), 0)
+        for p, c in zip(PROMPTS, COMPLETIONS)
+    ]
+    batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, tok.pad_token_id)
+    batch = batch.to(next(model.parameters()).device)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=1.0)
+    return (logp.float() * batch.target_mask).cpu()
+
+
+def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    rng = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=rng) for k, v in state.items()}
+
+
+def _fresh_quantized(model, state: dict[str, torch.Tensor]):
+    """A copy of ``model`` holding ``state``, then quantized: what the generator should run."""
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(state, strict=False)
+    quantize_linears(fresh, "int8")
+    return fresh.eval()
+
+
+@pytest.fixture(scope="module")
+def trainer_model():
+    return load_model_and_tokenizer(TINY_MODEL, seed=1)
+
+
+def _generator(model, tok) -> HFGenerator:
+    return HFGenerator(copy.deepcopy(model), tok, publish_dtype="float32", quantize="int8")
+
+
+def test_quantize_int8_rounds_per_output_channel():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.03]])
+    q, scales = quantize_int8(w)
+    assert torch.equal(scales, torch.tensor([1.0 / 127, 1.0, 3.0 / 127]))
+    assert q.dtype == torch.int8 and q[0].tolist() == [64, -127, 32] and q[2, 0] == 127
+    assert (q.float() * scales[:, None] - w).abs().max() <= scales.max() / 2
+
+
+def test_quantized_generator_follows_every_update(trainer_model):
+    model, tok = trainer_model
+    gen = _generator(model, tok)
+    layers = [m for m in gen.model.modules() if isinstance(m, CpuInt8Linear)]
+    assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down per layer; not the head
+    assert isinstance(gen.model.get_output_embeddings(), torch.nn.Linear)
+    state = published_state(model, torch.float32)
+    for version in range(3):
+        if version:
+            state = _perturbed(state, version)
+        gen.update_weights(encode_update(None, state, version=version, base_version=None))
+        got = _logprobs(gen.model, tok)
+        want = _logprobs(_fresh_quantized(model, state), tok)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        full = copy.deepcopy(model)
+        full.load_state_dict(state, strict=False)
+        assert (got - _logprobs(full, tok)).abs().max() > 1e-5  # it is quantized, not fp32
+
+
+def test_a_delta_update_to_a_quantized_generator_equals_a_full_one(trainer_model):
+    model, tok = trainer_model
+    v0 = published_state(model, torch.float32)
+    v1 = _perturbed(v0, 7)
+    by_delta, by_full = _generator(model, tok), _generator(model, tok)
+    by_delta.update_weights(encode_update(None, v0, version=0, base_version=None))
+    by_delta.update_weights(encode_update(v0, v1, version=1, base_version=0))
+    by_full.update_weights(encode_update(None, v1, version=1, base_version=None))
+    assert torch.equal(_logprobs(by_delta.model, tok), _logprobs(by_full.model, tok))
+    layers = zip(by_delta.quantized.modules.values(), by_full.quantized.modules.values())
+    for a, b in layers:
+        assert torch.equal(a.inner.weight().int_repr(), b.inner.weight().int_repr())
+    sp = SamplingParams(max_new_tokens=5, temperature=0.8)
+    req = [GenerationRequest(tok("12+3=").input_ids, 3, sp, seed=4)]
+    a, b = by_delta.generate(req)[0], by_full.generate(req)[0]
+    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+    assert [c.logprobs for c in a.completions] == [c.logprobs for c in b.completions]
+
+
+def test_fp8_on_the_cpu_is_a_clear_error(trainer_model, tiny_job):
+    model, tok = trainer_model
+    with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):
+        HFGenerator(copy.deepcopy(model), tok, quantize="fp8")
+    with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):  # at start
+        Job(tiny_job(generation={"quantize": "fp8"}, model={"device": "cpu"})).run()
+
+
+def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
+    model, tok = trainer_model
+    model = copy.deepcopy(model)
+    rollouts = []
+    for i in range(8):  # behaviour log-probs about e lower than the policy's on odd rollouts
+        prompt, completion = tok(PROMPTS[i % 2]).input_ids, [7 + i % 4] * (1 + i % 3)
+        behaviour = [-4.6 - (i % 2)] * len(completion)
+        rollouts.append(Rollout(i, prompt, completion, behaviour, [1] * len(completion), 0))
+        rollouts[-1].reward = float(i // 2 % 2)
+    batch = build_token_batch(rollouts, [0.0] * 8, 0, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=1.0)
+    over = (torch.exp(logp - batch.behaviour) > 2.0).float() * batch.target_mask
+    want = float(over.sum() / batch.target_mask.sum())
+    assert 0.2 < want < 0.8  # the check below can tell a wrong share
+    trainer = Trainer(model, tok, AlgorithmConfig(delta=2.0), TrainerConfig(lr=1e-3), 1.0)
+    metrics = trainer.train_step([Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)])
+    assert metrics["train/importance_ratio_truncated_frac"] == pytest.approx(want, abs=1e-6)
+    assert metrics["train/importance_ratio_max"] > 2.0
+
+
+@pytest.mark.parametrize("runtime", ["local", "process"])
+def test_an_int8_job_runs_end_to_end(tiny_job, runtime):
+    cfg = tiny_job(generation={"quantize": "int8"}, trainer={"num_steps": 2}, runtime=runtime)
+    result = Job(cfg).run()
+    assert result.summary["trained"] == 2 * 4 * 4
+    steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["train/importance_ratio_max"] >= record["train/importance_ratio_mean"] > 0
+        assert 0.0 <= record["train/importance_ratio_truncated_frac"] <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_cuda_quantized_generator_follows_updates(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, tok = load_model_and_tokenizer(
+        "tiny:llama?hidden_size=64&num_layers=2&num_heads=4&intermediate_size=128", seed=1
+    )
+    model = model.to("cuda", torch.bfloat16)
+    gen = HFGenerator(copy.deepcopy(model), tok, quantize=kind, cuda_graphs=True)
+    assert len(gen.quantized.modules) == 2 * 7
+    state = published_state(model, torch.bfloat16)
+    for version in range(2):
+        if version:
+            state = {k: v + 0.05 * torch.randn_like(v) for k, v in state.items()}
+        gen.update_weights(encode_update(None, state, version=version, base_version=None))
+        fresh = copy.deepcopy(model)
+        fresh.load_state_dict(state, strict=False)
+        full = _logprobs(fresh, tok)
+        quantize_linears(fresh, kind)
+        torch.testing.assert_close(
+            _logprobs(gen.model, tok), _logprobs(fresh, tok), atol=1e-5, rtol=0
+        )
+        assert (_logprobs(gen.model, tok) - full).abs().max() < 0.5
+        sp = SamplingParams(max_new_tokens=8)
+        out = gen.generate([GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=1)])[0]
+        assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in out.completions)
