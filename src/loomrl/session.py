@@ -109,7 +109,14 @@ def _start_executors(
             if "name" in kwargs
             else (lambda: None)
         )
-    trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints)
+    if cfg.trainer.parallel.type == "fsdp2":  # dp_shard ranks behind one handle
+        from loomrl.training.fsdp import start_trainer_group
+
+        trainer = start_trainer_group(runtime, cfg, trainer_end)
+    else:
+        trainer = runtime.start(
+            "trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints
+        )
     generators = [
         runtime.start(
             f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i), Generator
