@@ -107,3 +107,33 @@ def test_a_rank_killed_mid_job_restarts_the_job_from_its_checkpoint(tiny_job, tm
     assert result.summary["faults"]["executor/trainer_restarts"] >= 1
     assert result.summary["prompts_trained_twice"] == 0
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_on_cuda_trains_like_the_single_trainer(tiny_job, tmp_path):
+    """The CUDA path (NCCL, bf16_mixed's MixedPrecisionPolicy, per-parameter gathers, full
+    state dicts) on one GPU: two NCCL ranks cannot share a device, so one rank."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    common = {
+        **SYNC,
+        "runtime": "process",
+        "model": {"device": "cuda"},
+        "checkpoint": {"every_steps": 2},
+    }
+    trainer = {"num_steps": 4, "micro_batch_size": 4, "precision": "bf16_mixed"}
+    single = Job(tiny_job(**common, trainer=trainer, output_dir=str(tmp_path / "single"))).run()
+    sharded = Job(
+        tiny_job(
+            **common,
+            trainer={**trainer, "parallel": {"type": "fsdp2", "dp_shard": 1}},
+            output_dir=str(tmp_path / "fsdp"),
+        )
+    ).run()
+    want, got = _steps(single.run_dir), _steps(sharded.run_dir)
+    assert len(got) == 4
+    # bf16 compute: the first step (same weights, same rollouts) agrees to bf16's precision
+    assert got[0][2] == want[0][2] and got[0][1] == pytest.approx(want[0][1], rel=2e-2)
+    assert (sharded.run_dir / "final" / "config.json").exists()
