@@ -44,9 +44,95 @@ def test_rollouts_are_shared_by_tokens_not_rows_and_deterministically():
     assert shard_rollouts(rollouts[:1], 3) == [[0], [], []]
 
 
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+
+
+def _uneven_groups() -> list:
+    """One long rollout among short ones: balanced by tokens, the ranks get different row
+    counts, so with one row per micro-batch one rank runs idle micro-batches."""
+    from loomrl.types import Group
+
+    lengths = [12, 1, 2, 1, 3, 1, 2, 1]
+    rollouts = [
+        Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * n, [-1.5] * n, [1] * n, 0, reward=float(i % 2))
+        for i, n in enumerate(lengths)
+    ]
+    return [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+
+
+def _configs(aggregation: str):
+    from loomrl.config import AlgorithmConfig, TrainerConfig
+
+    algorithm = AlgorithmConfig(aggregation=aggregation)
+    return algorithm, TrainerConfig(lr=1e-3, micro_batch_size=1, shared_prefix=False)
+
+
+def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str, out: str):
+    """One rank of a sharded step (run by torch.multiprocessing.spawn)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loomrl.models.tiny import build_tiny_model
+    from loomrl.training.fsdp import ShardedTrainer, shard_model
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
+    model, tok = build_tiny_model("llama", seed=3, **TINY)
+    shard_model(model, init_device_mesh("cpu", (world_size,)), "fp32", reshard=True)
+    algorithm, trainer_cfg = _configs(aggregation)
+    trainer = ShardedTrainer(
+        model, tok, algorithm, trainer_cfg, 1.0, rank=rank, world_size=world_size
+    )
+    metrics = trainer.train_step(_uneven_groups())
+    state = trainer.state_dict()["model"]
+    if rank == 0:
+        torch.save({"metrics": metrics, "model": state}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_sharded_step_with_idle_micro_batches_is_the_single_step(aggregation, tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    from loomrl.models.tiny import build_tiny_model
+    from loomrl.runtime.group import new_rendezvous
+    from loomrl.training.trainer import Trainer, micro_batch_slices
+
+    groups = _uneven_groups()
+    rollouts = [r for g in groups for r in g.rollouts]
+    shares = shard_rollouts(rollouts, 2)
+    counts = [len(micro_batch_slices([rollouts[i] for i in s], 1, None)) for s in shares]
+    assert counts[0] != counts[1]  # one rank runs idle micro-batches
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_sharded_step, (2, new_rendezvous("127.0.0.1"), aggregation, out), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    model, tok = build_tiny_model("llama", seed=3, **TINY)
+    want = Trainer(model, tok, *_configs(aggregation), 1.0).train_step(groups)
+    for key in ("train/loss", "train/grad_norm", "train/update_rms", "train/entropy"):
+        assert got["metrics"][key] == pytest.approx(want[key], rel=1e-5), key
+    assert got["metrics"]["train/num_tokens"] == want["train/num_tokens"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_fsdp2_on_the_local_runtime_is_a_config_error_naming_process(tiny_job):
     with pytest.raises((ConfigError, ValueError), match="runtime='process'"):
         tiny_job(trainer={"parallel": {"type": "fsdp2", "dp_shard": 2}})
+
+
+@pytest.mark.parametrize(
+    ("sections", "named"),
+    [
+        ({"algorithm": {"kl_coef": 0.1}}, "kl_coef=0.1"),
+        ({"weight_sync": {"transport": "torch_dist"}}, "transport='torch_dist'"),
+        ({"trainer": {"parallel": {"type": "fsdp2", "dp_shard": 0}}}, "dp_shard"),
+    ],
+)
+def test_what_fsdp2_does_not_support_yet_is_a_config_error(tiny_job, sections, named):
+    parallel = {"trainer": {"parallel": {"type": "fsdp2", "dp_shard": 2}}}
+    with pytest.raises((ConfigError, ValueError), match=named):
+        tiny_job(runtime="process", **{**parallel, **sections})
 
 
 def _steps(run_dir):
