@@ -362,7 +362,7 @@ class ParallelConfig(_Section):
         description="'single': one trainer process holds the whole model, its gradients and AdamW "
         "state. 'fsdp2': dp_shard ranks (one process or Ray actor each, one torch.distributed group: "
         "gloo on CPU, NCCL on CUDA) each hold 1/dp_shard of them (torch's fully_shard per transformer "
-        "block); a step's groups are split over the ranks by tokens.",
+        "block); a step's rollouts are split over the ranks by tokens.",
     )
     dp_shard: int = Field(1, ge=1, description="'fsdp2': ranks the model is sharded over.")
     reshard_after_forward: bool = Field(
