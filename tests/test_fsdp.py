@@ -223,3 +223,25 @@ def test_one_nccl_rank_on_cuda_trains_like_the_single_trainer(tiny_job, tmp_path
     # bf16 compute: the first step (same weights, same rollouts) agrees to bf16's precision
     assert got[0][2] == want[0][2] and got[0][1] == pytest.approx(want[0][1], rel=2e-2)
     assert (sharded.run_dir / "final" / "config.json").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_on_ray_in_one_placement_group_match_one_trainer(ray_cluster, tiny_job, tmp_path):
+    common = {**SYNC, "trainer": {"num_steps": 3, "micro_batch_size": 4}}
+    single = Job(tiny_job(**common, runtime="process", output_dir=str(tmp_path / "s"))).run()
+    sharded = Job(
+        tiny_job(
+            **SYNC,
+            runtime="ray",
+            trainer={**common["trainer"], "parallel": {"type": "fsdp2", "dp_shard": 2}},
+            ray={"num_cpus": {"trainer": 0.5, "generator": 0.5}, "placement": "pack"},
+            output_dir=str(tmp_path / "ray"),
+        )
+    ).run()
+    want, got = _steps(single.run_dir), _steps(sharded.run_dir)
+    assert len(got) == 3
+    for (_, norm, reward, _), (_, norm2, reward2, _) in zip(want, got):
+        assert reward2 == reward and norm2 == pytest.approx(norm, rel=1e-5)
+    assert {"trainer.rank0", "trainer.rank1"} <= set(sharded.summary["peak_rss_mb"])
