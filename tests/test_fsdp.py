@@ -84,14 +84,16 @@ def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str,
         model, tok, algorithm, trainer_cfg, 1.0, rank=rank, world_size=world_size
     )
     metrics = trainer.train_step(_uneven_groups())
-    state = trainer.state_dict()["model"]
+    state = trainer.state_dict()  # full, on rank 0
     if rank == 0:
-        torch.save({"metrics": metrics, "model": state}, out)
+        torch.save({"metrics": metrics, "state": state}, out)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_a_sharded_step_with_idle_micro_batches_is_the_single_step(aggregation, tmp_path):
+def test_a_sharded_step_with_idle_micro_batches_is_the_single_step_and_resumes_on_one(
+    aggregation, tmp_path
+):
     import torch
     import torch.multiprocessing as mp
 
@@ -108,12 +110,22 @@ def test_a_sharded_step_with_idle_micro_batches_is_the_single_step(aggregation, 
     mp.spawn(_sharded_step, (2, new_rendezvous("127.0.0.1"), aggregation, out), nprocs=2)
     got = torch.load(out, weights_only=False)
     model, tok = build_tiny_model("llama", seed=3, **TINY)
-    want = Trainer(model, tok, *_configs(aggregation), 1.0).train_step(groups)
+    single = Trainer(model, tok, *_configs(aggregation), 1.0)
+    want = single.train_step(groups)
     for key in ("train/loss", "train/grad_norm", "train/update_rms", "train/entropy"):
         assert got["metrics"][key] == pytest.approx(want[key], rel=1e-5), key
     assert got["metrics"]["train/num_tokens"] == want["train/num_tokens"]
     for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(got["model"][name], tensor, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["state"]["model"][name], tensor, rtol=1e-5, atol=1e-6)
+    # the 2-rank state (its optimizer state keyed by name) resumes on a single trainer
+    resumed = Trainer(
+        build_tiny_model("llama", seed=0, **TINY)[0], tok, *_configs(aggregation), 1.0
+    )
+    resumed.load_state_dict(got["state"])
+    assert resumed.version == 1
+    step2, want2 = resumed.train_step(groups), single.train_step(groups)
+    for key in ("train/loss", "train/grad_norm", "train/update_rms", "train/lr"):
+        assert step2[key] == pytest.approx(want2[key], rel=1e-5), key
 
 
 def test_fsdp2_on_the_local_runtime_is_a_config_error_naming_process(tiny_job):

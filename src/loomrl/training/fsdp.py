@@ -22,7 +22,8 @@ Publishing: rank 0 publishes; every rank joins a ``DTensor.full_tensor()`` per p
 the publisher reads it (``GatheredParams``), so one full parameter exists at a time beyond the
 publisher's own cast copy. Checkpoints: the full (gathered) state on rank 0, written in the
 single trainer's folder format (model tensors by name; the optimizer state keyed by parameter
-name, so a sharded checkpoint resumes on any rank count but not on ``type = "single"``);
+name, which ``Trainer.load_state_dict`` also takes: it resumes on any rank count and on
+``type = "single"``);
 sharded DCP checkpoints are a later slice.
 """
 
