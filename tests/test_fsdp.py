@@ -85,8 +85,17 @@ def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str,
     )
     metrics = trainer.train_step(_uneven_groups())
     state = trainer.state_dict()  # full, on rank 0
+    held = {  # what this rank holds: its shards of the weights and AdamW's moments
+        "params": sum(p.to_local().numel() for p in model.parameters()),
+        "moments": sum(
+            v.to_local().numel()
+            for st in trainer.optimizer.state.values()
+            for k, v in st.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        ),
+    }
     if rank == 0:
-        torch.save({"metrics": metrics, "state": state}, out)
+        torch.save({"metrics": metrics, "state": state, "held": held}, out)
     dist.destroy_process_group()
 
 
@@ -117,6 +126,9 @@ def test_a_sharded_step_with_idle_micro_batches_is_the_single_step_and_resumes_o
     assert got["metrics"]["train/num_tokens"] == want["train/num_tokens"]
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(got["state"]["model"][name], tensor, rtol=1e-5, atol=1e-6)
+    total = sum(p.numel() for p in model.parameters())
+    assert got["held"]["params"] == pytest.approx(total / 2, rel=0.1)  # 1/N of the state
+    assert got["held"]["moments"] == 2 * got["held"]["params"]
     # the 2-rank state (its optimizer state keyed by name) resumes on a single trainer
     resumed = Trainer(
         build_tiny_model("llama", seed=0, **TINY)[0], tok, *_configs(aggregation), 1.0
