@@ -216,8 +216,8 @@ class ShardedTrainer(Trainer):
 
 class GatheredParams(Mapping):
     """``synced_params`` of a sharded model, each parameter gathered (``full_tensor()``, a
-    collective every rank joins in the same order) when it is read: read each once, in
-    order, as the publisher's cast and the tensor lane's pack do."""
+    collective every rank joins in the same order) when it is read: a reader must read each
+    once, in order, as the byte lane's cast does (the other ranks read it so)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._params = dict(model.named_parameters())
@@ -284,6 +284,11 @@ class ShardedTrainerExecutor(TrainerExecutor):
             for _ in params.values():  # join each gather rank 0's publisher makes
                 pass
             return {}
+        if getattr(self.publisher.sender, "carries_tensors", False):
+            # the tensor lane reads the state more than once (sizes, then the pack): gather
+            # it first, in the published dtype, as the lane's buffer will hold it
+            dtype = self.publisher.dtype
+            params = {name: tensor.to(dtype) for name, tensor in params.items()}
         metrics = self.publisher.publish(params, self.trainer.version, full=full)
         metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
