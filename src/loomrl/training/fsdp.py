@@ -243,7 +243,13 @@ class ShardedTrainerExecutor(TrainerExecutor):
         self.rank, self.world_size = rank, world_size
         par = cfg.trainer.parallel
         if resolve_device(cfg.model.device).type == "cuda":  # a GPU per rank: cuda:<rank>
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            visible = torch.cuda.device_count()  # (a Ray actor sees its own GPU only)
+            if cfg.runtime == "process" and world_size > visible:
+                raise ValueError(
+                    f"trainer.parallel.dp_shard={world_size} on CUDA needs a GPU per rank (NCCL "
+                    f"cannot put two ranks on one device); this node has {visible}"
+                )
+            torch.cuda.set_device(rank % visible)
             device = f"cuda:{torch.cuda.current_device()}"
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
             backend = "nccl"
