@@ -363,6 +363,31 @@ class AlgorithmConfig(_Section):
     )
 
 
+class ParallelConfig(_Section):
+    """``[trainer.parallel]``: one trainer process, or N ranks sharding it with FSDP2
+    (docs/training.md, "Sharded training")."""
+
+    type: Literal["single", "fsdp2"] = Field(
+        "single",
+        description="'single': one trainer process holds the whole model, its gradients and AdamW "
+        "state. 'fsdp2': dp_shard ranks (one process or Ray actor each, one torch.distributed group: "
+        "gloo on CPU, NCCL on CUDA) each hold 1/dp_shard of them (torch's fully_shard per transformer "
+        "block); a step's rollouts are split over the ranks by tokens.",
+    )
+    dp_shard: int = Field(1, ge=1, description="'fsdp2': ranks the model is sharded over.")
+    reshard_after_forward: bool = Field(
+        True,
+        description="'fsdp2': free each block's gathered weights after its forward and gather them "
+        "again in backward (less memory, one more all-gather per block); false keeps them to backward.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="'fsdp2': the process group's timeout: a collective that waits longer for a lost "
+        "rank fails instead of hanging (the call deadline then ends the group).",
+    )
+
+
 class TrainerConfig(_Section):
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -432,6 +457,10 @@ class TrainerConfig(_Section):
         description="Recompute each layer's activations in backward (the model's own "
         "gradient checkpointing, non-reentrant): less memory, ~30% more compute. Turns off "
         "trainer.shared_prefix (checkpointed layers keep no key/value cache) and traces.",
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="Single-process or sharded (FSDP2) training.",
     )
 
 
@@ -732,6 +761,35 @@ class JobConfig(_Section):
             raise ValueError(
                 "weight_sync.transport='torch_dist' needs one process per executor; the local "
                 "runtime runs executors as threads: use runtime='process', or 'inproc' or 'shm'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits_job(self) -> JobConfig:
+        par = self.trainer.parallel
+        if par.type != "fsdp2":
+            return self
+        if self.runtime == "local":
+            raise ValueError(
+                "trainer.parallel.type='fsdp2' needs one process per rank (a process has one default "
+                "torch.distributed group); runtime='local' runs executors as threads: use "
+                "runtime='process' (or 'ray')"
+            )
+        if self.weight_sync.forms_group:
+            raise ValueError(
+                f"trainer.parallel.type='fsdp2' with weight_sync.transport={self.weight_sync.transport!r} "
+                f"(tensor_mode={self.weight_sync.tensor_mode!r}): the ranks' process group is the default "
+                "one, which the weight-sync group would need too; use transport 'shm' or 'files'"
+            )
+        if self.model.lora is not None:
+            raise ValueError(
+                "trainer.parallel.type='fsdp2' with model.lora: sharded LoRA training is not built "
+                "yet; drop [model.lora] or set parallel.type='single'"
+            )
+        if self.algorithm.kl_coef > 0:
+            raise ValueError(
+                f"trainer.parallel.type='fsdp2' with algorithm.kl_coef={self.algorithm.kl_coef}: the "
+                "sharded KL reference is not built yet; set kl_coef=0 or parallel.type='single'"
             )
         return self
 

@@ -27,6 +27,7 @@ from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb
+from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import Deadlines, ExecutorLostError, FaultStats, Supervised
 from loomrl.scoring.executor import start_scorer_executor
@@ -109,7 +110,14 @@ def _start_executors(
             if "name" in kwargs
             else (lambda: None)
         )
-    trainer = runtime.start("trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints)
+    if cfg.trainer.parallel.type == "fsdp2":  # dp_shard ranks behind one handle
+        from loomrl.training.fsdp import start_trainer_group
+
+        trainer = start_trainer_group(runtime, cfg, trainer_end)
+    else:
+        trainer = runtime.start(
+            "trainer", partial(start_trainer, cfg, trainer_end), TrainerEndpoints
+        )
     generators = [
         runtime.start(
             f"generator{i}", partial(start_generator, cfg, generator_end(i + 1), i), Generator
@@ -258,8 +266,14 @@ def _executor_names(cfg: JobConfig) -> list[str]:
     scorers = (
         cfg.task.num_scorers if cfg.task.environment is None else 0
     )  # as _start_scorers starts them
+    par = cfg.trainer.parallel  # a sharded trainer's ranks: trainer.rank0 ...
+    trainers = (
+        [rank_name("trainer", r) for r in range(par.dp_shard)]
+        if par.type == "fsdp2"
+        else ["trainer"]
+    )
     return [
-        "trainer",
+        *trainers,
         *(f"generator{i}" for i in range(cfg.generation.num_generators)),
         *(f"scorer{i}" for i in range(scorers)),
     ]

@@ -30,15 +30,7 @@ class TrainerExecutor(TrainerEndpoints):
         # never rounded through the generators' compute dtype on the way
         master = master_dtype(resolve_precision(cfg.trainer, device))
         model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed, dtype=master)
-        self.trainer = Trainer(
-            model,
-            self.tokenizer,
-            cfg.algorithm,
-            cfg.trainer,
-            cfg.generation.temperature,
-            trace=cfg.uses_traces(cfg.trainer.trace),
-            reference_dtype=resolve_dtype(cfg.model, device),
-        )
+        self.trainer = self._build_trainer(cfg, model, device)
         ws = cfg.weight_sync
         self.publisher = Publisher(
             sender,
@@ -46,6 +38,18 @@ class TrainerExecutor(TrainerEndpoints):
             full_every=ws.full_every,
             publish_dtype=ws.publish_dtype,
             options=CodecOptions(level=ws.zstd_level),
+        )
+
+    def _build_trainer(self, cfg: JobConfig, model, device) -> Trainer:
+        """The ``Trainer`` of ``model`` (a sharded executor shards the model first)."""
+        return Trainer(
+            model,
+            self.tokenizer,
+            cfg.algorithm,
+            cfg.trainer,
+            cfg.generation.temperature,
+            trace=cfg.uses_traces(cfg.trainer.trace),
+            reference_dtype=resolve_dtype(cfg.model, device),
         )
 
     @property

@@ -281,13 +281,9 @@ class Trainer:
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in micro_batch_slices(
-            rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
-        ):
-            micro = self._micro_batch(rollouts[rows], advantages[rows])
-            self._micro_step(micro, total_tokens, total_seqs, batch_stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        metrics = batch_stats.finish()
+        self._accumulate_grads(rollouts, advantages, total_tokens, total_seqs, batch_stats)
+        grad_norm = self._clip_grads()
+        metrics = self._finish_stats(batch_stats)
         if not (math.isfinite(metrics["train/loss"]) and math.isfinite(float(grad_norm))):
             # Checked before stepping, so neither the weights nor AdamW's moments see a NaN.
             self.optimizer.zero_grad(set_to_none=True)
@@ -297,7 +293,7 @@ class Trainer:
             )
         lr = self.optimizer.param_groups[0]["lr"]
         t_opt = time.perf_counter()
-        update_rms, weight_rms = step_and_measure(self.optimizer)
+        update_rms, weight_rms = self._step_optimizer()
         optimizer_s = time.perf_counter() - t_opt
         self.scheduler.step()
         self.version += 1
@@ -319,6 +315,36 @@ class Trainer:
         if self.traces is not None:
             metrics.update(self.traces.metrics("train"))
         return metrics
+
+    # -- the step's parts a sharded trainer (loomrl.training.fsdp) replaces ----------------
+
+    def _accumulate_grads(
+        self,
+        rollouts: list[Rollout],
+        advantages: list[float],
+        total_tokens: int,
+        total_seqs: int,
+        acc: _Accumulator,
+    ) -> None:
+        """Forward and backward over ``rollouts`` a micro-batch at a time, the loss of each
+        weighted by its share of ``total_tokens`` (or ``total_seqs``): the step's gradients."""
+        for rows in micro_batch_slices(
+            rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        ):
+            micro = self._micro_batch(rollouts[rows], advantages[rows])
+            self._micro_step(micro, total_tokens, total_seqs, acc)
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip the gradients to ``max_grad_norm``; their norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+
+    def _finish_stats(self, acc: _Accumulator) -> dict[str, float]:
+        """The step's ``train/*`` statistics from the micro-batches'."""
+        return acc.finish()
+
+    def _step_optimizer(self) -> tuple[float, float]:
+        """The optimizer step; the RMS of the update and of the weights after it."""
+        return step_and_measure(self.optimizer)
 
     def _micro_batch(
         self, rollouts: list[Rollout], advantages: list[float]
@@ -408,7 +434,18 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "world_size" in state:  # a sharded trainer's (loomrl.training.fsdp): keyed by name
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=options
+            )
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
 

@@ -1,0 +1,358 @@
+"""The sharded trainer (``[trainer.parallel] type = "fsdp2"``): N ranks, one process (or Ray
+actor) each, in one ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), started by
+``loomrl.runtime.group.start_group`` behind one trainer handle.
+
+Each rank holds 1/N of the weights, gradients and AdamW state: the model is wrapped with
+``torch.distributed.fsdp.fully_shard`` per transformer block, then at the root (with a
+``MixedPrecisionPolicy`` under ``trainer.precision = "bf16_mixed"``), and the optimizer is
+built on the sharded parameters. A step:
+
+1. every rank gets the whole step's groups (the group handle sends all ranks the same
+   arguments), computes every advantage and the global token count, and takes its share of
+   the rollouts: ``shard_rollouts`` balances prompt + completion tokens, deterministically;
+2. the loss of each micro-batch is weighted by its tokens over the *global* count (as the
+   single trainer does), and FSDP's reduce-scatter sums the ranks' gradients (its default
+   divide-by-N is turned off), so N ranks make the update one trainer makes;
+3. every rank runs as many forward/backward passes (a collective each): a rank with fewer
+   micro-batches runs idle ones (a row's forward, backward of zero);
+4. the statistics of every rank are merged (``all_gather_object``), so rank 0's answer,
+   the one the handle returns, is the step's.
+
+Publishing: rank 0 publishes; every rank joins a ``DTensor.full_tensor()`` per parameter as
+the publisher reads it (``GatheredParams``), so one full parameter exists at a time beyond the
+publisher's own cast copy. Checkpoints: the full (gathered) state on rank 0, written in the
+single trainer's folder format (model tensors by name; the optimizer state keyed by parameter
+name, which ``Trainer.load_state_dict`` also takes: it resumes on any rank count and on
+``type = "single"``);
+sharded DCP checkpoints are a later slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loomrl.config import JobConfig
+from loomrl.device import resolve_device
+from loomrl.runtime.base import Runtime
+from loomrl.runtime.group import ExecutorGroup, start_group
+from loomrl.training import precision as prec
+from loomrl.training.base import TrainerEndpoints
+from loomrl.training.checkpoint import save_checkpoint
+from loomrl.training.executor import TrainerExecutor
+from loomrl.training.trainer import (
+    Trainer,
+    _Accumulator,
+    micro_batch_slices,
+    token_logprobs,
+)
+from loomrl.types import Rollout
+from loomrl.weights.transports import TransportSpec, open_transport
+
+logger = logging.getLogger(__name__)
+
+
+def shard_rollouts(rollouts: list[Rollout], world_size: int) -> list[list[int]]:
+    """The indices of ``rollouts`` each rank trains, balanced by tokens (prompt +
+    completion, what a row costs): longest first onto the rank with the fewest tokens so far
+    (ties: the lower index, the lower rank), each rank's rows in their original order. The
+    same answer on every rank, with no collective."""
+    cost = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(rollouts)), key=lambda i: (-cost[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += cost[i]
+    return [sorted(share) for share in shares]
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the children of its largest ``ModuleList``
+    (``model.layers`` of Llama and Qwen, ``transformer.h`` of GPT-2)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(
+            f"trainer.parallel.type='fsdp2': {type(model).__name__} has no ModuleList of "
+            "transformer blocks to shard"
+        )
+    return list(max(lists, key=len))
+
+
+def shard_model(model: torch.nn.Module, mesh, precision: str, reshard: bool) -> None:
+    """``fully_shard`` each transformer block, then the root (the embeddings, final norm and
+    output projection), in place; bf16 compute with fp32 gradient reduction under
+    ``bf16_mixed``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16_mixed"
+        else MixedPrecisionPolicy()
+    )
+    units = [*transformer_blocks(model), model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for unit in units:  # (per unit: these setters are not recursive)
+        # the loss is already normalised by the global token count: sum the ranks' gradients,
+        # with a plain SUM (gloo has neither AVG nor PREMUL_SUM), times 1.0
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+class ShardedTrainer(Trainer):
+    """A ``Trainer`` whose model is ``fully_shard``-ed over the default process group: its
+    step trains this rank's share and merges the statistics (module docstring)."""
+
+    def __init__(self, *args, rank: int, world_size: int, **kwargs) -> None:
+        super().__init__(*args, trace=False, **kwargs)
+        self.rank, self.world_size = rank, world_size
+        # one forward and one backward per micro-batch on every rank (collectives in lockstep):
+        # no shared-prompt forward (two), and no chunked log-probs (they read the output
+        # projection's weight outside the root's forward, where it is still a shard)
+        self._prefix_ok = False
+        self.chunk = None
+
+    def _accumulate_grads(self, rollouts, advantages, total_tokens, total_seqs, acc) -> None:
+        shares = shard_rollouts(rollouts, self.world_size)
+        mbs, max_tokens = self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        counts = [
+            len(micro_batch_slices([rollouts[i] for i in s], mbs, max_tokens)) if s else 0
+            for s in shares
+        ]
+        mine = [rollouts[i] for i in shares[self.rank]]
+        mine_adv = [advantages[i] for i in shares[self.rank]]
+        if mine:
+            super()._accumulate_grads(mine, mine_adv, total_tokens, total_seqs, acc)
+        idle = self._micro_batch(rollouts[:1], [0.0])
+        for _ in range(max(counts) - counts[self.rank]):
+            self._idle_micro_step(idle)
+
+    def _idle_micro_step(self, batch) -> None:
+        """A forward and a backward that add nothing: this rank joins the others' collectives."""
+        with prec.autocast(self.precision, self.device):
+            logp, _ = token_logprobs(self.model, batch, self.temperature, self.chunk)
+        (logp.float().sum() * 0.0).backward()
+
+    def _clip_grads(self) -> torch.Tensor:
+        norm = super()._clip_grads()  # of the whole gradient: a DTensor over the shards
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _finish_stats(self, acc: _Accumulator) -> dict[str, float]:
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, (acc.sums, acc.weights, acc.maxima, acc.plain_sums))
+        merged = _Accumulator()
+        for sums, weights, maxima, plain in parts:  # in rank order: the same sums everywhere
+            for key, total in sums.items():
+                merged.sums[key] = merged.sums.get(key, 0.0) + total
+                merged.weights[key] = merged.weights.get(key, 0.0) + weights[key]
+            for key, value in maxima.items():
+                merged.max(key, value)
+            merged.plain_sums |= plain
+        return merged.finish()
+
+    def _step_optimizer(self) -> tuple[float, float]:
+        """The step, and the update's and weights' RMS over all ranks' shards."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        with torch.no_grad():
+            before = torch._foreach_mul(local, 1.0)  # this rank's shards: 1/N of the model
+            self.optimizer.step()
+            torch._foreach_sub_(before, local)
+            sums = torch.tensor(
+                [
+                    sum(float(n) ** 2 for n in torch._foreach_norm(before)),
+                    sum(float(n) ** 2 for n in torch._foreach_norm(local)),
+                    float(sum(t.numel() for t in local)),
+                ],
+                dtype=torch.float64,
+                device=self.device,
+            )
+            del before
+        dist.all_reduce(sums)
+        update_sq, weight_sq, count = sums.tolist()
+        return (update_sq / max(count, 1)) ** 0.5, (weight_sq / max(count, 1)) ** 0.5
+
+    # -- state: full (gathered) tensors, in the single trainer's layout ----------------------
+
+    def state_dict(self) -> dict:
+        """The full state on rank 0 (on the CPU); empty model and optimizer entries elsewhere."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "model": get_model_state_dict(self.model, options=options),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a full state (every rank gets it): each rank keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+
+
+class GatheredParams(Mapping):
+    """``synced_params`` of a sharded model, each parameter gathered (``full_tensor()``, a
+    collective every rank joins in the same order) when it is read: a reader must read each
+    once, in order, as the byte lane's cast does (the other ranks read it so)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = dict(model.named_parameters())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name].detach()
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+class ShardedTrainerExecutor(TrainerExecutor):
+    """One rank of the sharded trainer. Rank 0 holds the weight sender and writes
+    checkpoints; every rank joins the gathers they need."""
+
+    def __init__(
+        self, cfg: JobConfig, sender, owned_transport, rank: int, world_size: int, rendezvous: str
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        par = cfg.trainer.parallel
+        if resolve_device(cfg.model.device).type == "cuda":  # a GPU per rank: cuda:<rank>
+            visible = torch.cuda.device_count()  # (a Ray actor sees its own GPU only)
+            if cfg.runtime == "process" and world_size > visible:
+                raise ValueError(
+                    f"trainer.parallel.dp_shard={world_size} on CUDA needs a GPU per rank (NCCL "
+                    f"cannot put two ranks on one device); this node has {visible}"
+                )
+            torch.cuda.set_device(rank % visible)
+            device = f"cuda:{torch.cuda.current_device()}"
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
+            backend = "nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=rendezvous,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=par.collective_timeout_s),
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world_size,))
+        logger.info(
+            "trainer rank %d of %d joined at %s (%s)", rank, world_size, rendezvous, backend
+        )
+        super().__init__(cfg, sender, owned_transport=owned_transport)
+
+    def _build_trainer(self, cfg: JobConfig, model, device) -> Trainer:
+        precision = prec.resolve_precision(cfg.trainer, device)
+        shard_model(model, self.mesh, precision, cfg.trainer.parallel.reshard_after_forward)
+        return ShardedTrainer(
+            model,
+            self.tokenizer,
+            cfg.algorithm,
+            cfg.trainer,
+            cfg.generation.temperature,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def publish(self, full: bool = False) -> dict[str, float]:
+        t0 = time.perf_counter()
+        params = GatheredParams(self.trainer.model)
+        if self.rank != 0:
+            for _ in params.values():  # join each gather rank 0's publisher makes
+                pass
+            return {}
+        if getattr(self.publisher.sender, "carries_tensors", False):
+            # the tensor lane reads the state more than once (sizes, then the pack): gather
+            # it first, in the published dtype, as the lane's buffer will hold it
+            dtype = self.publisher.dtype
+            params = {name: tensor.to(dtype) for name, tensor in params.items()}
+        metrics = self.publisher.publish(params, self.trainer.version, full=full)
+        metrics["timing/publish_s"] = time.perf_counter() - t0
+        return metrics
+
+    def save_checkpoint(self, root: str, step: int, extra: dict, keep: int) -> str:
+        state = self.state_dict()  # every rank joins the gathers; rank 0 writes
+        if self.rank != 0:
+            return ""
+        return str(save_checkpoint(Path(root), step, {"trainer": state, **extra}, keep))
+
+    def save_pretrained(self, path: str) -> None:
+        state = self.trainer.state_dict()["model"]  # gathered on rank 0
+        if self.rank != 0:
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.trainer.model.save_pretrained(path, state_dict=state)
+        self.tokenizer.save_pretrained(path)
+
+    def offload(self) -> float:
+        raise NotImplementedError(
+            "trainer.parallel.type='fsdp2' cannot be time-sliced yet (scheduler offload)"
+        )
+
+    def close(self) -> None:
+        super().close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_sharded_trainer(
+    cfg: JobConfig, transport: TransportSpec | None, rank: int, world_size: int, rendezvous: str
+) -> ShardedTrainerExecutor:
+    """Rank ``rank`` of the sharded trainer; ``transport`` (rank 0's only) is the sending end
+    of weight sync (module-level, so that a ``functools.partial`` of it pickles)."""
+    sender = owned = None
+    if transport is not None:
+        opened, is_owned = open_transport(transport)
+        sender, owned = opened.sender(), (opened if is_owned else None)
+    return ShardedTrainerExecutor(cfg, sender, owned, rank, world_size, rendezvous)
+
+
+def sharded_trainer_rank(
+    cfg: JobConfig, transport: TransportSpec, rank: int, world_size: int, rendezvous: str
+):
+    """The ``rank_factory`` of ``start_group``: rank 0 gets the weight sender."""
+    return partial(
+        start_sharded_trainer, cfg, transport if rank == 0 else None, rank, world_size, rendezvous
+    )
+
+
+def start_trainer_group(
+    runtime: Runtime, cfg: JobConfig, transport: TransportSpec
+) -> ExecutorGroup:
+    """``trainer.parallel.dp_shard`` ranks behind one trainer handle."""
+    return start_group(
+        runtime,
+        "trainer",
+        partial(sharded_trainer_rank, cfg, transport),
+        cfg.trainer.parallel.dp_shard,
+        TrainerEndpoints,
+    )
