@@ -29,11 +29,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow and not ray and not vllm and not gpu"
 
 # The ray-marked tests: one local Ray cluster for the session (a minute or two on 2 cores).
 test-ray: $(RAY_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m ray
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "ray and not vllm and not gpu"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
