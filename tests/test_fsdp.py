@@ -151,6 +151,7 @@ def test_fsdp2_on_the_local_runtime_is_a_config_error_naming_process(tiny_job):
         ({"algorithm": {"kl_coef": 0.1}}, "kl_coef=0.1"),
         ({"weight_sync": {"transport": "torch_dist"}}, "transport='torch_dist'"),
         ({"trainer": {"parallel": {"type": "fsdp2", "dp_shard": 0}}}, "dp_shard"),
+        ({"scheduler": {"url": "http://127.0.0.1:1"}}, "scheduler.offload"),
     ],
 )
 def test_what_fsdp2_does_not_support_yet_is_a_config_error(tiny_job, sections, named):

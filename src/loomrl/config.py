@@ -791,6 +791,11 @@ class JobConfig(_Section):
                 f"trainer.parallel.type='fsdp2' with algorithm.kl_coef={self.algorithm.kl_coef}: the "
                 "sharded KL reference is not built yet; set kl_coef=0 or parallel.type='single'"
             )
+        if self.scheduler.url is not None and self.scheduler.offload:
+            raise ValueError(
+                "trainer.parallel.type='fsdp2' with scheduler.url and scheduler.offload: a sharded "
+                "trainer cannot be offloaded yet; set scheduler.offload=false or parallel.type='single'"
+            )
         return self
 
     @model_validator(mode="after")
