@@ -163,7 +163,9 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
         "prompts_trained_twice": 0,
     }
     controller = SimpleNamespace(
-        version=1, accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()}
+        version=1,
+        accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()},
+        scorer=SimpleNamespace(first_errors={}),  # (a real controller always has one)
     )
     _write_failure_summary(
         tmp_path, controller, StopSignal(15)

@@ -491,9 +491,7 @@ def _write_failure_summary(
         counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
-        # (a controller stopped while it was being built may have no scorer yet)
-        scorer = getattr(controller, "scorer", None)
-        summary["first_failures"] = dict(getattr(scorer, "first_errors", {}))
+        summary["first_failures"] = dict(controller.scorer.first_errors)
     write_json_atomically(run_dir / "summary.json", summary)
 
 
