@@ -20,10 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loomrl.envs.base import Environment, StepResult
-from loomrl.envs.reward import RewardFailure
-from loomrl.envs.reward import (
-    _check_value as check_reward_value,  # the same bounds as a reward function's
-)
+from loomrl.envs.reward import RewardFailure, check_value  # a reward function's bounds
 from loomrl.types import GenerationRequest, GenerationResult, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,7 +121,7 @@ async def _take_turn(
     if step is None:
         return
     try:  # a finite float32 number, as a reward function's (a bigint or 1e39 fails the episode)
-        ep.reward = check_reward_value(ep.reward + check_reward_value(step.reward))
+        ep.reward = check_value(ep.reward + check_value(step.reward))
     except RewardFailure as failure:
         ep.error, ep.done = f"environment step: {failure}", True
         return

@@ -141,9 +141,6 @@ def check_value(value: Any) -> float:
     return number
 
 
-_check_value = check_value
-
-
 class DaemonThreads:
     """A pool of daemon worker threads for sync reward calls.
 
@@ -236,7 +233,7 @@ async def call_reward(
             raise RewardFailure("raised", f"reward function raised {_describe(value)}")
         if status == "failure":
             raise value
-        return _check_value(value)
+        return check_value(value)
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -264,7 +261,7 @@ async def call_reward(
         raise RewardFailure("raised", f"reward function raised {_describe(value)}")
     if status == "failure":
         raise value
-    return _check_value(value)
+    return check_value(value)
 
 
 async def call_reward_batch(
@@ -354,7 +351,7 @@ class _BatchRun:
                 value = RewardFailure("raised", f"reward function raised {_describe(err)}")
             if not isinstance(value, RewardFailure):
                 try:
-                    value = _check_value(value)
+                    value = check_value(value)
                 except RewardFailure as failure:
                     value = failure
             with self.lock:

@@ -13,7 +13,7 @@ import time
 from abc import abstractmethod
 from typing import Any
 
-from loomrl.envs.reward import RewardFailure, _check_value
+from loomrl.envs.reward import RewardFailure, check_value
 from loomrl.envs.scorer import GroupItems, GroupOutcome, RewardEndpoints, ScoreItem, ScoreOutcome
 from loomrl.runtime.endpoints import endpoint
 
@@ -119,7 +119,7 @@ class BatchedModelScorer(RewardEndpoints):
         for value in values:
             if not isinstance(value, RewardFailure):
                 try:
-                    value = _check_value(value)
+                    value = check_value(value)
                 except RewardFailure as failure:
                     value = failure
             checked.append(value)
