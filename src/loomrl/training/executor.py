@@ -96,7 +96,7 @@ class TrainerExecutor(TrainerEndpoints):
         """Move the model, gradients, AdamW state, the KL reference and the publisher's
         last snapshot off the device; returns the seconds it took."""
         if getattr(self, "_swap", None) is None:
-            from loomrl.scheduler.offload import Swappable
+            from loomrl.device.offload import Swappable
 
             t = self.trainer
             last = getattr(self.publisher, "_last", None)
