@@ -50,7 +50,7 @@ def test_each_section_lives_beside_its_role_and_loomrl_config_reexports_it():
     homes = {
         "GenerationConfig": "loomrl.generation.config",
         "TrainerConfig": "loomrl.training.config",
-        "ParallelConfig": "loomrl.training.config",
+        "Fsdp2ParallelConfig": "loomrl.training.config",
         "WeightSyncConfig": "loomrl.weights.config",
         "FilesTransportConfig": "loomrl.weights.config",
         "TaskConfig": "loomrl.scoring.config",
@@ -146,7 +146,7 @@ def test_every_tagged_table_follows_one_pattern():
         build_config(
             {**BASE, "task": {"scorer": {"type": "function", "path": "m:f", "device": "cpu"}}}
         )
-    with pytest.raises(ConfigError, match=r"trainer\.parallel\.type"):
+    with pytest.raises(ConfigError, match=r"trainer\.parallel: Input tag 'tp'"):
         build_config({**BASE, "trainer": {"parallel": {"type": "tp"}}})
     lines = config_reference()
     types = [
@@ -197,3 +197,25 @@ def test_the_trainer_executor_is_built_from_its_sections():
         )
         assert (setup.weight_sync, setup.temperature, setup.trace) == (cfg.weight_sync, 0.7, trace)
         assert pickle.loads(pickle.dumps(setup)) == setup  # it travels to a process or an actor
+
+
+def test_trainer_parallel_is_tagged_and_an_old_dump_of_it_still_loads():
+    from loomrl.config import Fsdp2ParallelConfig, SingleParallelConfig
+
+    def parallel(table, **job):
+        return build_config({**BASE, **job, "trainer": {"parallel": table}}).trainer.parallel
+
+    old = {
+        "type": "single",
+        "dp_shard": 1,
+        "reshard_after_forward": True,
+        "collective_timeout_s": 600.0,
+    }
+    assert parallel(old) == SingleParallelConfig() == parallel({})
+    assert parallel("fsdp2", runtime="process") == Fsdp2ParallelConfig()
+    with pytest.raises(
+        ConfigError, match=r"trainer\.parallel\.dp_shard=2 is a key of type 'fsdp2'"
+    ):
+        parallel({"dp_shard": 2})  # type 'single' by default: dp_shard did nothing before
+    with pytest.raises(ConfigError, match=r"trainer\.parallel\.fsdp2\.dp_shard"):
+        parallel({"type": "fsdp2", "dp_shard": 0}, runtime="process")

@@ -33,7 +33,12 @@ from loomrl.scoring.config import (
     ScorerConfig,
     TaskConfig,
 )
-from loomrl.training.config import ParallelConfig, TrainerConfig
+from loomrl.training.config import (
+    Fsdp2ParallelConfig,
+    ParallelConfig,
+    SingleParallelConfig,
+    TrainerConfig,
+)
 from loomrl.weights.config import (
     FilesTransportConfig,
     InprocTransportConfig,
@@ -52,6 +57,7 @@ __all__ = [
     "EvalConfig",
     "FaultsConfig",
     "FilesTransportConfig",
+    "Fsdp2ParallelConfig",
     "FunctionScorerConfig",
     "GenerationConfig",
     "InprocTransportConfig",
@@ -72,6 +78,7 @@ __all__ = [
     "ScorerConfig",
     "Section",
     "ShmTransportConfig",
+    "SingleParallelConfig",
     "TaskConfig",
     "TensorTransportConfig",
     "TorchDistTransportConfig",

@@ -3,36 +3,72 @@ the trainer is laid out (one process, or FSDP2 ranks)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from loomrl.config_base import Section
 
 
-class ParallelConfig(Section):
-    """``[trainer.parallel]``: one trainer process, or N ranks sharding it with FSDP2
+class SingleParallelConfig(Section):
+    """``[trainer.parallel] type = "single"``: one trainer process."""
+
+    type: Literal["single"] = Field(
+        "single",
+        description="One trainer process holds the whole model, its gradients and AdamW state.",
+    )
+
+
+class Fsdp2ParallelConfig(Section):
+    """``[trainer.parallel] type = "fsdp2"``: N ranks sharding the trainer with FSDP2
     (docs/training.md, "Sharded training")."""
 
-    type: Literal["single", "fsdp2"] = Field(
-        "single",
-        description="'single': one trainer process holds the whole model, its gradients and AdamW "
-        "state. 'fsdp2': dp_shard ranks (one process or Ray actor each, one torch.distributed group: "
-        "gloo on CPU, NCCL on CUDA) each hold 1/dp_shard of them (torch's fully_shard per transformer "
-        "block); a step's rollouts are split over the ranks by tokens.",
+    type: Literal["fsdp2"] = Field(
+        "fsdp2",
+        description="dp_shard ranks (one process or Ray actor each, one torch.distributed group: "
+        "gloo on CPU, NCCL on CUDA) each hold 1/dp_shard of the model, its gradients and AdamW state "
+        "(torch's fully_shard per transformer block); a step's rollouts are split over the ranks by tokens.",
     )
-    dp_shard: int = Field(1, ge=1, description="'fsdp2': ranks the model is sharded over.")
+    dp_shard: int = Field(1, ge=1, description="Ranks the model is sharded over.")
     reshard_after_forward: bool = Field(
         True,
-        description="'fsdp2': free each block's gathered weights after its forward and gather them "
+        description="Free each block's gathered weights after its forward and gather them "
         "again in backward (less memory, one more all-gather per block); false keeps them to backward.",
     )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="'fsdp2': the process group's timeout: a collective that waits longer for a lost "
+        description="The process group's timeout: a collective that waits longer for a lost "
         "rank fails instead of hanging (the call deadline then ends the group).",
     )
+
+
+ParallelConfig = Annotated[SingleParallelConfig | Fsdp2ParallelConfig, Field(discriminator="type")]
+
+# fsdp2's keys and their defaults: what a config.json written before the tagged table lists
+# under type = "single" too (dropped there when at their defaults).
+_FSDP2_DEFAULTS = {"dp_shard": 1, "reshard_after_forward": True, "collective_timeout_s": 600.0}
+
+
+def _tagged_parallel(table: Any) -> Any:
+    """``[trainer.parallel]`` with its type (default 'single') and without fsdp2's keys at
+    their defaults under 'single'; an fsdp2 key set under 'single' is an error naming it."""
+    if isinstance(table, str):  # parallel = "fsdp2": the type alone
+        return {"type": table}
+    if not isinstance(table, dict):
+        return table
+    table = {"type": "single", **table}
+    if table["type"] != "single":
+        return table
+    for key, default in _FSDP2_DEFAULTS.items():
+        if key in table:
+            if table[key] != default:
+                raise ValueError(
+                    f"trainer.parallel.{key}={table[key]!r} is a key of type 'fsdp2', and "
+                    "trainer.parallel.type is 'single': set type = 'fsdp2' or remove it"
+                )
+            del table[key]
+    return table
 
 
 class TrainerConfig(Section):
@@ -106,6 +142,12 @@ class TrainerConfig(Section):
         "trainer.shared_prefix (checkpointed layers keep no key/value cache) and traces.",
     )
     parallel: ParallelConfig = Field(
-        default_factory=ParallelConfig,
-        description="Single-process or sharded (FSDP2) training.",
+        default_factory=SingleParallelConfig,
+        description="Single-process or sharded (FSDP2) training, a table tagged by type: 'single' "
+        "or 'fsdp2' (dp_shard, reshard_after_forward, collective_timeout_s).",
     )
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _parallel_tagged(cls, table: Any) -> Any:
+        return _tagged_parallel(table)
