@@ -74,15 +74,14 @@ def run_job(
     resume: bool = False,
     overwrite: bool = False,
     from_step: int | None = None,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: OnRecord = None,
 ) -> JobResult:
     """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
     run folder, which is checked and locked first."""
     event_loop_factory(cfg.event_loop)  # a missing uvloop fails before the run folder is made
     run_dir = default_run_dir(cfg)
-    faults = FaultStats(
-        cfg.faults.max_executor_restarts
-    )  # counts carry over the job's own restarts
+    # one count of executor restarts for the whole job, its own restarts included
+    faults = FaultStats(cfg.faults.max_executor_restarts)
     with raise_on_stop_signals(), claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
         while True:
             try:
