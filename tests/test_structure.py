@@ -332,4 +332,4 @@ def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
             if isinstance(node, ast.ImportFrom) and node.module == "loomrl.runtime.ray":
                 eager.append(name)
     assert sorted(set(importers)) == ["loomrl.runtime.ray"]
-    assert eager == [] and "loomrl.runtime.ray" in import_graph()["loomrl.session"]
+    assert eager == [] and "loomrl.runtime.ray" in import_graph()["loomrl.session.assembly"]

@@ -196,23 +196,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from loomrl.config import JobConfig
+    from loomrl.config import config_reference
 
-    def walk(model, prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            sub = getattr(ann, "model_fields", None)
-            if sub is not None:
-                walk(ann, f"{prefix}{name}.")
-                continue
-            default = (
-                "(required)"
-                if field.is_required()
-                else repr(field.get_default(call_default_factory=True))
-            )
-            print(f"{prefix}{name} = {default}    # {field.description or ''}")
-
-    walk(JobConfig, "")
+    print("\n".join(config_reference()))
     return 0
 
 
