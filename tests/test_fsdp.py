@@ -1,11 +1,10 @@
 """The sharded trainer (``trainer.parallel.type = "fsdp2"``, ``loomrl.training.fsdp``): N
-ranks on gloo make the single trainer's updates, and a lost rank restarts the job."""
+ranks on gloo make the single trainer's updates (its checkpoints, and a lost rank that
+restarts the job from one: tests/test_fsdp_checkpoint.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 
 import pytest
 
@@ -189,34 +188,6 @@ def test_two_ranks_match_one_trainer_step_for_step(tiny_job, tmp_path):
         assert norm2 == pytest.approx(norm, rel=1e-5)
     assert sharded.summary["trained"] == single.summary["trained"]
     assert (sharded.run_dir / "final" / "config.json").exists()
-    assert not multiprocessing.active_children()
-
-
-@pytest.mark.slow
-def test_a_rank_killed_mid_job_restarts_the_job_from_its_checkpoint(tiny_job, tmp_path):
-    cfg = tiny_job(
-        **SYNC,
-        runtime="process",
-        trainer={"num_steps": 6, "parallel": {"type": "fsdp2", "dp_shard": 2}},
-        checkpoint={"every_steps": 2},
-        output_dir=str(tmp_path / "run"),
-    )
-    killed = []
-
-    def kill_rank1(record):
-        if record.get("step") == 3 and not killed:
-            (rank,) = [
-                p for p in multiprocessing.active_children() if p.name == "loomrl-trainer.rank1"
-            ]
-            os.kill(rank.pid, signal.SIGKILL)
-            killed.append(rank.pid)
-
-    result = Job(cfg).run(on_record=kill_rank1)
-    assert killed
-    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
-    assert records[-1]["step"] == 6
-    assert result.summary["faults"]["executor/trainer_restarts"] >= 1
-    assert result.summary["prompts_trained_twice"] == 0
     assert not multiprocessing.active_children()
 
 
