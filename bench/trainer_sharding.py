@@ -141,9 +141,9 @@ def time_collectives(numel: int, repeats: int = 2) -> dict[str, float]:
 
     tiny, tiny_full = torch.ones(1), torch.empty(world)
     return {
-        "all_gather_s": timed(lambda: dist.all_gather_into_tensor(full, shard)),
-        "reduce_scatter_s": timed(lambda: dist.reduce_scatter_tensor(shard, full)),
-        "latency_s": timed(lambda: dist.all_gather_into_tensor(tiny_full, tiny)),
+        "all_gather_s": timed(lambda: dist.all_gather_single(full, shard)),
+        "reduce_scatter_s": timed(lambda: dist.reduce_scatter_single(shard, full)),
+        "latency_s": timed(lambda: dist.all_gather_single(tiny_full, tiny)),
     }
 
 
@@ -206,20 +206,15 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-def comm_model(collectives: dict[str, float], units: int):
-    """comm(N): seconds of a step's collectives on N ranks, from the 2-rank measurements: a
-    ring moves (N-1)/N of the bytes per rank (2-rank: 1/2) and pays (N-1) latencies per call,
-    with ``units`` calls per collective (one per fully_shard unit)."""
-    half = 0.5  # the share of the bytes a 2-rank ring moves per rank
-    per_byte_fraction = (2 * collectives["all_gather_s"] + collectives["reduce_scatter_s"]) / half
-
-    def comm(n: int) -> float:
-        return (n - 1) / n * per_byte_fraction + 3 * units * (n - 1) * collectives["latency_s"]
-
-    return comm
+def collective_s(collectives: dict[str, float], n: int, units: int) -> float:
+    """Seconds of a step's collectives alone on ``n`` ranks, from the 2-rank measurements: a
+    ring moves (n-1)/n of the bytes per rank (2 ranks: 1/2) and pays (n-1) latencies per
+    call, ``units`` calls per collective (one per fully_shard unit)."""
+    per_byte = (2 * collectives["all_gather_s"] + collectives["reduce_scatter_s"]) / 0.5
+    return (n - 1) / n * per_byte + 3 * units * (n - 1) * collectives["latency_s"]
 
 
-def report(runs: dict[int, list[dict]], opts: dict[str, Any]) -> str:
+def report(runs: dict[int, list[dict]], shares: dict[int, list[dict]], opts: dict[str, Any]) -> str:
     """The bench's tables (markdown), from the ranks' reports of each configuration."""
     lines = []
     base = runs[1][0]
@@ -242,7 +237,7 @@ def report(runs: dict[int, list[dict]], opts: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {n} | {state / MIB:.0f} | {state * n / base_state:.3f} | {parts} | "
-            f"{max(r['peak_rss'] for r in ranks) / MIB:.0f} | {ranks[0]['steps'][-1]['loss']:.6g} |"
+            f"{max(r['peak_rss'] for r in ranks) / MIB:.0f} | {ranks[0]['steps'][0]['loss']:.6g} |"
         )
     lines.append("")
     lines.append("| ranks | step s | forward s | backward s | optimizer s |")
@@ -255,51 +250,63 @@ def report(runs: dict[int, list[dict]], opts: dict[str, Any]) -> str:
             f"{_mean(s['forward_s'] for s in steps):.2f} | {_mean(s['backward_s'] for s in steps):.2f} | "
             f"{_mean(s['optimizer_s'] for s in steps):.2f} |"
         )
-    if 2 in runs and "collectives" in runs[2][0]:
-        lines += _projection(runs, base)
+    if 2 in runs and shares:
+        lines += _projection(runs, shares)
     return "\n".join(lines)
 
 
-def _projection(runs: dict[int, list[dict]], base: dict) -> list[str]:
+def _step_s(ranks: list[dict]) -> float:
+    return _mean(s["step_s"] for s in ranks[0]["steps"])
+
+
+def _projection(runs: dict[int, list[dict]], shares: dict[int, list[dict]]) -> list[str]:
+    """Step time on N ranks = a rank's compute (the single trainer measured on 1/N of the
+    rows) + the sharding overhead (collectives, FSDP's copies), taken from the measured
+    2-rank step and scaled as the ring's bytes, (N-1)/N."""
     coll = runs[2][0]["collectives"]
     units = MODEL["num_hidden_layers"] + 1
-    comm = comm_model(coll, units)
-    compute_1 = _mean(s["step_s"] for s in base["steps"])
-    measured_2 = _mean(s["step_s"] for s in runs[2][0]["steps"])
-    gib = base["params"] * 4 / 2**30
+    compute = {1: _step_s(runs[1]), **{n: _step_s(r) for n, r in shares.items()}}
+    overhead_2 = _step_s(runs[2]) - compute[2]
+    gib = runs[1][0]["params"] * 4 / 2**30
     lines = [
         "",
-        f"collectives on 2 ranks, the full fp32 state ({gib:.2f} GiB): all-gather "
-        f"{coll['all_gather_s']:.2f} s, reduce-scatter {coll['reduce_scatter_s']:.2f} s, "
-        f"latency {coll['latency_s'] * 1e3:.2f} ms a call; a step has 2 all-gathers and 1 "
-        f"reduce-scatter, in {units} calls each",
+        f"collectives alone on 2 ranks, the full fp32 state ({gib:.2f} GiB): all-gather "
+        f"{coll['all_gather_s']:.2f} s, reduce-scatter {coll['reduce_scatter_s']:.2f} s, latency "
+        f"{coll['latency_s'] * 1e3:.2f} ms a call; a step has 2 all-gathers and 1 reduce-scatter "
+        f"in {units} calls each: {collective_s(coll, 2, units):.2f} s. The measured 2-rank step "
+        f"is {_step_s(runs[2]):.2f} s against {compute[2]:.2f} s of compute: "
+        f"{overhead_2:.2f} s of sharding overhead.",
         "",
-        "| ranks | compute C1/N s | comm s | step s (no overlap) | step s (full overlap) | speedup vs 1 |",
+        "| ranks | compute s (single trainer, rows/N) | collectives alone s | overhead s (from "
+        "2 ranks, x 2(N-1)/N) | step s | speedup vs 1 |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for n in (1, 2, 4, 8):
-        c, m = compute_1 / n, comm(n) if n > 1 else 0.0
-        serial, overlapped = c + m, max(c, m)
+    for n in sorted(compute):
+        overhead = overhead_2 * 2 * (n - 1) / n
+        step = compute[n] + overhead
+        kind = "measured" if n <= 2 else "projected"
         lines.append(
-            f"| {n} | {c:.2f} | {m:.2f} | {serial:.2f} | {overlapped:.2f} | "
-            f"{compute_1 / serial:.2f}x - {compute_1 / overlapped:.2f}x |"
+            f"| {n} ({kind}) | {compute[n]:.2f} | {collective_s(coll, n, units):.2f} | "
+            f"{overhead:.2f} | {step:.2f} | {compute[1] / step:.2f}x |"
         )
-    lines.append(
-        f"\nmodel check: 2 ranks measured {measured_2:.2f} s a step, the model says "
-        f"{compute_1 / 2 + comm(2):.2f} s (no overlap)"
-    )
     return lines
 
 
 def main(ranks: list[int], rows: int, steps: int, workdir: Path) -> None:
-    runs = {}
+    if 1 not in ranks:
+        raise SystemExit(
+            "--ranks must include 1 (the single trainer every figure is compared with)"
+        )
+    runs, shares = {}, {}
     for n in ranks:
         opts = {"rows": rows, "steps": steps if n <= 2 else 1, "collectives": n == 2}
         t0 = time.perf_counter()
         runs[n] = run_configuration(n, opts, workdir / f"ranks{n}.json")
         print(f"{n} rank(s): {time.perf_counter() - t0:.0f} s", flush=True)
-    if 1 not in runs:
-        raise SystemExit(
-            "--ranks must include 1 (the single trainer every figure is compared with)"
-        )
-    print(report(runs, {"rows": rows}))
+    if 2 in runs:  # a rank's compute at N ranks: the single trainer on rows/N
+        for n in (2, 4, 8):
+            if rows % n == 0:
+                opts = {"rows": rows // n, "steps": steps}
+                shares[n] = run_configuration(1, opts, workdir / f"share{n}.json")
+                print(f"single trainer on {rows // n} rows: done", flush=True)
+    print(report(runs, shares, {"rows": rows}))
