@@ -203,6 +203,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4", help="--sharded: rank counts (with 1)")
     parser.add_argument("--rows", type=int, default=8, help="--sharded: rollouts a step")
     parser.add_argument("--steps", type=int, default=2, help="--sharded: measured steps")
+    parser.add_argument(
+        "--workdir", help="--sharded: keep (and reuse) each configuration's figures here"
+    )
     args = parser.parse_args()
     if args.sharded:
         import tempfile
@@ -210,8 +213,12 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "bench"))
         from trainer_sharding import main as sharded_main
 
+        ranks = [int(n) for n in args.ranks.split(",")]
+        if args.workdir:  # each configuration's figures stay there; a rerun reuses them
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            sharded_main(ranks, args.rows, args.steps, Path(args.workdir))
+            return
         with tempfile.TemporaryDirectory() as workdir:
-            ranks = [int(n) for n in args.ranks.split(",")]
             sharded_main(ranks, args.rows, args.steps, Path(workdir))
         return
     if args.child:

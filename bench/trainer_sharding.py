@@ -108,7 +108,7 @@ def _trainer(rank: int, world_size: int, rows: int):
     cfg = TrainerConfig(
         lr=1e-5, micro_batch_size=rows, shared_prefix=False, trace=False, chunked_logprobs=False
     )
-    algorithm = AlgorithmConfig(group_size=rows)
+    algorithm = AlgorithmConfig(group_size=max(2, rows))  # (the step reads the groups' own size)
     tokenizer = type("Tok", (), {"pad_token_id": 0})()
     model = _model()
     if world_size == 1:
@@ -194,6 +194,8 @@ def run_configuration(world_size: int, opts: dict[str, Any], out: Path) -> list[
 
     from loomrl.runtime.group import new_rendezvous
 
+    if out.exists():  # kept from an earlier run with the same --workdir
+        return json.loads(out.read_text())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(
         rank_main, (world_size, new_rendezvous("127.0.0.1"), opts, str(out)), nprocs=world_size

@@ -121,6 +121,10 @@ def test_a_sharded_checkpoint_resumes_bit_identically_on_two_ranks_and_on_one_tr
     shard.unlink()
     with pytest.raises(CheckpointError, match=r"incomplete: trainer/__1_0.distcp missing"):
         load_checkpoint(path)
+    del manifest["files"]  # a manifest that vouches for no shard
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"sharded but manifest.json lists no digests"):
+        load_checkpoint(path)
 
 
 def _steps(run_dir) -> dict[int, dict]:

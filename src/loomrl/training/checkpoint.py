@@ -161,6 +161,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
     trainer = state.get("trainer") if isinstance(state, dict) else None
     if isinstance(trainer, dict) and trainer.get("format") == SHARDED_FORMAT:
+        if not manifest.get("files"):
+            raise CheckpointError(
+                f"checkpoint {path}: its trainer state is sharded but {MANIFEST_FILE} lists no "
+                f"digests of {SHARDS_DIR}/; refusing to load shards it cannot verify"
+            )
         trainer["path"] = str(path / SHARDS_DIR)  # where this folder is now
     return state
 
