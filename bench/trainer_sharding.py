@@ -263,11 +263,15 @@ def _step_s(ranks: list[dict]) -> float:
 
 def _projection(runs: dict[int, list[dict]], shares: dict[int, list[dict]]) -> list[str]:
     """Step time on N ranks = a rank's compute (the single trainer measured on 1/N of the
-    rows) + the sharding overhead (collectives, FSDP's copies), taken from the measured
+    rows, its optimizer step counted 1/N) + the sharding overhead (collectives, FSDP's copies), taken from the measured
     2-rank step and scaled as the ring's bytes, (N-1)/N."""
     coll = runs[2][0]["collectives"]
     units = MODEL["num_hidden_layers"] + 1
-    compute = {1: _step_s(runs[1]), **{n: _step_s(r) for n, r in shares.items()}}
+    optimizer_1 = _mean(s["optimizer_s"] for s in runs[1][0]["steps"])
+    compute = {  # a rank steps AdamW on 1/N of the weights; the single run stepped them all
+        1: _step_s(runs[1]),
+        **{n: _step_s(r) - optimizer_1 * (1 - 1 / n) for n, r in shares.items()},
+    }
     overhead_2 = _step_s(runs[2]) - compute[2]
     gib = runs[1][0]["params"] * 4 / 2**30
     lines = [
@@ -279,7 +283,7 @@ def _projection(runs: dict[int, list[dict]], shares: dict[int, list[dict]]) -> l
         f"is {_step_s(runs[2]):.2f} s against {compute[2]:.2f} s of compute: "
         f"{overhead_2:.2f} s of sharding overhead.",
         "",
-        "| ranks | compute s (single trainer, rows/N) | collectives alone s | overhead s (from "
+        "| ranks | compute s (single trainer on rows/N, AdamW / N) | collectives alone s | overhead s (from "
         "2 ranks, x 2(N-1)/N) | step s | speedup vs 1 |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
