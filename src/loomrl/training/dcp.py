@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,9 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"sharded trainer state {folder} has no .metadata")
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
+    with warnings.catch_warnings():  # (DCP warns that a single process loads: it is meant)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
     set_state_dict(
         model,
         optimizer,
