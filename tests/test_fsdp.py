@@ -4,13 +4,16 @@ restarts the job from one: tests/test_fsdp_checkpoint.py)."""
 
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing
 
 import pytest
 
 from loomrl.config import ConfigError
-from loomrl.job import Job
+from loomrl.job import Job, resume_job
 from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.checkpoint import load_checkpoint
 from loomrl.training.fsdp import shard_rollouts
 from loomrl.types import Rollout
 
@@ -219,6 +222,17 @@ def test_one_nccl_rank_on_cuda_trains_like_the_single_trainer(tiny_job, tmp_path
     # bf16 compute: the first step (same weights, same rollouts) agrees to bf16's precision
     assert got[0][2] == want[0][2] and got[0][1] == pytest.approx(want[0][1], rel=2e-2)
     assert (sharded.run_dir / "final" / "config.json").exists()
+    # its sharded (DCP) checkpoint, written from CUDA over NCCL, resumes on the single trainer
+    config = json.loads((sharded.run_dir / "config.json").read_text())
+    config["trainer"]["num_steps"] = 5
+    config["trainer"]["parallel"] = {"type": "single"}
+    (sharded.run_dir / "config.json").write_text(json.dumps(config))
+    assert (
+        load_checkpoint(sharded.run_dir / "checkpoints" / "step_000004")["trainer"]["format"]
+        == "dcp"
+    )
+    resumed = _steps(resume_job(sharded.run_dir).run_dir)
+    assert len(resumed) == 5 and all(map(math.isfinite, resumed[-1][:2]))
 
 
 @pytest.mark.ray
