@@ -19,6 +19,13 @@ Figures (each printed, none hidden):
     python bench/trainer_memory.py                    # 24 layers, the auto device
     python bench/trainer_memory.py --layers 2 --device cpu
 
+``--sharded``: the sharded trainer (fsdp2) against the single one instead: per-rank state
+for 1, 2 and 4 ranks on a 134M-parameter model, step times for 1 and 2 ranks and their
+projection to 8 (``bench/trainer_sharding.py``; ~5 minutes on 2 cores):
+
+    python bench/trainer_memory.py --sharded                 # ranks 1,2,4
+    python bench/trainer_memory.py --sharded --ranks 1,2 --rows 8 --steps 2
+
 Cost: the 24-layer default needs ~16 GB of RAM for the 'before' variant on a CPU (fp32) and
 takes minutes a variant on 2 cores; ``--layers 2`` took 2-3 minutes a variant on a shared
 2-core Xeon (most of it the 151,936-wide output projection). On a GPU it is seconds.
@@ -192,7 +199,28 @@ def main() -> None:
         + "; ".join(f"{i}={v}" for i, v in enumerate(VARIANTS)),
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded", action="store_true", help="fsdp2 ranks vs the single trainer")
+    parser.add_argument("--ranks", default="1,2,4", help="--sharded: rank counts (with 1)")
+    parser.add_argument("--rows", type=int, default=8, help="--sharded: rollouts a step")
+    parser.add_argument("--steps", type=int, default=2, help="--sharded: measured steps")
+    parser.add_argument(
+        "--workdir", help="--sharded: keep (and reuse) each configuration's figures here"
+    )
     args = parser.parse_args()
+    if args.sharded:
+        import tempfile
+
+        sys.path.insert(0, str(ROOT / "bench"))
+        from trainer_sharding import main as sharded_main
+
+        ranks = [int(n) for n in args.ranks.split(",")]
+        if args.workdir:  # each configuration's figures stay there; a rerun reuses them
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            sharded_main(ranks, args.rows, args.steps, Path(args.workdir))
+            return
+        with tempfile.TemporaryDirectory() as workdir:
+            sharded_main(ranks, args.rows, args.steps, Path(workdir))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.layers, args.device)))
         return

@@ -1,9 +1,11 @@
 """Atomic, verified checkpoints.
 
 A checkpoint is a folder ``checkpoints/step_000010/`` holding ``state.pt`` (trainer state,
-RNG states, controller state) and ``manifest.json`` (version, sha256 of ``state.pt``). It is
-written under a temporary name and renamed into place, so a crash never leaves a partial
-checkpoint under a real name; the digest is verified before anything is loaded.
+RNG states, controller state) and ``manifest.json`` (version, sha256 of ``state.pt``). A
+sharded trainer's checkpoint also holds ``trainer/``, the ranks' DCP files
+(``loomrl.training.dcp``), each with its sha256 in the manifest's ``files``. It is written
+under a temporary name and renamed into place, so a crash never leaves a partial checkpoint
+under a real name; every digest is verified before anything is loaded.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+SHARDS_DIR = "trainer"  # a sharded trainer's DCP files (loomrl.training.dcp)
+SHARDED_FORMAT = "dcp"  # the trainer state's "format" where its tensors are in SHARDS_DIR
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupted."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -47,8 +51,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    shards: tuple[Path, dict[str, str]] | None = None,
+) -> Path:
     """Write ``state`` as ``root/step_{step:06d}`` atomically; keep the newest ``keep``.
+    ``shards``: a folder already written (a sharded trainer's DCP files) and the sha256 of
+    each file in it, moved into the checkpoint as ``trainer/``.
 
     A write that fails (a full disk) removes its partial folder, which also gives back the
     space it took, and raises a ``CheckpointError`` naming the step and the newest
@@ -58,9 +70,11 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> 
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_folder(tmp, step, state)
+        _write_folder(tmp, step, state, shards)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if shards is not None:
+            shutil.rmtree(shards[0], ignore_errors=True)
         if isinstance(err, OSError):
             raise CheckpointError(_failed_write_message(root, final, err)) from err
         raise
@@ -72,15 +86,23 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> 
     return final
 
 
-def _write_folder(tmp: Path, step: int, state: dict[str, Any]) -> None:
+def _write_folder(
+    tmp: Path, step: int, state: dict[str, Any], shards: tuple[Path, dict[str, str]] | None
+) -> None:
     tmp.mkdir()
+    files = {}
+    if shards is not None:
+        folder, digests = shards
+        os.replace(folder, tmp / SHARDS_DIR)
+        files = {f"{SHARDS_DIR}/{name}": digest for name, digest in digests.items()}
     torch.save(state, tmp / STATE_FILE)
     with (tmp / STATE_FILE).open("rb") as f:
         os.fsync(f.fileno())
     manifest = {
         "step": step,
         "version": state.get("trainer", {}).get("version"),
-        "sha256": _sha256(tmp / STATE_FILE),
+        "sha256": sha256_file(tmp / STATE_FILE),
+        **({"files": files} if files else {}),
     }
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
@@ -123,19 +145,46 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path}: {MANIFEST_FILE} has no 'sha256' string (got {manifest!r:.80})"
         )
-    actual = _sha256(state_path)
+    actual = sha256_file(state_path)
     if actual != expected:
         raise CheckpointError(
             f"checkpoint {path} is corrupted: sha256 of {STATE_FILE} is {actual[:16]}..., "
             f"manifest says {expected[:16]}...; refusing to load it"
         )
+    _verify_files(path, manifest.get("files", {}))
     try:
-        return torch.load(state_path, weights_only=True)
+        state = torch.load(state_path, weights_only=True)
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"checkpoint {path}: {STATE_FILE} holds more than tensors and plain data, refused unloaded ({first})"
         ) from None
+    trainer = state.get("trainer") if isinstance(state, dict) else None
+    if isinstance(trainer, dict) and trainer.get("format") == SHARDED_FORMAT:
+        if not manifest.get("files"):
+            raise CheckpointError(
+                f"checkpoint {path}: its trainer state is sharded but {MANIFEST_FILE} lists no "
+                f"digests of {SHARDS_DIR}/; refusing to load shards it cannot verify"
+            )
+        trainer["path"] = str(path / SHARDS_DIR)  # where this folder is now
+    return state
+
+
+def _verify_files(path: Path, files: Any) -> None:
+    """Every file the manifest lists (a sharded trainer's DCP files) is there and has its
+    recorded sha256; raises ``CheckpointError`` naming the first that is not."""
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} 'files' is not a mapping")
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} missing")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: sha256 of {name} is {actual[:16]}..., "
+                f"manifest says {str(expected)[:16]}...; refusing to load it"
+            )
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -20,11 +20,14 @@ built on the sharded parameters. A step:
 
 Publishing: rank 0 publishes; every rank joins a ``DTensor.full_tensor()`` per parameter as
 the publisher reads it (``GatheredParams``), so one full parameter exists at a time beyond the
-publisher's own cast copy. Checkpoints: the full (gathered) state on rank 0, written in the
-single trainer's folder format (model tensors by name; the optimizer state keyed by parameter
-name, which ``Trainer.load_state_dict`` also takes: it resumes on any rank count and on
-``type = "single"``);
-sharded DCP checkpoints are a later slice.
+publisher's own cast copy.
+
+Checkpoints are sharded (``loomrl.training.dcp``): every rank writes its shards of the
+model and AdamW state with ``torch.distributed.checkpoint`` into the checkpoint's
+``trainer/``, rank 0 the rest (scheduler, version, the controller's state) in the single
+trainer's folder format, with every file's sha256 in the manifest. They load on any rank
+count, and on ``type = "single"``. The full (gathered) ``state_dict`` remains for
+``save_pretrained`` and for tests.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import ExecutorGroup, start_group
 from loomrl.training import precision as prec
 from loomrl.training.base import TrainerEndpoints
-from loomrl.training.checkpoint import save_checkpoint
+from loomrl.training.checkpoint import SHARDED_FORMAT
+from loomrl.training.dcp import load_trainer_state, save_sharded_checkpoint
 from loomrl.training.executor import TrainerExecutor, TrainerSetup
 from loomrl.training.trainer import (
     Trainer,
@@ -200,7 +204,11 @@ class ShardedTrainer(Trainer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """From a full state (every rank gets it): each rank keeps its shards."""
+        """From a sharded checkpoint's trainer state (each rank reads its shards, on any rank
+        count) or a full state (every rank gets it and keeps its shards)."""
+        if state.get("format") == SHARDED_FORMAT:
+            load_trainer_state(self, state)
+            return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -306,10 +314,9 @@ class ShardedTrainerExecutor(TrainerExecutor):
         return metrics
 
     def save_checkpoint(self, root: str, step: int, extra: dict, keep: int) -> str:
-        state = self.state_dict()  # every rank joins the gathers; rank 0 writes
-        if self.rank != 0:
-            return ""
-        return str(save_checkpoint(Path(root), step, {"trainer": state, **extra}, keep))
+        """Every rank writes its shards; rank 0 the rest, and answers the folder's path."""
+        path = save_sharded_checkpoint(self.trainer, Path(root), step, extra, keep)
+        return "" if path is None else str(path)
 
     def save_pretrained(self, path: str) -> None:
         state = self.trainer.state_dict()["model"]  # gathered on rank 0

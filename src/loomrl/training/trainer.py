@@ -419,6 +419,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("format") == "dcp":  # a sharded trainer's checkpoint (training/dcp.py)
+            from loomrl.training.dcp import load_trainer_state
+
+            return load_trainer_state(self, state)
         self.model.load_state_dict(state["model"])
         if "world_size" in state:  # a sharded trainer's (loomrl.training.fsdp): keyed by name
             from torch.distributed.checkpoint.state_dict import (
