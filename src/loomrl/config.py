@@ -52,8 +52,18 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train: str = Field(..., description="Training prompts: a local .jsonl or .parquet file.")
-    eval: str | None = Field(None, description="Held-out prompts for evaluation (.jsonl/.parquet).")
+    train: str = Field(
+        ...,
+        description="Training prompts: a .jsonl, .json (array or lines) or .parquet file, or a "
+        "dataset folder (save_to_disk, or data files named as on the hub) (docs/data.md).",
+    )
+    eval: str | None = Field(None, description="Held-out prompts for evaluation (as train).")
+    train_split: str = Field(
+        "train", description="Split of a dataset folder data.train names (files: not read)."
+    )
+    eval_split: str = Field(
+        "test", description="Split of a dataset folder data.eval names (files: not read)."
+    )
     prompt_key: str = Field(
         "prompt",
         description="Column holding the prompt: a string, or a list of {role, content} messages "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+from loomrl.data_sources import materialize
 from loomrl.envs.reward import callable_path, is_registered
 from loomrl.run_folder import JobResult, default_run_dir
 
@@ -105,8 +106,12 @@ class Job:
 
 def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``reward=`` and each ``rewards=[{"path": ...}]`` given as function objects, as import
-    paths (``callable_path``)."""
+    paths (``callable_path``); ``dataset=`` / ``eval_dataset=`` given as a ``datasets.Dataset``
+    or a list of rows, as a path (``materialize``)."""
     out = dict(kwargs)
+    for key in ("dataset", "eval_dataset"):  # a datasets.Dataset or rows: written once, by content
+        if out.get(key) is not None:
+            out[key] = materialize(out[key], key)
     if callable(out.get("reward")):
         out["reward"] = callable_path(out["reward"])
     if isinstance(out.get("rewards"), list):
