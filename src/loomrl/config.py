@@ -620,6 +620,11 @@ class LoggingConfig(_Section):
         description="Warn when more than half of a step's groups got the same reward for every "
         "completion (nothing to learn from them), at most once every this many steps.",
     )
+    trace: bool = Field(
+        True,
+        description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "
+        "runs, lease waits) as Chrome trace events (Perfetto, chrome://tracing; docs/runs.md).",
+    )
 
 
 class SchedulerConfig(_Section):

@@ -9,8 +9,8 @@ import os
 import secrets
 import socket
 import uuid
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import Deadlines, ExecutorLostError, FaultStats, Supervised
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.stop_signals import StopSignal, raise_on_stop_signals, stop_after_step
+from loomrl.telemetry import trace
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import (
@@ -312,7 +313,11 @@ def run_job(
     faults = FaultStats(
         cfg.faults.max_executor_restarts
     )  # counts carry over the job's own restarts
-    with raise_on_stop_signals(), claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+    with (
+        raise_on_stop_signals(),
+        claim_run_folder(run_dir, resume=resume, overwrite=overwrite),
+        _traced(cfg, run_dir),
+    ):
         while True:
             try:
                 return _run_locked(
@@ -328,6 +333,24 @@ def run_job(
                     raise
             faults.trainer_restarts += 1
             resume, from_step = True, None
+
+
+@contextmanager
+def _traced(cfg: JobConfig, run_dir: Path) -> Iterator[None]:
+    """Spans of every process of the run into ``run_dir/trace/``, merged into trace.json at
+    the end, however the run ends (``loomrl.telemetry.trace``)."""
+    if not cfg.logging.trace:
+        yield
+        return
+    trace.start(run_dir / "trace", "controller")
+    try:
+        yield
+    finally:
+        trace.stop()
+        try:
+            trace.merge(run_dir / "trace", run_dir / "trace.json")
+        except (OSError, ValueError) as err:  # the trace is a view: it never fails the run
+            logger.warning("could not write %s: %s", run_dir / "trace.json", err)
 
 
 def _may_restart(cfg: JobConfig, run_dir: Path, faults: FaultStats, err: ExecutorLostError) -> bool:
