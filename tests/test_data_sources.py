@@ -90,9 +90,9 @@ def test_materialize_writes_once_by_content(tmp_path, monkeypatch):
 
 
 def test_job_trains_from_a_datasets_object(tmp_path, monkeypatch, tiny_data):
-    from conftest import TINY_MODEL
-
     from loomrl import Job
+
+    from conftest import TINY_MODEL
 
     monkeypatch.setenv("LOOMRL_CACHE_DIR", str(tmp_path / "cache"))
     train, _ = tiny_data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -195,6 +196,33 @@ def cmd_resume(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from loomrl.telemetry.report import ReportError, build_report
+
+    try:
+        out = build_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        print(f"error: the report draws with matplotlib: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from loomrl.telemetry.run_status import ReportError, format_status, run_status
+
+    try:
+        status = run_status(args.run_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(status) if args.json else format_status(status))
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from loomrl.config import JobConfig
 
@@ -246,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from this step's checkpoint, not the newest",
     )
     resume.set_defaults(fn=cmd_resume)
+    report = sub.add_parser("report", help="write a run folder's report.html (plots of the run)")
+    report.add_argument("run_dir", help="the run folder")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
+    status = sub.add_parser("status", help="where a run is: step, reward, throughput, failures")
+    status.add_argument("run_dir", help="the run folder")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(fn=cmd_status)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)
     try:

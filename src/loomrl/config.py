@@ -625,6 +625,11 @@ class LoggingConfig(_Section):
         description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "
         "runs, lease waits) as Chrome trace events (Perfetto, chrome://tracing; docs/runs.md).",
     )
+    report: bool = Field(
+        True,
+        description="Write report.html at the end of the run (plots of reward, eval, throughput, "
+        "staleness, the executor timeline, weight sync, failures; `loomrl report RUN_DIR` redraws it).",
+    )
 
 
 class SchedulerConfig(_Section):

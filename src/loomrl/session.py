@@ -338,19 +338,32 @@ def run_job(
 @contextmanager
 def _traced(cfg: JobConfig, run_dir: Path) -> Iterator[None]:
     """Spans of every process of the run into ``run_dir/trace/``, merged into trace.json at
-    the end, however the run ends (``loomrl.telemetry.trace``)."""
-    if not cfg.logging.trace:
-        yield
-        return
-    trace.start(run_dir / "trace", "controller")
+    the end, then report.html, however the run ends (``loomrl.telemetry``). Both are views:
+    they never fail the run."""
+    if cfg.logging.trace:
+        trace.start(run_dir / "trace", "controller")
     try:
         yield
     finally:
-        trace.stop()
-        try:
-            trace.merge(run_dir / "trace", run_dir / "trace.json")
-        except (OSError, ValueError) as err:  # the trace is a view: it never fails the run
-            logger.warning("could not write %s: %s", run_dir / "trace.json", err)
+        if cfg.logging.trace:
+            trace.stop()
+            try:
+                trace.merge(run_dir / "trace", run_dir / "trace.json")
+            except (OSError, ValueError) as err:
+                logger.warning("could not write %s: %s", run_dir / "trace.json", err)
+        if cfg.logging.report and (run_dir / "metrics.jsonl").is_file():
+            _write_report(run_dir)
+
+
+def _write_report(run_dir: Path) -> None:
+    from loomrl.telemetry.report import build_report
+
+    try:
+        build_report(run_dir)
+    except Exception as err:  # noqa: BLE001 - a plot that fails must not fail a finished run
+        logger.warning(
+            "could not write %s: %s: %s", run_dir / "report.html", type(err).__name__, err
+        )
 
 
 def _may_restart(cfg: JobConfig, run_dir: Path, faults: FaultStats, err: ExecutorLostError) -> bool:
