@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from loomrl import __version__
 
@@ -226,22 +226,58 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from loomrl.config import JobConfig
 
-    def walk(model, prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            sub = getattr(ann, "model_fields", None)
-            if sub is not None:
-                walk(ann, f"{prefix}{name}.")
-                continue
-            default = (
-                "(required)"
-                if field.is_required()
-                else repr(field.get_default(call_default_factory=True))
-            )
-            print(f"{prefix}{name} = {default}    # {field.description or ''}")
-
-    walk(JobConfig, "")
+    print("\n".join(config_lines(JobConfig)))
     return 0
+
+
+def _flat_types(annotation: Any) -> list[Any]:
+    """``A | B | None``, ``Annotated[A | B, ...]``, ``list[A]`` -> the types inside."""
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _flat_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None), list):
+        return [t for a in typing.get_args(annotation) for t in _flat_types(a)]
+    return [annotation]
+
+
+def _choices(annotation: Any) -> list[Any]:
+    import typing
+
+    return [
+        v
+        for t in _flat_types(annotation)
+        if typing.get_origin(t) is Literal
+        for v in typing.get_args(t)
+    ]
+
+
+def config_lines(model: Any, prefix: str = "", where: str = "") -> list[str]:
+    """``key = default    # description [one of ...]`` for every key of ``model``, nested
+    sections, tables of a list (``task.rewards[].path``) and each variant of a tagged section
+    (``task.scorer.path (type='model')``) included."""
+    lines = []
+    for name, field in model.model_fields.items():
+        sections = [t for t in _flat_types(field.annotation) if hasattr(t, "model_fields")]
+        if sections == [field.annotation]:  # a plain nested section
+            lines += config_lines(field.annotation, f"{prefix}{name}.", where)
+            continue
+        default = (
+            "(required)"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=True))
+        )
+        choices = _choices(field.annotation)
+        note = f" [one of: {', '.join(map(repr, choices))}]" if len(choices) > 1 else ""
+        lines.append(f"{prefix}{name} = {default}    # {field.description or ''}{note}{where}")
+        is_list = "list[" in str(field.annotation)
+        for section in sections:
+            tag = section.model_fields.get("type")
+            variant = f" (type = {tag.default!r})" if tag is not None and len(sections) > 1 else ""
+            sub = f"{prefix}{name}{'[]' if is_list else ''}."
+            lines += config_lines(section, sub, variant or where)
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

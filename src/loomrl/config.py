@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loomrl.config_hints import suggest
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -879,7 +881,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (check the spelling; see `loomrl config`)")
+            hint = suggest(loc, JobConfig) or "check the spelling"
+            lines.append(f"  {loc}: unknown key ({hint}; see `loomrl config`)")
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
