@@ -185,12 +185,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from loomrl.job import load_run_config, resume_job
 
     try:
-        cfg = load_run_config(args.run_dir)
+        cfg = load_run_config(args.run_dir, list(args.overrides))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _execute(
-        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step),
+        lambda cb: resume_job(
+            args.run_dir, on_record=cb, from_step=args.from_step, overrides=list(args.overrides)
+        ),
         cfg.trainer.num_steps,
         args.run_dir,
     )
@@ -303,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")
     resume.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. trainer.num_steps=400 (docs/runs.md)"
+    )
+    resume.add_argument(
         "--from",
         dest="from_step",
         type=int,
@@ -348,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options: `run job.toml --output-dir x a.b=1`
-        if getattr(args, "fn", None) is cmd_run and all(
+        if getattr(args, "fn", None) in (cmd_run, cmd_resume) and all(
             "=" in e and not e.startswith("-") for e in extra
         ):
             args.overrides = [*args.overrides, *extra]
