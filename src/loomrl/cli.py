@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", help="the run folder")
     status.add_argument("--json", action="store_true", help="one JSON object")
     status.set_defaults(fn=cmd_status)
+    from loomrl.training.warmstart import add_warmstart_command
+
+    add_warmstart_command(sub)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)
     try:
