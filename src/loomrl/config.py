@@ -607,6 +607,18 @@ class EvalConfig(_Section):
     every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
 
 
+class WandbConfig(_Section):
+    """``[logging.wandb]``: log to Weights & Biases (the table's presence turns it on)."""
+
+    project: str = Field("loomrl", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); None: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="'offline' writes under RUN_DIR/wandb with no network; `wandb sync` uploads it.",
+    )
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+
+
 class LoggingConfig(_Section):
     """What the run folder records besides metrics.jsonl."""
 
@@ -626,6 +638,11 @@ class LoggingConfig(_Section):
         True,
         description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "
         "runs, lease waits) as Chrome trace events (Perfetto, chrome://tracing; docs/runs.md).",
+    )
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Weights & Biases: every metrics record and each step's samples (a table); the "
+        "run id follows the run folder, so a resume continues the W&B run. Needs `pip install wandb`.",
     )
     report: bool = Field(
         True,

@@ -355,6 +355,15 @@ def _traced(cfg: JobConfig, run_dir: Path) -> Iterator[None]:
             _write_report(run_dir)
 
 
+def _extra_sinks(cfg: JobConfig, run_dir: Path) -> list[Any]:
+    """Metrics sinks beside metrics.jsonl and TensorBoard: W&B when ``[logging.wandb]`` is set."""
+    if cfg.logging.wandb is None:
+        return []
+    from loomrl.telemetry.wandb_sink import WandbSink
+
+    return [WandbSink(cfg.logging.wandb, run_dir, cfg.name, cfg.model_dump(mode="json"))]
+
+
 def _write_report(run_dir: Path) -> None:
     from loomrl.telemetry.report import build_report
 
@@ -649,7 +658,9 @@ def _train(
     )  # reward code that calls default_pool() gets the job's settings
     runtime = _make_runtime(cfg.runtime, cfg)
     metrics = MetricsLogger(
-        run_dir, purge_step=checkpoint_step(resume_from) + 1 if resume_from else None
+        run_dir,
+        purge_step=checkpoint_step(resume_from) + 1 if resume_from else None,
+        sinks=_extra_sinks(cfg, run_dir),
     )
     cleanup_transport = leases = None
     try:
