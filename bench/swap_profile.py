@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from timeslice_job import GROUP_SIZE, MODEL  # noqa: E402
 
 from loomrl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from loomrl.device.offload import offload, restore  # noqa: E402
 from loomrl.models import load_model_and_tokenizer  # noqa: E402
-from loomrl.scheduler.offload import offload, restore  # noqa: E402
 from loomrl.training.trainer import Trainer  # noqa: E402
 from loomrl.types import Group, Rollout  # noqa: E402
 

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loomrl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from loomrl.device.offload import Swappable  # noqa: E402
 from loomrl.models import load_model_and_tokenizer  # noqa: E402
 from loomrl.scheduler.client import SchedulerClient  # noqa: E402
-from loomrl.scheduler.offload import Swappable  # noqa: E402
 from loomrl.training.trainer import Trainer  # noqa: E402
 from loomrl.types import Group, Rollout  # noqa: E402
 

@@ -113,13 +113,13 @@ def _disk_full_at_step(monkeypatch, step: int) -> None:
 def test_disk_full_while_checkpointing_leaves_no_partial_folder_frees_shm_and_names_the_good_step(
     tiny_job, monkeypatch, metrics_fail_too
 ):
-    import loomrl.session
+    import loomrl.weights.transports.setup as transport_setup
     from loomrl.telemetry.metrics import MetricsLogger
 
     made = []
-    real_make = loomrl.session.make_transport
+    real_make = transport_setup.make_transport
     monkeypatch.setattr(
-        loomrl.session,
+        transport_setup,
         "make_transport",
         lambda *a, **k: made.append(real_make(*a, **k)) or made[-1],
     )

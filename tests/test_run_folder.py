@@ -150,7 +150,7 @@ def test_summary_written_on_a_full_disk_is_never_partial(tmp_path, monkeypatch):
 def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
     from types import SimpleNamespace
 
-    from loomrl.session import _write_failure_summary
+    from loomrl.session.resume import write_failure_summary
     from loomrl.stop_signals import StopSignal
 
     counts = {
@@ -167,7 +167,7 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
         accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()},
         scorer=SimpleNamespace(first_errors={}),  # (a real controller always has one)
     )
-    _write_failure_summary(
+    write_failure_summary(
         tmp_path, controller, StopSignal(15)
     )  # 8 rollouts were in the step it cut short
     summary = json.loads((tmp_path / "summary.json").read_text())

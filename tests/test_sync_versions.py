@@ -42,7 +42,7 @@ def test_sync_run_with_prefetch_generates_every_group_on_the_current_version(tin
 
 
 @pytest.mark.parametrize(
-    "lane", [{"transport": "torch_dist"}, {"transport": "tensor", "tensor_mode": "broadcast"}]
+    "lane", [{"transport": "torch_dist"}, {"transport": {"type": "tensor", "mode": "broadcast"}}]
 )
 def test_sync_run_over_torch_dist_generates_every_group_on_the_current_version(tiny_job, lane):
     cfg = tiny_job(

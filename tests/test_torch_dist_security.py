@@ -136,8 +136,13 @@ def test_the_senders_own_close_still_stops_the_receiver(pair):
 
 
 def test_session_passes_a_fresh_secret_to_every_rank(tiny_job, tmp_path):
-    from loomrl.session import _transport_kwargs
+    from loomrl.weights.transports.setup import transport_args
 
     cfg = tiny_job(runtime="process", weight_sync={"transport": "torch_dist"})
-    a, b = _transport_kwargs(cfg, tmp_path), _transport_kwargs(cfg, tmp_path)
+    (_, a), (_, b) = (
+        transport_args(
+            cfg.weight_sync, run_dir=tmp_path, num_generators=1, in_process=False, device="cpu"
+        )
+        for _ in range(2)
+    )
     assert isinstance(a["secret"], str) and len(a["secret"]) >= 32 and a["secret"] != b["secret"]

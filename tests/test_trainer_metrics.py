@@ -183,11 +183,11 @@ def test_a_traced_training_forward_trains_the_same_weights_bit_for_bit(shared_pr
 def test_update_measured_in_buckets_gives_the_one_bucket_step_and_metrics(monkeypatch):
     """The update-size metric copies a bucket of parameters at a time (no second copy of the
     whole model): the weights after the step and the metrics are those of one step."""
-    import loomrl.training.trainer as trainer_module
+    import loomrl.training.step_stats as step_stats
 
     results = []
-    for bucket in (trainer_module.UPDATE_BUCKET_NUMEL, 1000):
-        monkeypatch.setattr(trainer_module, "UPDATE_BUCKET_NUMEL", bucket)
+    for bucket in (step_stats.UPDATE_BUCKET_NUMEL, 1000):
+        monkeypatch.setattr(step_stats, "UPDATE_BUCKET_NUMEL", bucket)
         model, tok = build_tiny_model(
             "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
         )

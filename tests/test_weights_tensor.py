@@ -133,7 +133,7 @@ def test_a_job_on_the_tensor_lane_gives_the_same_losses_as_inproc(
             **sync,
             runtime=runtime,
             output_dir=str(tmp_path / "tensor"),
-            weight_sync={"transport": "tensor", "tensor_mode": mode},
+            weight_sync={"transport": {"type": "tensor", "mode": mode}},
         )
     ).run()
     assert len(_losses(base.run_dir)) == 4 and _losses(base.run_dir)[0][0] != 0.0

@@ -426,7 +426,7 @@ def run_loomrl(args: argparse.Namespace) -> None:
     rec.extra.update(
         in_process_gpu=cfg.runtime == "local",
         overrides=args.overrides or [],
-        transport=cfg.weight_sync.transport,
+        transport=cfg.weight_sync.kind,
     )
     keys = (
         "timing/step_s",

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Literal
+from typing import Any
 
 from loomrl import __version__
 
@@ -226,60 +226,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from loomrl.config import JobConfig
+    from loomrl.config import config_reference
 
-    print("\n".join(config_lines(JobConfig)))
+    print("\n".join(config_reference()))
     return 0
-
-
-def _flat_types(annotation: Any) -> list[Any]:
-    """``A | B | None``, ``Annotated[A | B, ...]``, ``list[A]`` -> the types inside."""
-    import typing
-
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _flat_types(typing.get_args(annotation)[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None), list):
-        return [t for a in typing.get_args(annotation) for t in _flat_types(a)]
-    return [annotation]
-
-
-def _choices(annotation: Any) -> list[Any]:
-    import typing
-
-    return [
-        v
-        for t in _flat_types(annotation)
-        if typing.get_origin(t) is Literal
-        for v in typing.get_args(t)
-    ]
-
-
-def config_lines(model: Any, prefix: str = "", where: str = "") -> list[str]:
-    """``key = default    # description [one of ...]`` for every key of ``model``, nested
-    sections, tables of a list (``task.rewards[].path``) and each variant of a tagged section
-    (``task.scorer.path (type='model')``) included."""
-    lines = []
-    for name, field in model.model_fields.items():
-        sections = [t for t in _flat_types(field.annotation) if hasattr(t, "model_fields")]
-        if sections == [field.annotation]:  # a plain nested section
-            lines += config_lines(field.annotation, f"{prefix}{name}.", where)
-            continue
-        default = (
-            "(required)"
-            if field.is_required()
-            else repr(field.get_default(call_default_factory=True))
-        )
-        choices = _choices(field.annotation)
-        note = f" [one of: {', '.join(map(repr, choices))}]" if len(choices) > 1 else ""
-        lines.append(f"{prefix}{name} = {default}    # {field.description or ''}{note}{where}")
-        is_list = "list[" in str(field.annotation)
-        for section in sections:
-            tag = section.model_fields.get("type")
-            variant = f" (type = {tag.default!r})" if tag is not None and len(sections) > 1 else ""
-            sub = f"{prefix}{name}{'[]' if is_list else ''}."
-            lines += config_lines(section, sub, variant or where)
-    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,17 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from this step's checkpoint, not the newest",
     )
     resume.set_defaults(fn=cmd_resume)
-    report = sub.add_parser("report", help="write a run folder's report.html (plots of the run)")
-    report.add_argument("run_dir", help="the run folder")
-    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
-    report.set_defaults(fn=cmd_report)
-    status = sub.add_parser("status", help="where a run is: step, reward, throughput, failures")
-    status.add_argument("run_dir", help="the run folder")
-    status.add_argument("--json", action="store_true", help="one JSON object")
-    status.set_defaults(fn=cmd_status)
-    from loomrl.training.warmstart import add_warmstart_command
-
-    add_warmstart_command(sub)
+    _add_view_commands(sub)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)
     try:
@@ -342,6 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_scheduler_commands(sub)
     return parser
+
+
+def _add_view_commands(sub) -> None:
+    """``loomrl report`` and ``loomrl status`` (a run folder seen from outside), and
+    ``loomrl warmstart``."""
+    from loomrl.training.warmstart import add_warmstart_command
+
+    add_warmstart_command(sub)
+    report = sub.add_parser("report", help="write a run folder's report.html (plots of the run)")
+    report.add_argument("run_dir", help="the run folder")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
+    status = sub.add_parser("status", help="where a run is: step, reward, throughput, failures")
+    status.add_argument("run_dir", help="the run folder")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(fn=cmd_status)
 
 
 def _sandbox_unavailable(err: ImportError) -> int:

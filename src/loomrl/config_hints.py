@@ -4,7 +4,6 @@ transformers ``TrainingArguments``) name, else the closest key by spelling."""
 from __future__ import annotations
 
 import difflib
-from typing import Any
 
 # TRL / transformers argument -> what to write in a loomrl job file.
 TRL_NAMES: dict[str, str] = {
@@ -52,24 +51,11 @@ TRL_NAMES: dict[str, str] = {
 }
 
 
-def key_paths(model: Any, prefix: str = "") -> list[str]:
-    """Every dotted key of a pydantic model class, nested sections included."""
-    paths = []
-    for name, field in model.model_fields.items():
-        sub = getattr(field.annotation, "model_fields", None)
-        if sub is not None:
-            paths += key_paths(field.annotation, f"{prefix}{name}.")
-        else:
-            paths.append(f"{prefix}{name}")
-    return paths
-
-
-def suggest(loc: str, model: Any) -> str | None:
-    """A hint for the unknown dotted key ``loc`` of a ``model`` (JobConfig) file."""
+def suggest(loc: str, paths: list[str]) -> str | None:
+    """A hint for the unknown dotted key ``loc`` of a job file whose keys are ``paths``."""
     leaf = loc.rpartition(".")[2]
     if leaf in TRL_NAMES:
         return f"TRL's {leaf!r} is {TRL_NAMES[leaf]}"
-    paths = key_paths(model)
     close = difflib.get_close_matches(loc, paths, n=1, cutoff=0.75)
     if not close:  # the right name in the wrong section: trainer.temperature
         by_leaf = [p for p in paths if p.rpartition(".")[2] == leaf]

@@ -213,27 +213,43 @@ async def call_reward(
     """Score one completion; raises ``RewardFailure`` on any failure."""
     kwargs = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     if inspect.iscoroutinefunction(fn):
-        started = time.monotonic()
-        try:
-            status, value = await asyncio.wait_for(
-                _guarded(fn(prompt, completion, **kwargs)), timeout_s
-            )
-        except TimeoutError:
-            raise RewardFailure(
-                "timeout", f"reward function took longer than {timeout_s}s"
-            ) from None
-        late_s = time.monotonic() - started
-        if late_s > timeout_s:  # it blocked the loop, so the timeout could not fire in time
-            raise RewardFailure(
-                "timeout",
-                f"reward function took {late_s:.2f}s, longer than {timeout_s}s (an async reward that "
-                "blocked the event loop: its late value refused; await, or run blocking work in a thread)",
-            )
-        if status == "raised":
-            raise RewardFailure("raised", f"reward function raised {_describe(value)}")
-        if status == "failure":
-            raise value
-        return check_value(value)
+        status, value = await _call_async_reward(fn, prompt, completion, kwargs, timeout_s)
+    else:
+        status, value = await _call_sync_reward(fn, prompt, completion, kwargs, timeout_s)
+    if status == "raised":
+        raise RewardFailure("raised", f"reward function raised {_describe(value)}")
+    if status == "failure":
+        raise value
+    return check_value(value)
+
+
+async def _call_async_reward(
+    fn: Callable[..., Any], prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
+) -> tuple[str, Any]:
+    """``(status, value)`` of an async reward on the loop; ``timeout`` also when it blocked
+    the loop past ``timeout_s`` (so that the timeout could not fire)."""
+    started = time.monotonic()
+    try:
+        status, value = await asyncio.wait_for(
+            _guarded(fn(prompt, completion, **kwargs)), timeout_s
+        )
+    except TimeoutError:
+        raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
+    late_s = time.monotonic() - started
+    if late_s > timeout_s:  # it blocked the loop, so the timeout could not fire in time
+        raise RewardFailure(
+            "timeout",
+            f"reward function took {late_s:.2f}s, longer than {timeout_s}s (an async reward that "
+            "blocked the event loop: its late value refused; await, or run blocking work in a thread)",
+        )
+    return status, value
+
+
+async def _call_sync_reward(
+    fn: Callable[..., Any], prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
+) -> tuple[str, Any]:
+    """``(status, value)`` of a sync reward run on a reward worker thread; a worker hung
+    past ``timeout_s`` is left to it and replaced."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -253,15 +269,10 @@ async def call_reward(
 
     _REWARD_THREADS.submit(target)
     try:
-        status, value = await asyncio.wait_for(future, timeout_s)
+        return await asyncio.wait_for(future, timeout_s)
     except TimeoutError:
         _REWARD_THREADS.replace_hung_worker()
         raise RewardFailure("timeout", f"reward function took longer than {timeout_s}s") from None
-    if status == "raised":
-        raise RewardFailure("raised", f"reward function raised {_describe(value)}")
-    if status == "failure":
-        raise value
-    return check_value(value)
 
 
 async def call_reward_batch(

@@ -185,7 +185,7 @@ class HFGenerator(Generator):
     def offload(self) -> float:
         """Move the model and the weight mirror off the device; returns the seconds."""
         if getattr(self, "_swap", None) is None:
-            from loomrl.scheduler.offload import Swappable
+            from loomrl.device.offload import Swappable
 
             self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
         if self._traced is not None:  # traces hold the tensors offload replaces

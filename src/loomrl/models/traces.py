@@ -147,20 +147,24 @@ class ShapeTraces:
         self._uses.pop(key, None)
         entry = self._traces[key] = [fn, 0]
         if len(self._traces) > self.max_traces:
-            _, (_, served) = self._traces.popitem(last=False)
-            self.wasted += served < self.trace_after
-            if self.wasted >= WASTED_TRACES_MAX:
-                self.enabled = False
-                logger.info(
-                    "the %s runs eager from now on: its input shapes vary too much for traces to pay "
-                    "(%d traces dropped after fewer than %d calls each)",
-                    self.what,
-                    self.wasted,
-                    self.trace_after,
-                )
+            self._drop_oldest_trace()
         if len(self._uses) > 16 * self.max_traces:  # shapes seen once, long ago
             self._uses.clear()
         return entry
+
+    def _drop_oldest_trace(self) -> None:
+        """Make room; when too many traces went before they paid for themselves, stop tracing."""
+        _, (_, served) = self._traces.popitem(last=False)
+        self.wasted += served < self.trace_after
+        if self.wasted >= WASTED_TRACES_MAX:
+            self.enabled = False
+            logger.info(
+                "the %s runs eager from now on: its input shapes vary too much for traces to pay "
+                "(%d traces dropped after fewer than %d calls each)",
+                self.what,
+                self.wasted,
+                self.trace_after,
+            )
 
     def clear(self) -> None:
         self._traces.clear()

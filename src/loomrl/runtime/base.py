@@ -22,8 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class CallTracker:
-    """Calls that started and have not returned: ``{call id: (method, start time)}``; each
-    call is also a span on the executor's lane of the run's trace (``loomrl.telemetry.trace``)."""
+    """Calls that started and have not returned, each a span on the executor's trace lane."""
 
     def __init__(self, name: str = "") -> None:
         self.name = name or None

@@ -263,6 +263,45 @@ class Supervised:
     ) -> Any:
         """The call, watched: it is hung when it has *run* (not waited behind the calls
         before it: an executor runs its calls one at a time, in order) past its deadline."""
+        call, inner = self._enqueue(handle, method, args, kwargs, post)
+        while True:
+            # Woken by the call's end or by the deadline check; a cancelled caller cancels only
+            # its wake-up, and the call runs on.
+            hung = await call.woken
+            if hung is None or inner.done():
+                break
+            call.woken = asyncio.get_running_loop().create_future()  # (if another heals it first)
+            # this caller leaves without the call's result: its ExecutorDiedError, once the kill
+            # lands, is taken here, not logged at GC ("Future exception was never retrieved",
+            # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
+            inner.add_done_callback(_take_outcome)
+            if self.incarnation == incarnation:
+                await self._heal(handle, incarnation, _hung_error(handle, hung), hung=True)
+        try:
+            result = inner.result()
+        except ExecutorDiedError as err:
+            await self._heal(handle, incarnation, err, hung=False)
+        except (
+            asyncio.CancelledError
+        ) as err:  # not this caller's cancel: the handle dropped the call
+            dropped = ExecutorDiedError(
+                f"executor {handle.name!r}: call {method!r} was dropped by its handle"
+            )
+            await self._heal(handle, incarnation, dropped, hung=False)
+            raise AssertionError("unreachable") from err
+        self.deadlines.observe(self.role, call.key, call.ran_s)
+        return result
+
+    def _enqueue(
+        self,
+        handle: ExecutorHandle,
+        method: str,
+        args: tuple,
+        kwargs: dict,
+        post: Callable[[Any], Any] | None,
+    ) -> tuple[_Queued, asyncio.Future]:
+        """Queue the call behind this executor's others (running now if none is) and submit
+        it; the deadline timer runs while the executor has calls."""
         key = call_key(method, args)
         loop = asyncio.get_running_loop()
         call = _Queued(key, self.deadlines.limit(self.role, key), loop.create_future())
@@ -281,45 +320,7 @@ class Supervised:
         ):  # one timer per executor while it has calls, not one per call
             self._deadline_loop = loop
             loop.call_later(self.check_s, self._check_deadline)
-        while True:
-            # Woken by the call's end or by the deadline check; a cancelled caller cancels only
-            # its wake-up, and the call runs on.
-            hung = await call.woken
-            if hung is None or inner.done():
-                break
-            call.woken = loop.create_future()  # (if another call heals it first)
-            # this caller leaves without the call's result: its ExecutorDiedError, once the kill
-            # lands, is taken here, not logged at GC ("Future exception was never retrieved",
-            # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
-            inner.add_done_callback(_take_outcome)
-            if self.incarnation == incarnation:
-                await self._heal(
-                    handle,
-                    incarnation,
-                    ExecutorHungError(
-                        f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
-                        f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
-                    ),
-                    hung=True,
-                )
-        try:
-            result = inner.result()
-        except ExecutorDiedError as err:
-            await self._heal(handle, incarnation, err, hung=False)
-        except (
-            asyncio.CancelledError
-        ) as err:  # not this caller's cancel: the handle dropped the call
-            await self._heal(
-                handle,
-                incarnation,
-                ExecutorDiedError(
-                    f"executor {handle.name!r}: call {method!r} was dropped by its handle"
-                ),
-                hung=False,
-            )
-            raise AssertionError("unreachable") from err
-        self.deadlines.observe(self.role, key, call.ran_s)
-        return result
+        return call, inner
 
     def _finished(self, call: _Queued) -> None:
         """A call returned (or failed): the next one in the executor's queue starts now."""
@@ -443,6 +444,13 @@ def _kill_quietly(handle: ExecutorHandle) -> None:
         )
     except Exception as err:  # noqa: BLE001 - it is being replaced either way
         logger.warning("killing executor %r failed: %s", handle.name, err)
+
+
+def _hung_error(handle: ExecutorHandle, hung: _Queued) -> ExecutorHungError:
+    return ExecutorHungError(
+        f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
+        f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
+    )
 
 
 def _take_outcome(future: asyncio.Future) -> None:

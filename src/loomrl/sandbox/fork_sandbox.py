@@ -21,7 +21,7 @@ import time
 
 import psutil
 
-from loomrl.sandbox import backends, forkserver, forkserver_cleanup
+from loomrl.sandbox import backends, forkserver_cleanup, forkserver_io
 from loomrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import CgroupLimits, cgroups_writable
 from loomrl.sandbox.uids import UidAllocator, UidLease
@@ -42,7 +42,7 @@ def _read_frame_until(fd: int, deadline: float) -> dict:
     ready, _, _ = select.select([fd], [], [], max(0.0, remaining))
     if not ready:
         raise TimeoutError("sandbox server did not answer in time")
-    return forkserver.read_frame(fd)
+    return forkserver_io.read_frame(fd)
 
 
 class ForkServerSandbox(Sandbox):
@@ -128,7 +128,7 @@ class ForkServerSandbox(Sandbox):
         return spec
 
     def _await_ready(self, server_config: dict) -> None:
-        forkserver.write_frame(self._proc.stdin.fileno(), server_config)
+        forkserver_io.write_frame(self._proc.stdin.fileno(), server_config)
         try:
             hello = _read_frame_until(
                 self._proc.stdout.fileno(), time.monotonic() + READY_TIMEOUT_S
@@ -184,7 +184,7 @@ class ForkServerSandbox(Sandbox):
         t0 = time.perf_counter()
         oom_before = self.cgroup.oom_kills() if self.cgroup else 0
         try:
-            forkserver.write_frame(self._proc.stdin.fileno(), request)
+            forkserver_io.write_frame(self._proc.stdin.fileno(), request)
         except OSError as err:  # the request never reached a server: infrastructure
             self._dead = True
             raise SandboxError(f"sandbox channel failed: {err!r}; {self._stderr_tail()}") from None

@@ -14,14 +14,14 @@ the output cap, kills every process left under the sandbox uid as root (the code
 stop a root killer), and removes the work dir iteratively within a deadline; whatever it
 cannot clean in time marks the sandbox dirty, so the host replaces it.
 
-This file is also imported by the host for the frame codec (``read_frame``/``write_frame``).
+The frame codec (``read_frame``/``write_frame``) that the host shares lives in
+``forkserver_io.py``.
 """
 
 from __future__ import annotations
 
 import base64
 import ctypes
-import json
 import os
 import resource
 import signal
@@ -33,50 +33,27 @@ import traceback
 
 if __package__:
     from loomrl.sandbox import forkserver_cleanup as cleanup
-    from loomrl.sandbox.forkserver_io import Pump, describe, readable
+    from loomrl.sandbox.forkserver_io import (
+        Pump,
+        describe,
+        read_exact,
+        read_frame,
+        readable,
+        write_frame,
+    )
 else:  # run as a script (inside the sandbox): its helper modules sit next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import forkserver_cleanup as cleanup
-    from forkserver_io import Pump, describe, readable
+    from forkserver_io import Pump, describe, read_exact, read_frame, readable, write_frame
 
     del sys.path[0]  # the exec's code must not import from here
 
-_HEADER = struct.Struct("!I")
 _PID = struct.Struct("!i")
-MAX_FRAME_BYTES = 256 * 1024 * 1024
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 KILL_DEADLINE_S = 2.0  # leftover processes must be gone within this
 REMOVE_DEADLINE_S = 1.0  # default budget for removing an exec's files
 WAIT_DEADLINE_S = 2.0  # a SIGKILLed exec must be reaped within this
-
-
-def write_frame(fd: int, message: dict) -> None:
-    """Write one length-prefixed JSON frame to a blocking fd."""
-    body = json.dumps(message, separators=(",", ":")).encode()
-    data = memoryview(_HEADER.pack(len(body)) + body)
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
-
-
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks = []
-    while size:
-        chunk = os.read(fd, min(size, 1 << 20))
-        if not chunk:
-            raise EOFError("channel closed")
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(fd: int) -> dict:
-    """Read one frame written by ``write_frame`` from a blocking fd."""
-    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {size} bytes is over the limit")
-    return json.loads(_read_exact(fd, size))
 
 
 def _prctl(option: int, value: int) -> None:
@@ -158,7 +135,7 @@ class Zygote:
             os.write(report_w, _PID.pack(child))
             os._exit(0)
         os.close(report_w)
-        data = _read_exact(report_r, _PID.size)
+        data = read_exact(report_r, _PID.size)
         os.close(report_r)
         os.waitpid(middle, 0)  # after this the child's parent is the server (subreaper)
         return _PID.unpack(data)[0]

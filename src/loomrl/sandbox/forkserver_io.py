@@ -1,15 +1,49 @@
-"""The fork server's exec I/O (standard library only): feed an exec's stdin, collect its
-output up to a deadline and a cap, and describe how it ended. Imported by ``forkserver.py``;
-inside the sandbox it sits next to it.
+"""The fork server's I/O (standard library only): the length-prefixed JSON frames it
+speaks with the host (the host imports them from here too); feed an exec's stdin, collect
+its output up to a deadline and a cap, and describe how it ended. Imported by
+``forkserver.py``; inside the sandbox it sits next to it.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import select
 import signal
+import struct
 import time
+
+_HEADER = struct.Struct("!I")
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+def write_frame(fd: int, message: dict) -> None:
+    """Write one length-prefixed JSON frame to a blocking fd."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    data = memoryview(_HEADER.pack(len(body)) + body)
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            raise EOFError("channel closed")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> dict:
+    """Read one frame written by ``write_frame`` from a blocking fd."""
+    (size,) = _HEADER.unpack(read_exact(fd, _HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {size} bytes is over the limit")
+    return json.loads(read_exact(fd, size))
 
 
 class Pump:

@@ -98,15 +98,9 @@ class SandboxPool:
                 f"need 0 <= min_warm <= max_warm <= max_sandboxes, got "
                 f"{min_warm}, {max_warm}, {max_sandboxes}"
             )
-        self.backend = resolve_backend(backend)
-        self.limits = limits or SandboxLimits()
         self._counts: Counter[str] = Counter()
-        if backend == "auto" and self.backend == "process":
-            self._counts["backend_fallbacks"] += 1
-            logger.warning(
-                "sandbox.backend = 'auto' fell back to the weaker 'process' backend (bubblewrap "
-                "is not installed): sandboxed code sees the host filesystem and network"
-            )
+        self.backend = self._pick_backend(backend)
+        self.limits = limits or SandboxLimits()
         _check_memory_limits(allow_no_memory_limit)
         self.min_warm, self.max_warm, self.max_sandboxes = min_warm, max_warm, max_sandboxes
         self.ttl_s, self.max_execs_per_sandbox = ttl_s, max_execs_per_sandbox
@@ -122,7 +116,26 @@ class SandboxPool:
         self._busy_history: deque[tuple[float, int]] = deque(maxlen=4096)
         self._latency_ms: deque[float] = deque(maxlen=4096)
         self._used_uids: set[int] = set()
-        self._executor = ThreadPoolExecutor(max_sandboxes + 4, thread_name_prefix="sandbox-exec")
+        self._start_threads()
+
+    def _pick_backend(self, backend: str) -> str:
+        """The backend ``backend`` means here; a fall back from ``auto`` to the weaker
+        ``process`` backend is counted and warned about."""
+        resolved = resolve_backend(backend)
+        if backend == "auto" and resolved == "process":
+            self._counts["backend_fallbacks"] += 1
+            logger.warning(
+                "sandbox.backend = 'auto' fell back to the weaker 'process' backend (bubblewrap "
+                "is not installed): sandboxed code sees the host filesystem and network"
+            )
+        return resolved
+
+    def _start_threads(self) -> None:
+        """The exec threads, the spawner threads and the filler that keeps sandboxes warm
+        (after cgroups left by an earlier process are removed)."""
+        self._executor = ThreadPoolExecutor(
+            self.max_sandboxes + 4, thread_name_prefix="sandbox-exec"
+        )
         remove_stale_cgroups(self._uid_is_free)
         # Sandboxes die with the thread that started them (PR_SET_PDEATHSIG is per thread),
         # so they are only ever started from these long-lived threads.

@@ -15,6 +15,12 @@ def add_scheduler_commands(sub: Any) -> None:
         "scheduler", help="the time-slicing scheduler: serve it, or see where jobs wait"
     )
     cmds = sched.add_subparsers(dest="scheduler_command", required=True)
+    _add_serve_command(cmds)
+    _add_status_command(cmds)
+    _add_simulate_command(sub)
+
+
+def _add_serve_command(cmds: Any) -> None:
     serve = cmds.add_parser("serve", help="run the scheduler daemon (loopback by default)")
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default loopback only)"
@@ -50,6 +56,12 @@ def add_scheduler_commands(sub: Any) -> None:
         help="where to write the token jobs register with (0600; default "
         "~/.cache/loomrl/scheduler/port-PORT.token, or $LOOMRL_SCHEDULER_TOKEN_FILE)",
     )
+    _add_connection_limits(serve)
+    serve.set_defaults(fn=cmd_serve)
+
+
+def _add_connection_limits(serve: Any) -> None:
+    """The daemon's guards against too many, or stalled, HTTP connections."""
     serve.add_argument(
         "--max-connections",
         type=int,
@@ -67,13 +79,18 @@ def add_scheduler_commands(sub: Any) -> None:
         default=10.0,
         help="close a connection whose read or write stalls this long",
     )
-    serve.set_defaults(fn=cmd_serve)
+
+
+def _add_status_command(cmds: Any) -> None:
     status = cmds.add_parser(
         "status", help="devices, leases, the queue and jobs of a running daemon"
     )
     status.add_argument("--url", default=DEFAULT_URL)
     status.add_argument("--json", action="store_true", help="the raw snapshot")
     status.set_defaults(fn=cmd_status)
+
+
+def _add_simulate_command(sub: Any) -> None:
     sim = sub.add_parser(
         "simulate", help="project jobs sharing devices under each policy (discrete events)"
     )
@@ -141,9 +158,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def print_status(snap: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
+    console.print(_devices_table(snap))
+    console.print(_queue_table(snap))
+    console.print(_jobs_table(snap))
+
+
+def _devices_table(snap: dict[str, Any]) -> Any:
+    from rich.table import Table
+
     devices = Table(
         title=f"devices (policy {snap['policy']}; utilisation over the last {snap['window_s']:g} s)"
     )
@@ -160,7 +184,12 @@ def print_status(snap: dict[str, Any]) -> None:
             d["resident"] or "-",
             f"{d['utilisation']:.0%}",
         )
-    console.print(devices)
+    return devices
+
+
+def _queue_table(snap: dict[str, Any]) -> Any:
+    from rich.table import Table
+
     queue = Table(title="queue")
     for col in ("job", "phase", "devices", "waited s", "deadline in s", "why"):
         queue.add_column(col)
@@ -169,7 +198,12 @@ def print_status(snap: dict[str, Any]) -> None:
         queue.add_row(
             q["job"], q["phase"], ",".join(q["devices"]), f"{q['waited_s']:.1f}", deadline, q["why"]
         )
-    console.print(queue)
+    return queue
+
+
+def _jobs_table(snap: dict[str, Any]) -> Any:
+    from rich.table import Table
+
     jobs = Table(title="jobs")
     for col in (
         "job",
@@ -195,7 +229,7 @@ def print_status(snap: dict[str, Any]) -> None:
             str(j["grants"]),
             f"{j['slowdown']:.2f}x",
         )
-    console.print(jobs)
+    return jobs
 
 
 def _scenario(args: argparse.Namespace):
@@ -212,16 +246,23 @@ def _scenario(args: argparse.Namespace):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from loomrl.scheduler.simulate import simulate
-
     try:
         jobs, duration = _scenario(args)
     except (OSError, ValueError, TypeError, KeyError) as err:
         print(f"error: scenario {args.scenario!r}: {err}", file=sys.stderr)
         return 2
+    rows = _simulate_policies(args, jobs, duration)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_simulation(args, rows, len(jobs), duration)
+    return 0
+
+
+def _simulate_policies(args: argparse.Namespace, jobs: list, duration: float) -> list[dict]:
+    """One row per policy: duty, useful duty, throughput against each job alone, fairness."""
+    from loomrl.scheduler.simulate import simulate
+
     policies = ["fifo", "priority", "fair"] if args.policy == "all" else [args.policy]
     solo = {j.name: simulate([j], "fifo", duration, tick_s=max(0.05, duration / 1e5)) for j in jobs}
     rows = []
@@ -250,10 +291,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "swap_share": r.swap_share,
             }
         )
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table(title=f"simulated: {args.scenario}, {len(jobs)} jobs, {duration:g} s")
+    return rows
+
+
+def _print_simulation(
+    args: argparse.Namespace, rows: list[dict], num_jobs: int, duration: float
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"simulated: {args.scenario}, {num_jobs} jobs, {duration:g} s")
     for col in (
         "policy",
         "solo duty (mean)",
@@ -277,4 +324,3 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{row['swap_share']:.1%}",
         )
     Console().print(table)
-    return 0

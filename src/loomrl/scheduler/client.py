@@ -114,6 +114,30 @@ class Lease:
         return bool(out["yield"])
 
 
+def _register(
+    url: str,
+    name: str,
+    priority: int,
+    weight: float,
+    heartbeat_timeout_s: float,
+    token: str | None,
+) -> dict[str, Any]:
+    """Register job ``name`` with the daemon at ``url``: its id and secret."""
+    from loomrl.scheduler.auth import read_token
+
+    return post(
+        url,
+        "/v1/register",
+        {
+            "name": name,
+            "priority": priority,
+            "weight": weight,
+            "heartbeat_timeout_s": heartbeat_timeout_s,
+            "token": token or read_token(url),
+        },
+    )
+
+
 class SchedulerClient:
     def __init__(
         self,
@@ -128,20 +152,8 @@ class SchedulerClient:
         poll_s: float = 20.0,
         token: str | None = None,
     ) -> None:
-        from loomrl.scheduler.auth import read_token
-
         self.url, self.name, self.pin, self.poll_s = url, name, pin, poll_s
-        out = post(
-            url,
-            "/v1/register",
-            {
-                "name": name,
-                "priority": priority,
-                "weight": weight,
-                "heartbeat_timeout_s": heartbeat_timeout_s,
-                "token": token or read_token(url),
-            },
-        )
+        out = _register(url, name, priority, weight, heartbeat_timeout_s, token)
         self.job_id: str = out["job_id"]
         self.job_secret: str = out["secret"]  # proves every later call is this job's
         self.state: list[Offloadable] = []
@@ -159,14 +171,18 @@ class SchedulerClient:
         self._gap_ema_s: dict[str, float] = {}  # phase -> the gap after it, before the next acquire
         self._released: tuple[str, float] | None = None  # (phase, when) of the last release
         self._stop = threading.Event()
-        interval = heartbeat_interval_s or heartbeat_timeout_s / 4
-        self._heartbeat = threading.Thread(
+        self._heartbeat = self._start_heartbeat(heartbeat_interval_s or heartbeat_timeout_s / 4)
+
+    def _start_heartbeat(self, interval_s: float) -> threading.Thread:
+        """The thread that tells the daemon every ``interval_s`` that this job is alive."""
+        thread = threading.Thread(
             target=self._heartbeat_loop,
-            args=(interval,),
+            args=(interval_s,),
             daemon=True,
-            name=f"scheduler-heartbeat-{name}",
+            name=f"scheduler-heartbeat-{self.name}",
         )
-        self._heartbeat.start()
+        thread.start()
+        return thread
 
     def attach(self, state: Offloadable) -> None:
         """Something of this job's that must leave the device when another job takes it."""

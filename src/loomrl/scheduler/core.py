@@ -25,10 +25,9 @@ run the same rules:
 from __future__ import annotations
 
 import logging
-import secrets
-from collections import deque
 from typing import Any
 
+from loomrl.scheduler.books import SchedulerBooks, moving_average
 from loomrl.scheduler.model import (
     MAX_WEIGHT,
     MIN_WEIGHT,
@@ -37,20 +36,19 @@ from loomrl.scheduler.model import (
     Lease,
     LeaseLost,
     LockOrderError,
-    Record,
     Request,
     SchedulerError,
-    UnknownJob,
     check_number,
 )
 from loomrl.scheduler.policies import Policy, make_policy
 
 logger = logging.getLogger(__name__)
 
-EMA = 0.3  # weight of the newest sample in the swap-cost moving averages
 
+class Scheduler(SchedulerBooks):
+    """The rules over the books: jobs register and heartbeat, requests wait and are
+    granted, leases end (kept, evicting or released)."""
 
-class Scheduler:
     def __init__(
         self,
         devices: dict[str, list[int] | None],
@@ -64,66 +62,16 @@ class Scheduler:
         now: float = 0.0,
         history_s: float = 600.0,
     ) -> None:
-        self.policy = make_policy(policy, quantum_s) if isinstance(policy, str) else policy
         self.max_hold_s = max_hold_s
         self.switch_cost_multiple = switch_cost_multiple
         self.hold_gap_s = hold_gap_s
-        self.store = store
-        self.started_at = now
-        self.history_s = history_s
-        self.jobs: dict[str, Job] = {}
-        self.devices: dict[str, Device] = {}
-        self.requests: dict[str, Request] = {}  # waiting ones
-        self.leases: dict[str, Lease] = {}  # held or evicting ones
-        self.finished: deque[Request] = deque(maxlen=200)  # timed out / cancelled, for status
-        self.intervals: deque[dict[str, Any]] = deque()  # device busy spans, for the timeline
-        self.events: deque[dict[str, Any]] = deque(maxlen=200)
-        self._counter = 0
-        if store is not None:
-            self._load(store, now)
-        for name, cores in devices.items():
-            if name not in self.devices:
-                self.devices[name] = Device(name=name, cores=cores, created_at=now)
-                self.save(self.devices[name])
-
-    # -- persistence ---------------------------------------------------------------------
-
-    def _load(self, store: Any, now: float) -> None:
-        self._counter = store.get_meta("counter", 0)
-        for job in store.load(Job):
-            if job.state == "alive":
-                job.last_heartbeat = now  # a restart gives every job a full heartbeat timeout
-            self.jobs[job.id] = job
-        self.devices = {d.name: d for d in store.load(Device)}
-        self.requests = {r.id: r for r in store.load(Request) if r.state == "waiting"}
-        self.leases = {x.id: x for x in store.load(Lease) if x.state in ("held", "evicting")}
-        if self.jobs or self.requests:
-            logger.info(
-                "scheduler state restored: %d jobs, %d waiting, %d leases",
-                len(self.jobs),
-                len(self.requests),
-                len(self.leases),
-            )
-
-    def save(self, record: Record) -> None:
-        if self.store is not None:
-            self.store.save(record)
-
-    def _new_id(self, prefix: str) -> str:
-        """In creation order (the counter); unguessable (the random tail)."""
-        self._counter += 1
-        if self.store is not None:
-            self.store.set_meta("counter", self._counter)
-        return f"{prefix}{self._counter:06d}-{secrets.token_hex(8)}"
-
-    def event(
-        self, now: float, kind: str, job: str | None = None, device: str | None = None, **data: Any
-    ) -> None:
-        name = self.jobs[job].name if job in self.jobs else job
-        ev = {"t": now, "kind": kind, "job": name, "device": device, **data}
-        self.events.append(ev)
-        if self.store is not None:
-            self.store.log_event(ev)
+        super().__init__(
+            devices,
+            make_policy(policy, quantum_s) if isinstance(policy, str) else policy,
+            store=store,
+            now=now,
+            history_s=history_s,
+        )
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -153,19 +101,6 @@ class Scheduler:
         self.jobs[job.id] = job
         self.save(job)
         self.event(now, "register", job.id, priority=priority, weight=weight)
-        return job
-
-    def job(self, job_id: str) -> Job:
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise UnknownJob(f"unknown job id {job_id!r}: register first")
-        if job.state == "dead":
-            raise LeaseLost(
-                f"job {job.name!r} ({job_id}) missed its heartbeat deadline "
-                f"({job.heartbeat_timeout_s:g} s) and lost its leases; register again"
-            )
-        if job.state == "done":
-            raise UnknownJob(f"job {job.name!r} ({job_id}) has unregistered")
         return job
 
     def heartbeat(self, job_id: str, now: float) -> dict[str, Any]:
@@ -262,19 +197,6 @@ class Scheduler:
             self._finish_request(request, "cancelled", why)
             self.schedule(now)
 
-    def _finish_request(self, request: Request, state: str, error: str | None) -> None:
-        request.state, request.error = state, error
-        self.requests.pop(request.id, None)
-        self.finished.append(request)
-        self.save(request)
-
-    def lookup(self, request_id: str) -> Request | None:
-        if request_id in self.requests:
-            return self.requests[request_id]
-        if self.store is not None:
-            return self.store.get(Request, request_id)
-        return next((r for r in self.finished if r.id == request_id), None)
-
     # -- the scheduling pass -------------------------------------------------------------
 
     def tick(self, now: float) -> None:
@@ -340,21 +262,6 @@ class Scheduler:
                 pick = self.policy.pick(device.name, waiters, self, now) if waiters else None
                 if pick is not None and self._try_grant(pick, now):
                     progress = True
-
-    def devices_free(self, request: Request, exclude: str | None = None) -> bool:
-        return all(self.devices[d].holder is None for d in request.devices if d != exclude)
-
-    def expected_free_at(self, devices: list[str], now: float) -> float:
-        """When the busy ones of ``devices`` are expected to be free (inf if unknown)."""
-        latest = now
-        for name in devices:
-            holder = self.leases.get(self.devices[name].holder or "")
-            if holder is None:
-                continue
-            if holder.expected_s is None or holder.state == "evicting":
-                return float("inf")
-            latest = max(latest, holder.granted_at + holder.expected_s)
-        return latest
 
     def _kept_for(self, device: Device, now: float) -> str | None:
         if device.reserved_for is not None and now < device.reserved_until:
@@ -479,34 +386,12 @@ class Scheduler:
         job = self.jobs[job_id]
         job.expected_idle_s, job.released_at = expected_idle_s, now
         if restore_s > 0:
-            job.swap_s += restore_s
-            job.restore_ema_s = (
-                restore_s
-                if job.restore_ema_s is None
-                else (1 - EMA) * job.restore_ema_s + EMA * restore_s
-            )
-            self.policy.on_charge(job, restore_s)
+            self._charge_restore(job, restore_s)
         self._charge_use(lease, now - lease.granted_at)  # before the policy looks at accounts
         back_soon = expected_idle_s is not None and expected_idle_s <= self.hold_gap_s
         waiter = self._next_waiter(lease, now, include_holder=back_soon)
         if waiter is not None and waiter.job_id == job_id:  # the policy would pick the holder again
-            self._end_lease(lease, now, "released")
-            for name in lease.devices:
-                device = self.devices[name]
-                device.reserved_for, device.reserved_until = (
-                    job_id,
-                    now + expected_idle_s + self.hold_gap_s,
-                )
-                self.save(device)
-            self.event(
-                now,
-                "release",
-                job_id,
-                ",".join(lease.devices),
-                lease=lease.id,
-                evict=False,
-                kept=True,
-            )
+            self._keep_for_holder(lease, now, expected_idle_s)
             return {"evict": False}
         if waiter is not None and not self._switch_deferred(job, now):
             lease.state, lease.evict_for = "evicting", waiter.job_id
@@ -519,6 +404,26 @@ class Scheduler:
         self.event(now, "release", job_id, ",".join(lease.devices), lease=lease.id, evict=False)
         self.schedule(now)
         return {"evict": False}
+
+    def _keep_for_holder(self, lease: Lease, now: float, expected_idle_s: float) -> None:
+        """End the lease but reserve its devices for its job, back within its idle gap."""
+        self._end_lease(lease, now, "released")
+        for name in lease.devices:
+            device = self.devices[name]
+            device.reserved_for, device.reserved_until = (
+                lease.job_id,
+                now + expected_idle_s + self.hold_gap_s,
+            )
+            self.save(device)
+        self.event(
+            now,
+            "release",
+            lease.job_id,
+            ",".join(lease.devices),
+            lease=lease.id,
+            evict=False,
+            kept=True,
+        )
 
     def _next_waiter(
         self, lease: Lease, now: float, include_holder: bool = False
@@ -546,46 +451,6 @@ class Scheduler:
             return self.policy.pick(name, waiters, self, now) or waiters[0]
         return None
 
-    def _charge_use(self, lease: Lease, held_s: float) -> None:
-        job = self.jobs[lease.job_id]
-        job.device_s += held_s * len(lease.devices)
-        self.policy.on_charge(job, held_s * len(lease.devices))
-        self.save(job)
-        for name in lease.devices:
-            self.devices[name].busy_s += held_s
-        self._span(
-            lease.devices, job, lease.phase, lease.granted_at, lease.granted_at + held_s, "lease"
-        )
-
-    def _span(
-        self, devices: list[str], job: Job, phase: str, start: float, end: float, kind: str
-    ) -> None:
-        for name in devices:
-            self.intervals.append(
-                {
-                    "device": name,
-                    "job": job.name,
-                    "phase": phase,
-                    "kind": kind,
-                    "start": start,
-                    "end": end,
-                }
-            )
-        while self.intervals and self.intervals[0]["end"] < end - self.history_s:
-            self.intervals.popleft()
-
-    def _end_lease(self, lease: Lease, now: float, state: str) -> None:
-        lease.state, lease.ended_at = state, now
-        self.leases.pop(lease.id, None)
-        for name in lease.devices:
-            device = self.devices[name]
-            if device.holder == lease.id:
-                device.holder = None
-                if state == "lost":
-                    device.resident = None
-                self.save(device)
-        self.save(lease)
-
     def evicted(
         self, job_id: str, devices: list[str], now: float, *, offload_s: float = 0.0
     ) -> None:
@@ -594,11 +459,7 @@ class Scheduler:
         offload_s = check_number("offload_s", offload_s)
         job = self.job(job_id)
         if offload_s > 0:
-            job.offload_ema_s = (
-                offload_s
-                if job.offload_ema_s is None
-                else (1 - EMA) * job.offload_ema_s + EMA * offload_s
-            )
+            job.offload_ema_s = moving_average(job.offload_ema_s, offload_s)
         for lease in [
             x for x in self.leases.values() if x.job_id == job_id and x.state == "evicting"
         ]:
@@ -618,48 +479,3 @@ class Scheduler:
                 self.save(device)
         self.event(now, "evicted", job_id, ",".join(devices), offload_s=round(offload_s, 4))
         self.schedule(now)
-
-    def _charge_swap(
-        self,
-        cause_id: str | None,
-        evicted: Job,
-        devices: list[str],
-        seconds: float,
-        start: float,
-        end: float,
-    ) -> None:
-        cause = self.jobs.get(cause_id or "", evicted)
-        cause.swap_s += seconds
-        cause.num_swaps += 1
-        self.policy.on_charge(cause, seconds)
-        self.save(cause)
-        self._span(devices, evicted, "offload", start, end, "swap")
-
-    # -- reporting -----------------------------------------------------------------------
-
-    def why_waiting(self, request: Request, now: float) -> str:
-        reasons = []
-        for name in request.devices:
-            device = self.devices[name]
-            holder = self.leases.get(device.holder or "")
-            if holder is not None:
-                who = self.jobs[holder.job_id].name
-                what = "offloading" if holder.state == "evicting" else f"phase {holder.phase!r}"
-                reasons.append(
-                    f"{name} held by job {who!r} ({what}) for {now - holder.granted_at:.2f} s"
-                )
-            elif device.resident not in (None, request.job_id):
-                who = self.jobs[device.resident].name
-                reasons.append(
-                    f"{name} waits for job {who!r} to offload"
-                    if device.evict_for
-                    else f"{name} kept for job {who!r} (its idle gap is shorter than the switch cost)"
-                )
-        ahead = sum(
-            1
-            for r in self.requests.values()
-            if r.requested_at < request.requested_at and set(r.devices) & set(request.devices)
-        )
-        if ahead:
-            reasons.append(f"{ahead} request(s) ahead in the queue (policy {self.policy.name})")
-        return "; ".join(reasons) or f"not picked yet by policy {self.policy.name}"

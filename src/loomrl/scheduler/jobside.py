@@ -30,14 +30,15 @@ class _ExecutorState:
     def __init__(self, handles: list[Any], loop: asyncio.AbstractEventLoop) -> None:
         self.handles, self.loop = handles, loop
 
-    def _all(self, method: str) -> float:
+    def _all(self, endpoint: Callable[[Any], Awaitable[float | None]]) -> float:
+        """``endpoint(handle)`` on every executor at once; the seconds they took, summed."""
+
         async def one(handle: Any) -> float:
             from loomrl.runtime.supervision import ExecutorLostError
 
             try:
-                return (
-                    await handle.call(method) or 0.0
-                )  # an engine without a real offload answers None
+                # an engine without a real offload answers None
+                return await endpoint(handle) or 0.0
             except ExecutorLostError as err:  # replaced: the fresh executor holds nothing to move
                 if not err.restarted:
                     raise
@@ -49,10 +50,10 @@ class _ExecutorState:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
 
     def offload(self) -> float:
-        return self._all("offload")
+        return self._all(lambda handle: handle.offload())
 
     def restore(self) -> float:
-        return self._all("restore")
+        return self._all(lambda handle: handle.restore())
 
 
 class JobLeases:

@@ -13,65 +13,74 @@ class _SnapshotCollector:
         self.snap = snap
 
     def collect(self):
-        snap = self.snap
-        busy = CounterMetricFamily(
-            "loomrl_scheduler_device_busy_seconds",
-            "Seconds a device was held (leases and swaps).",
-            labels=["device"],
+        yield from _device_families(self.snap)
+        yield from _job_families(self.snap)
+        yield from _daemon_families(self.snap.get("daemon"))
+
+
+def _device_families(snap: dict[str, Any]):
+    """Per device: busy seconds, utilisation, who holds it; and the queue's length."""
+    busy = CounterMetricFamily(
+        "loomrl_scheduler_device_busy_seconds",
+        "Seconds a device was held (leases and swaps).",
+        labels=["device"],
+    )
+    util = GaugeMetricFamily(
+        "loomrl_scheduler_device_utilisation",
+        f"Share of the last {snap['window_s']:g} s a device was held.",
+        labels=["device"],
+    )
+    held = GaugeMetricFamily(
+        "loomrl_scheduler_device_held",
+        "1 while a lease holds the device.",
+        labels=["device", "job"],
+    )
+    for d in snap["devices"]:
+        busy.add_metric([d["name"]], d["busy_s"])
+        util.add_metric([d["name"]], d["utilisation"])
+        held.add_metric(
+            [d["name"], d["holder"]["job"] if d["holder"] else ""], 1.0 if d["holder"] else 0.0
         )
-        util = GaugeMetricFamily(
-            "loomrl_scheduler_device_utilisation",
-            f"Share of the last {snap['window_s']:g} s a device was held.",
-            labels=["device"],
-        )
-        held = GaugeMetricFamily(
-            "loomrl_scheduler_device_held",
-            "1 while a lease holds the device.",
-            labels=["device", "job"],
-        )
-        for d in snap["devices"]:
-            busy.add_metric([d["name"]], d["busy_s"])
-            util.add_metric([d["name"]], d["utilisation"])
-            held.add_metric(
-                [d["name"], d["holder"]["job"] if d["holder"] else ""], 1.0 if d["holder"] else 0.0
-            )
-        yield from (busy, util, held)
-        queue = GaugeMetricFamily("loomrl_scheduler_queue_length", "Requests waiting for a device.")
-        queue.add_metric([], len(snap["queue"]))
-        yield queue
-        fams = {
-            "device_s": CounterMetricFamily(
-                "loomrl_scheduler_job_device_seconds", "Device-seconds a job held.", labels=["job"]
-            ),
-            "swap_s": CounterMetricFamily(
-                "loomrl_scheduler_job_swap_seconds",
-                "Offload/restore seconds charged to a job.",
-                labels=["job"],
-            ),
-            "wait_s": CounterMetricFamily(
-                "loomrl_scheduler_job_wait_seconds",
-                "Seconds a job waited for devices.",
-                labels=["job"],
-            ),
-            "grants": CounterMetricFamily(
-                "loomrl_scheduler_job_grants", "Leases granted to a job.", labels=["job"]
-            ),
-            "slowdown": GaugeMetricFamily(
-                "loomrl_scheduler_job_slowdown",
-                "elapsed / (elapsed - wait) of a job.",
-                labels=["job"],
-            ),
-        }
-        alive = GaugeMetricFamily(
-            "loomrl_scheduler_job_alive", "1 while a job heartbeats.", labels=["job"]
-        )
-        for j in snap["jobs"]:
-            for key, fam in fams.items():
-                fam.add_metric([j["name"]], float(j[key]))
-            alive.add_metric([j["name"]], 1.0 if j["state"] == "alive" else 0.0)
-        yield from fams.values()
-        yield alive
-        yield from _daemon_families(snap.get("daemon"))
+    yield from (busy, util, held)
+    queue = GaugeMetricFamily("loomrl_scheduler_queue_length", "Requests waiting for a device.")
+    queue.add_metric([], len(snap["queue"]))
+    yield queue
+
+
+def _job_families(snap: dict[str, Any]):
+    """Per job: device, swap and wait seconds, grants, slowdown, whether it heartbeats."""
+    fams = {
+        "device_s": CounterMetricFamily(
+            "loomrl_scheduler_job_device_seconds", "Device-seconds a job held.", labels=["job"]
+        ),
+        "swap_s": CounterMetricFamily(
+            "loomrl_scheduler_job_swap_seconds",
+            "Offload/restore seconds charged to a job.",
+            labels=["job"],
+        ),
+        "wait_s": CounterMetricFamily(
+            "loomrl_scheduler_job_wait_seconds",
+            "Seconds a job waited for devices.",
+            labels=["job"],
+        ),
+        "grants": CounterMetricFamily(
+            "loomrl_scheduler_job_grants", "Leases granted to a job.", labels=["job"]
+        ),
+        "slowdown": GaugeMetricFamily(
+            "loomrl_scheduler_job_slowdown",
+            "elapsed / (elapsed - wait) of a job.",
+            labels=["job"],
+        ),
+    }
+    alive = GaugeMetricFamily(
+        "loomrl_scheduler_job_alive", "1 while a job heartbeats.", labels=["job"]
+    )
+    for j in snap["jobs"]:
+        for key, fam in fams.items():
+            fam.add_metric([j["name"]], float(j[key]))
+        alive.add_metric([j["name"]], 1.0 if j["state"] == "alive" else 0.0)
+    yield from fams.values()
+    yield alive
 
 
 def _daemon_families(daemon: dict[str, Any] | None):

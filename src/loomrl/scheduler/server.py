@@ -46,6 +46,7 @@ from loomrl.scheduler.model import (
     AcquireTimeout,
     Forbidden,
     LeaseLost,
+    Request,
     SchedulerError,
     Unauthorized,
     UnknownJob,
@@ -120,22 +121,27 @@ class SchedulerDaemon:
             max_connections=max_connections,
             max_per_client=max_connections_per_client,
         )
-        self.token_file = (
-            Path(token_file)
-            if token_file
-            else auth.default_token_file(self.httpd.server_address[1])
-        )
-        try:
-            self.token = auth.write_token_file(self.token_file)
-        except OSError:
-            self.httpd.server_close()
-            raise
+        self.token_file, self.token = self._write_token(token_file)
         self.tick_errors = 0
         self.last_tick_ok = time.time()
         self.last_tick_error: str | None = None
         self._last_error_logged = 0.0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _write_token(self, token_file: str | Path | None) -> tuple[Path, str]:
+        """The token jobs register with, written to ``token_file`` (default: one per port);
+        the listening socket is closed if it cannot be written."""
+        path = (
+            Path(token_file)
+            if token_file
+            else auth.default_token_file(self.httpd.server_address[1])
+        )
+        try:
+            return path, auth.write_token_file(path)
+        except OSError:
+            self.httpd.server_close()
+            raise
 
     @property
     def url(self) -> str:
@@ -306,57 +312,68 @@ class SchedulerDaemon:
         return {}
 
     def _acquire(self, req: api.Acquire | api.Wait) -> dict[str, Any]:
+        """A new request (``Acquire``) or one already made (``Wait``), waited on for up to
+        ``poll_s``: the lease if granted by then, else the request's id to wait on again."""
         with self.lock:
             self._authorize(req)
             now = time.time()
-            if isinstance(req, api.Acquire):
-                request = self.core.request(
-                    req.job_id,
-                    list(req.devices),
-                    req.phase,
-                    now,
-                    expected_s=req.expected_s,
-                    timeout_s=req.timeout_s,
-                )
-                self.lock.notify_all()
-            else:
-                self.core.job(req.job_id)
-                request = self.core.lookup(req.request_id)
-                if request is None or request.job_id != req.job_id:
-                    raise SchedulerError(
-                        f"unknown request {req.request_id!r} for job {req.job_id!r}"
-                    )
-            poll_end = now + req.poll_s
-            while request.state == "waiting":
-                now = time.time()
-                limit = (
-                    poll_end
-                    if request.deadline_at is None
-                    else min(poll_end, request.deadline_at + self.tick_s)
-                )
-                if now >= limit:
-                    break
-                self.lock.wait(timeout=min(limit - now, 0.5))
+            request = self._request_of(req, now)
+            self._wait_while_waiting(request, now + req.poll_s)
             if request.state == "waiting":
                 return {"pending": request.id}
             if request.state == "granted":
-                lease = self.core.leases.get(request.lease_id or "")
-                if lease is None:
-                    raise LeaseLost(
-                        f"lease {request.lease_id} was granted and then lost before it was collected"
-                    )
-                cores = sorted(
-                    {c for d in lease.devices for c in (self.core.devices[d].cores or [])}
-                )
-                return {
-                    "lease_id": lease.id,
-                    "devices": lease.devices,
-                    "cores": cores or None,
-                    "waited_s": lease.granted_at - request.requested_at,
-                }
+                return self._granted(request)
             if request.state == "timed_out":
                 raise AcquireTimeout(request.error or "acquire timed out")
             raise SchedulerError(request.error or f"request {request.id} was {request.state}")
+
+    def _request_of(self, req: api.Acquire | api.Wait, now: float) -> Request:
+        """The request ``req`` names: made now (``Acquire``) or looked up (``Wait``)."""
+        if isinstance(req, api.Acquire):
+            request = self.core.request(
+                req.job_id,
+                list(req.devices),
+                req.phase,
+                now,
+                expected_s=req.expected_s,
+                timeout_s=req.timeout_s,
+            )
+            self.lock.notify_all()
+            return request
+        self.core.job(req.job_id)
+        request = self.core.lookup(req.request_id)
+        if request is None or request.job_id != req.job_id:
+            raise SchedulerError(f"unknown request {req.request_id!r} for job {req.job_id!r}")
+        return request
+
+    def _wait_while_waiting(self, request: Request, poll_end: float) -> None:
+        """Hold the lock's condition until ``request`` leaves "waiting", ``poll_end`` comes
+        or its deadline has passed by a tick (the tick loop times it out)."""
+        while request.state == "waiting":
+            now = time.time()
+            limit = (
+                poll_end
+                if request.deadline_at is None
+                else min(poll_end, request.deadline_at + self.tick_s)
+            )
+            if now >= limit:
+                break
+            self.lock.wait(timeout=min(limit - now, 0.5))
+
+    def _granted(self, request: Request) -> dict[str, Any]:
+        """The lease a granted request got: its devices, their cores, how long it waited."""
+        lease = self.core.leases.get(request.lease_id or "")
+        if lease is None:
+            raise LeaseLost(
+                f"lease {request.lease_id} was granted and then lost before it was collected"
+            )
+        cores = sorted({c for d in lease.devices for c in (self.core.devices[d].cores or [])})
+        return {
+            "lease_id": lease.id,
+            "devices": lease.devices,
+            "cores": cores or None,
+            "waited_s": lease.granted_at - request.requested_at,
+        }
 
     # -- what anyone may read ------------------------------------------------------------
 

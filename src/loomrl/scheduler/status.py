@@ -26,6 +26,21 @@ def busy_in_window(sched: Scheduler, device: str, start: float, end: float) -> f
 
 
 def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[str, Any]:
+    return {
+        "now": now,
+        "policy": sched.policy.name,
+        "window_s": window_s,
+        "devices": _devices(sched, now, window_s),
+        "queue": _queue(sched, now),
+        "jobs": _jobs(sched, now),
+        "leases": _leases(sched, now),
+        "timeline": _timeline(sched, now, window_s),
+        "events": list(sched.events)[-30:],
+    }
+
+
+def _devices(sched: Scheduler, now: float, window_s: float) -> list[dict[str, Any]]:
+    """Each device: its holder, the job resident on it, its utilisation over the window."""
     window_start = max(sched.started_at, now - window_s)
     span = max(now - window_start, 1e-9)
     devices = []
@@ -51,6 +66,11 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
                 "busy_s": d.busy_s,
             }
         )
+    return devices
+
+
+def _queue(sched: Scheduler, now: float) -> list[dict[str, Any]]:
+    """The waiting requests, oldest first, each with why it waits."""
     queue = []
     for r in sorted(sched.requests.values(), key=lambda r: (r.requested_at, r.id)):
         queue.append(
@@ -64,6 +84,11 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
                 "why": sched.why_waiting(r, now),
             }
         )
+    return queue
+
+
+def _jobs(sched: Scheduler, now: float) -> list[dict[str, Any]]:
+    """Each job in registration order: device-seconds, swaps, waits and slowdown."""
     jobs = []
     for j in sorted(sched.jobs.values(), key=lambda j: j.seq):
         end = j.ended_at if j.ended_at is not None else now
@@ -88,7 +113,11 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
                 "heartbeat_age_s": now - j.last_heartbeat,
             }
         )
-    leases = [
+    return jobs
+
+
+def _leases(sched: Scheduler, now: float) -> list[dict[str, Any]]:
+    return [
         {
             "lease": x.id,
             "job": sched.jobs[x.job_id].name,
@@ -99,6 +128,10 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
         }
         for x in sched.leases.values()
     ]
+
+
+def _timeline(sched: Scheduler, now: float, window_s: float) -> list[dict[str, Any]]:
+    """The spans of the window: ended ones, then the leases held now (up to ``now``)."""
     timeline = [s for s in sched.intervals if s["end"] >= now - window_s]
     timeline += [
         {
@@ -112,14 +145,4 @@ def snapshot(sched: Scheduler, now: float, window_s: float = WINDOW_S) -> dict[s
         for x in sched.leases.values()
         for n in x.devices
     ]
-    return {
-        "now": now,
-        "policy": sched.policy.name,
-        "window_s": window_s,
-        "devices": devices,
-        "queue": queue,
-        "jobs": jobs,
-        "leases": leases,
-        "timeline": timeline,
-        "events": list(sched.events)[-30:],
-    }
+    return timeline

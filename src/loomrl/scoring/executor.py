@@ -10,8 +10,9 @@ failure accounting see one kind of scorer executor.
 
 from __future__ import annotations
 
-from loomrl.config import SandboxConfig, TaskConfig
 from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
+from loomrl.sandbox.config import SandboxConfig
+from loomrl.scoring.config import TaskConfig
 
 
 def function_task(task: TaskConfig) -> TaskConfig:

@@ -16,10 +16,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import ModelScorerConfig
 from loomrl.envs.reward import RewardFailure
 from loomrl.envs.scorer import ScoreItem
 from loomrl.scoring.base import BatchedModelScorer, load_frozen, resolve_placement
+from loomrl.scoring.config import ModelScorerConfig
 
 logger = logging.getLogger(__name__)
 

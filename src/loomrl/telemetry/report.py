@@ -152,6 +152,42 @@ def _failures(summary: dict, records: list[dict]) -> dict[str, float]:
     return counts
 
 
+# (title, {metric: label}, x key, x label, y label) of each line figure after the reward ones
+LINE_FIGURES = [
+    (
+        "Throughput",
+        {"throughput/samples_per_s": "completions/s"},
+        "step",
+        "step",
+        "completions per second",
+    ),
+    (
+        "Staleness",
+        {"rollout/staleness_mean": "mean", "rollout/staleness_max": "max"},
+        "step",
+        "step",
+        "policy versions behind (trained rollouts)",
+    ),
+    (
+        "Weight sync bytes",
+        {"weight_sync/bytes_sent": "sent", "weight_sync/bytes_full": "a full copy"},
+        "step",
+        "step",
+        "bytes per publish",
+    ),
+    (
+        "Weight sync time",
+        {
+            "timing/publish_s": "publish (trainer)",
+            "weight_sync/generator_apply_s": "apply (generator)",
+        },
+        "step",
+        "step",
+        "seconds",
+    ),
+]
+
+
 def _figures(run_dir: Path, records: list[dict], summary: dict) -> list[tuple[str, str | None]]:
     rewards = _reward_keys(records)
     trace_events = _read_json(run_dir / "trace.json").get("traceEvents", [])
@@ -161,61 +197,22 @@ def _figures(run_dir: Path, records: list[dict], summary: dict) -> list[tuple[st
         for k, v in (records[-1] if records else {}).items()
         if k.endswith("_busy_frac")
     } or busy_from_trace
+    lines = {
+        title: _line_figure(records, keys, x, xlabel, ylabel, title.lower())
+        for title, keys, x, xlabel, ylabel in LINE_FIGURES
+    }
     return [
         ("Reward over steps", _line_figure(records, rewards, "step", "step", "reward", "reward")),
         (
             "Reward over wall time",
             _line_figure(records, rewards, "timing/elapsed_s", "wall time (s)", "reward", "reward"),
         ),
-        (
-            "Throughput",
-            _line_figure(
-                records,
-                {"throughput/samples_per_s": "completions/s"},
-                "step",
-                "step",
-                "completions per second",
-                "completions/s",
-            ),
-        ),
-        (
-            "Staleness",
-            _line_figure(
-                records,
-                {"rollout/staleness_mean": "mean", "rollout/staleness_max": "max"},
-                "step",
-                "step",
-                "policy versions behind",
-                "staleness of trained rollouts",
-            ),
-        ),
+        ("Throughput", lines["Throughput"]),
+        ("Staleness", lines["Staleness"]),
         ("Executor timeline", timeline),
         ("Busy fraction", _bar_figure(busy, "fraction of the run busy", "busy fraction")),
-        (
-            "Weight sync bytes",
-            _line_figure(
-                records,
-                {"weight_sync/bytes_sent": "sent", "weight_sync/bytes_full": "a full copy"},
-                "step",
-                "step",
-                "bytes per publish",
-                "weight sync bytes",
-            ),
-        ),
-        (
-            "Weight sync time",
-            _line_figure(
-                records,
-                {
-                    "timing/publish_s": "publish (trainer)",
-                    "weight_sync/generator_apply_s": "apply (generator)",
-                },
-                "step",
-                "step",
-                "seconds",
-                "weight sync time",
-            ),
-        ),
+        ("Weight sync bytes", lines["Weight sync bytes"]),
+        ("Weight sync time", lines["Weight sync time"]),
         ("Failures by reason", _bar_figure(_failures(summary, records), "count", "failures")),
     ]
 

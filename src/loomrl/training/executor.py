@@ -6,24 +6,42 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from loomrl.config import JobConfig
+from loomrl.config import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
 from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
+from loomrl.training.config import TrainerConfig
 from loomrl.training.precision import master_dtype, resolve_precision
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.codec import CodecOptions
+from loomrl.weights.config import WeightSyncConfig
 from loomrl.weights.params import synced_params
 from loomrl.weights.publisher import Publisher
 from loomrl.weights.transports import Transport, TransportSpec, open_transport
 
 
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What the trainer executor is built from: its sections of the job's config, and the
+    few job-wide values it needs, resolved (pickles into a spawned process or an actor)."""
+
+    model: ModelConfig
+    trainer: TrainerConfig
+    algorithm: AlgorithmConfig
+    weight_sync: WeightSyncConfig
+    seed: int  # the job's: the initial weights of a 'tiny:' model
+    temperature: float  # generation.temperature: the behaviour policy's log-probs are at it
+    trace: bool  # trainer.trace resolved for the runtime
+    runtime: str  # 'local', 'process' or 'ray'
+
+
 class TrainerExecutor(TrainerEndpoints):
-    def __init__(self, cfg: JobConfig, sender, owned_transport: Transport | None = None) -> None:
+    def __init__(self, cfg: TrainerSetup, sender, owned_transport: Transport | None = None) -> None:
         self.owned_transport = owned_transport  # built here for this executor: closed with it
         device = resolve_device(cfg.model.device)
         # the trained weights in their master dtype (fp32 unless trainer.precision='bf16'),
@@ -40,15 +58,15 @@ class TrainerExecutor(TrainerEndpoints):
             options=CodecOptions(level=ws.zstd_level),
         )
 
-    def _build_trainer(self, cfg: JobConfig, model, device) -> Trainer:
+    def _build_trainer(self, cfg: TrainerSetup, model, device) -> Trainer:
         """The ``Trainer`` of ``model`` (a sharded executor shards the model first)."""
         return Trainer(
             model,
             self.tokenizer,
             cfg.algorithm,
             cfg.trainer,
-            cfg.generation.temperature,
-            trace=cfg.uses_traces(cfg.trainer.trace),
+            cfg.temperature,
+            trace=cfg.trace,
             reference_dtype=resolve_dtype(cfg.model, device),
         )
 
@@ -96,7 +114,7 @@ class TrainerExecutor(TrainerEndpoints):
         """Move the model, gradients, AdamW state, the KL reference and the publisher's
         last snapshot off the device; returns the seconds it took."""
         if getattr(self, "_swap", None) is None:
-            from loomrl.scheduler.offload import Swappable
+            from loomrl.device.offload import Swappable
 
             t = self.trainer
             last = getattr(self.publisher, "_last", None)
@@ -127,7 +145,7 @@ class TrainerExecutor(TrainerEndpoints):
         self.tokenizer.save_pretrained(path)
 
 
-def start_trainer(cfg: JobConfig, transport: TransportSpec) -> TrainerExecutor:
+def start_trainer(cfg: TrainerSetup, transport: TransportSpec) -> TrainerExecutor:
     """The trainer executor with the sending end of ``transport`` (module-level, so a
     ``functools.partial`` of it pickles into a spawned process)."""
     transport, owned = open_transport(transport)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -39,14 +40,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loomrl.config import JobConfig
 from loomrl.device import resolve_device
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import ExecutorGroup, start_group
 from loomrl.training import precision as prec
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
-from loomrl.training.executor import TrainerExecutor
+from loomrl.training.executor import TrainerExecutor, TrainerSetup
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
@@ -238,7 +238,13 @@ class ShardedTrainerExecutor(TrainerExecutor):
     checkpoints; every rank joins the gathers they need."""
 
     def __init__(
-        self, cfg: JobConfig, sender, owned_transport, rank: int, world_size: int, rendezvous: str
+        self,
+        cfg: TrainerSetup,
+        sender,
+        owned_transport,
+        rank: int,
+        world_size: int,
+        rendezvous: str,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         par = cfg.trainer.parallel
@@ -251,7 +257,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
                 )
             torch.cuda.set_device(rank % visible)
             device = f"cuda:{torch.cuda.current_device()}"
-            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
+            cfg = replace(cfg, model=cfg.model.model_copy(update={"device": device}))
             backend = "nccl"
         else:
             backend = "gloo"
@@ -270,7 +276,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
         )
         super().__init__(cfg, sender, owned_transport=owned_transport)
 
-    def _build_trainer(self, cfg: JobConfig, model, device) -> Trainer:
+    def _build_trainer(self, cfg: TrainerSetup, model, device) -> Trainer:
         precision = prec.resolve_precision(cfg.trainer, device)
         shard_model(model, self.mesh, precision, cfg.trainer.parallel.reshard_after_forward)
         return ShardedTrainer(
@@ -278,7 +284,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
             self.tokenizer,
             cfg.algorithm,
             cfg.trainer,
-            cfg.generation.temperature,
+            cfg.temperature,
             rank=self.rank,
             world_size=self.world_size,
         )
@@ -325,7 +331,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
 
 
 def start_sharded_trainer(
-    cfg: JobConfig, transport: TransportSpec | None, rank: int, world_size: int, rendezvous: str
+    cfg: TrainerSetup, transport: TransportSpec | None, rank: int, world_size: int, rendezvous: str
 ) -> ShardedTrainerExecutor:
     """Rank ``rank`` of the sharded trainer; ``transport`` (rank 0's only) is the sending end
     of weight sync (module-level, so that a ``functools.partial`` of it pickles)."""
@@ -337,7 +343,7 @@ def start_sharded_trainer(
 
 
 def sharded_trainer_rank(
-    cfg: JobConfig, transport: TransportSpec, rank: int, world_size: int, rendezvous: str
+    cfg: TrainerSetup, transport: TransportSpec, rank: int, world_size: int, rendezvous: str
 ):
     """The ``rank_factory`` of ``start_group``: rank 0 gets the weight sender."""
     return partial(
@@ -346,7 +352,7 @@ def sharded_trainer_rank(
 
 
 def start_trainer_group(
-    runtime: Runtime, cfg: JobConfig, transport: TransportSpec
+    runtime: Runtime, cfg: TrainerSetup, transport: TransportSpec
 ) -> ExecutorGroup:
     """``trainer.parallel.dp_shard`` ranks behind one trainer handle."""
     return start_group(

@@ -143,6 +143,29 @@ def _warmstart_parser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=Path(default_out))
+    _add_stop_arguments(parser, default_steps, default_target_accuracy)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument(
+        "--weight-decay", type=float, default=default_weight_decay, help="AdamW weight decay"
+    )
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tiny:llama")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads; another count changes the floating-point order",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    return parser
+
+
+def _add_stop_arguments(
+    parser: argparse.ArgumentParser, default_steps: int, default_target_accuracy: float
+) -> None:
+    """When the warm-start stops: after ``--steps``, or once held-out accuracy is reached."""
     parser.add_argument(
         "--steps",
         type=int,
@@ -167,22 +190,6 @@ def _warmstart_parser(
         default=5,
         help="steps between accuracy checks (the transition can pass 25%% -> 55%% in 25 steps)",
     )
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument(
-        "--weight-decay", type=float, default=default_weight_decay, help="AdamW weight decay"
-    )
-    parser.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="tiny:llama")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="torch threads; another count changes the floating-point order",
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild even if present")
-    return parser
 
 
 def warmstart_main(
@@ -208,12 +215,36 @@ def warmstart_main(
         train_file.read_bytes()
     ).hexdigest()  # new data: rebuild
     marker = args.out / "warmstart.json"
+    if not args.force and _recorded_settings(marker) == settings:
+        print(f"warm-start model already at {args.out} (use --force to rebuild)")
+        return
+    on_step = _run_warmstart(args, train_file)
+    if on_step is not None:
+        settings["reached"] = on_step.reached
+        _warn_if_short(on_step.reached, args)
+    marker.write_text(json.dumps(settings, indent=2))
+    print(
+        f"warm-start model saved to {args.out}"
+        + (
+            f" (step {on_step.reached['step']}, {on_step.reached['accuracy']:.1%} on held-out training rows)"
+            if on_step is not None and on_step.reached
+            else ""
+        )
+    )
+
+
+def _recorded_settings(marker: Path) -> dict[str, Any] | None:
+    """The settings the weights at ``marker``'s folder were built with (without the
+    accuracy they reached), or None if there are none."""
     recorded = json.loads(marker.read_text()) if marker.is_file() else None
     if recorded is not None:
         recorded.pop("reached", None)
-    if not args.force and recorded == settings:
-        print(f"warm-start model already at {args.out} (use --force to rebuild)")
-        return
+    return recorded
+
+
+def _run_warmstart(args: argparse.Namespace, train_file: Path) -> AccuracyTarget | None:
+    """Train and save to ``args.out``; the accuracy target (holding out its probe rows)
+    when one is set."""
     import torch
 
     from loomrl.data import load_rows
@@ -236,23 +267,15 @@ def warmstart_main(
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
     )
-    if on_step is not None:
-        reached = on_step.reached
-        settings["reached"] = reached
-        if reached.get("accuracy", 0.0) < args.target_accuracy:
-            logger.warning(
-                "warm-start reached only %.1f%% of the %.1f%% target in %d steps; RL may have "
-                "little signal",
-                100 * reached.get("accuracy", 0.0),
-                100 * args.target_accuracy,
-                args.steps,
-            )
-    marker.write_text(json.dumps(settings, indent=2))
-    print(
-        f"warm-start model saved to {args.out}"
-        + (
-            f" (step {on_step.reached['step']}, {on_step.reached['accuracy']:.1%} on held-out training rows)"
-            if on_step is not None and on_step.reached
-            else ""
+    return on_step
+
+
+def _warn_if_short(reached: dict[str, float], args: argparse.Namespace) -> None:
+    if reached.get("accuracy", 0.0) < args.target_accuracy:
+        logger.warning(
+            "warm-start reached only %.1f%% of the %.1f%% target in %d steps; RL may have "
+            "little signal",
+            100 * reached.get("accuracy", 0.0),
+            100 * args.target_accuracy,
+            args.steps,
         )
-    )

@@ -19,6 +19,7 @@ from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
+from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -240,35 +241,34 @@ class Trainer:
         self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
         # can rows share their prompt's forward (trainer.shared_prefix); checkpointed layers keep no cache
         self._prefix_ok: bool | None = False if trainer.gradient_checkpointing else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Fused where torch has the kernel: it also holds the GIL for one call, not one per
-        # tensor, which matters when a generator thread shares it (runtime = "local").
-        fused = True if trainer.fused_optimizer and self.device.type in ("cpu", "cuda") else None
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=trainer.lr,
-            betas=tuple(trainer.betas),
-            weight_decay=trainer.weight_decay,
-            fused=fused,
-        )
+        self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
-        # The training forward from traces (loomrl.models.traces): no GIL held while it runs.
-        self.traces = None
-        wants_trace = trainer.trace is True if trace is None else trace
-        # (fp32 only: a trace would freeze autocast's choices, and the chunked path's own backward)
-        if (
-            wants_trace
-            and can_trace(self.model)
-            and self.chunk is None
-            and self.precision == "fp32"
-        ):
-            self.traces = ShapeTraces(Logprobs(self.model, temperature), what="trainer's forward")
+        self.traces = self._build_traces(trainer.trace is True if trace is None else trace)
         self.reference = None
         if (
             algorithm.kl_coef > 0
         ):  # frozen, in the compute dtype: no second fp32 copy where bf16 does
             dtype = reference_dtype or prec.compute_dtype(self.precision)
             self.reference = prec.frozen_copy(self.model, dtype)
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        """AdamW over the trainable parameters. Fused where torch has the kernel: it also
+        holds the GIL for one call, not one per tensor, which matters when a generator
+        thread shares it (runtime = "local")."""
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = True if cfg.fused_optimizer and self.device.type in ("cpu", "cuda") else None
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused
+        )
+
+    def _build_traces(self, wanted: bool) -> ShapeTraces | None:
+        """The training forward from traces (loomrl.models.traces): no GIL held while it
+        runs. fp32 only: a trace would freeze autocast's choices, and the chunked path's own
+        backward."""
+        if wanted and can_trace(self.model) and self.chunk is None and self.precision == "fp32":
+            return ShapeTraces(Logprobs(self.model, self.temperature), what="trainer's forward")
+        return None
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on ``groups``; the version grows by one."""
@@ -366,13 +366,10 @@ class Trainer:
     def _micro_step(
         self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
     ) -> None:
+        """Forward and backward of one micro-batch, its loss weighted by its share of the
+        step's tokens (or sequences); its statistics into ``acc``."""
         t0 = time.perf_counter()
-        if self.traces is not None:
-            logp, entropy = self.traces(*Logprobs.inputs(batch))
-        else:
-            with prec.autocast(self.precision, self.device):
-                logp, entropy = token_logprobs(self.model, batch, self.temperature, self.chunk)
-        logp, entropy = logp.float(), entropy.float()  # no-ops but for the full path in bf16
+        logp, entropy = self._logprobs(batch)
         mask = batch.target_mask
         loss, stats = policy_loss_with_stats(
             self.algo.loss,
@@ -393,34 +390,23 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad(), prec.autocast(self.precision, self.device):
                 ref_logp, _ = token_logprobs(self.reference, batch, self.temperature, self.chunk)
-            ref_logp = ref_logp.float()
-            kl = kl_penalty(logp, ref_logp, mask)
+            kl = kl_penalty(logp, ref_logp.float(), mask)
             total = total + self.algo.kl_coef * kl * weight
             acc.add("train/kl", float(kl.detach()), n_tokens)
         t1 = time.perf_counter()
         total.backward()
         self._phase_s["forward"] += t1 - t0
         self._phase_s["backward"] += time.perf_counter() - t1
-        with torch.no_grad():
-            acc.add("train/loss", float(loss), weight, weighted_sum=True)
-            acc.add(
-                "train/entropy", float((entropy * mask).sum() / mask.sum().clamp(min=1)), n_tokens
-            )
-            acc.add("train/clip_fraction", stats.clip_fraction, n_tokens)
-            acc.add("train/importance_ratio_mean", stats.ratio_mean, n_tokens)
-            acc.add("train/importance_weight_mean", stats.weight_mean, n_tokens)
-            acc.max("train/importance_ratio_max", stats.ratio_max)
-            # tokens whose ratio pi_theta / mu is past algorithm.delta (aipo and tis cap them)
-            over = (torch.exp(logp.detach() - batch.behaviour) > self.algo.delta).float() * mask
-            acc.add(
-                "train/importance_ratio_truncated_frac",
-                float(over.sum()) / max(n_tokens, 1.0),
-                n_tokens,
-            )
-            same = batch.same_version.unsqueeze(1).float() * mask
-            if same.sum() > 0:
-                diff = ((logp.detach() - batch.behaviour).abs() * same).sum() / same.sum()
-                acc.add("train/logprob_mismatch_same_version", float(diff), float(same.sum()))
+        add_micro_batch_stats(acc, batch, logp, entropy, loss, stats, weight, self.algo.delta)
+
+    def _logprobs(self, batch: TokenBatch | PrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's token log-probs and entropies (fp32), from traces when there are."""
+        if self.traces is not None:
+            logp, entropy = self.traces(*Logprobs.inputs(batch))
+        else:
+            with prec.autocast(self.precision, self.device):
+                logp, entropy = token_logprobs(self.model, batch, self.temperature, self.chunk)
+        return logp.float(), entropy.float()  # no-ops but for the full path in bf16
 
     # -- state ---------------------------------------------------------------------------
 
@@ -448,74 +434,3 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
-
-
-UPDATE_BUCKET_NUMEL = (
-    32 * 2**20
-)  # parameters copied at a time to measure the update (128 MiB in fp32)
-
-
-def step_and_measure(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """``optimizer.step()``, and the root-mean-square of the parameter change it made and
-    of the weights after it, without a second copy of all the weights: the step runs on
-    buckets of about ``UPDATE_BUCKET_NUMEL`` parameters (the others' gradients hidden), each
-    copied just before its step. AdamW's update is elementwise with per-parameter state,
-    so the weights are those of one step bit for bit (a model under one bucket, such as
-    the demo's, takes exactly one step)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params]
-    buckets: list[list[int]] = [[]]
-    size = 0
-    for i, p in enumerate(params):
-        if size >= UPDATE_BUCKET_NUMEL:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += p.numel()
-    hide = len(buckets) > 1
-    update_sq = 0.0
-    with torch.no_grad():
-        try:
-            for bucket in buckets:
-                if hide:
-                    members = set(bucket)
-                    for i, p in enumerate(params):
-                        p.grad = grads[i] if i in members else None
-                stepped = [params[i] for i in bucket]
-                before = torch._foreach_mul(stepped, 1.0)  # this bucket's copy
-                optimizer.step()
-                torch._foreach_sub_(before, stepped)
-                update_sq += sum(float(n) ** 2 for n in torch._foreach_norm(before))
-                del before
-        finally:
-            for p, g in zip(params, grads):
-                p.grad = g
-        weight_sq = sum(float(n) ** 2 for n in torch._foreach_norm(params))
-    count = max(sum(p.numel() for p in params), 1)
-    return math.sqrt(update_sq / count), math.sqrt(weight_sq / count)
-
-
-class _Accumulator:
-    """Weighted means (and maxima) of per-micro-batch statistics."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxima: dict[str, float] = {}
-        self.plain_sums: set[str] = set()
-
-    def add(self, key: str, value: float, weight: float, weighted_sum: bool = False) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value * weight
-        self.weights[key] = self.weights.get(key, 0.0) + weight
-        if weighted_sum:
-            self.plain_sums.add(key)
-
-    def max(self, key: str, value: float) -> None:
-        self.maxima[key] = max(self.maxima.get(key, float("-inf")), value)
-
-    def finish(self) -> dict[str, float]:
-        out = {}
-        for key, total in self.sums.items():
-            out[key] = total if key in self.plain_sums else total / max(self.weights[key], 1e-12)
-        out.update(self.maxima)
-        return out

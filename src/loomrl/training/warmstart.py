@@ -64,6 +64,26 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rendered_pairs(cfg, answer_key: str) -> list[dict[str, Any]]:
+    """``{"prompt_ids", "answer"}`` per training row, the prompt rendered as the RL run will."""
+    from loomrl.chat import PromptEncoder
+    from loomrl.data import load_rows
+    from loomrl.models import load_tokenizer
+
+    rows = load_rows(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
+    missing = [n for n, row in enumerate(rows, 1) if answer_key not in row]
+    if missing:
+        raise ValueError(
+            f"{cfg.data.train}: {len(missing)} rows have no {answer_key!r} column (first: row "
+            f"{missing[0]}); name the target column with --answer-key"
+        )
+    encoder = PromptEncoder(load_tokenizer(cfg.model.path), cfg.data, cfg.model.path)
+    return [
+        {"prompt_ids": encoder.encode_one(row[cfg.data.prompt_key]), "answer": str(row[answer_key])}
+        for row in rows
+    ]
+
+
 def warmstart_job(
     cfg,
     out: Path,
@@ -77,23 +97,9 @@ def warmstart_job(
 ) -> dict[str, Any]:
     """Warm-start ``cfg``'s model on ``cfg.data.train``'s ``answer_key`` column; save to
     ``out``; returns ``{"out", "steps", "first_loss", "last_loss", "seconds"}``."""
-    from loomrl.chat import PromptEncoder
-    from loomrl.data import load_rows
-    from loomrl.models import load_tokenizer
     from loomrl.training.sft import supervised_warmstart
 
-    rows = load_rows(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
-    missing = [n for n, row in enumerate(rows, 1) if answer_key not in row]
-    if missing:
-        raise ValueError(
-            f"{cfg.data.train}: {len(missing)} rows have no {answer_key!r} column (first: row "
-            f"{missing[0]}); name the target column with --answer-key"
-        )
-    encoder = PromptEncoder(load_tokenizer(cfg.model.path), cfg.data, cfg.model.path)
-    pairs = [
-        {"prompt_ids": encoder.encode_one(row[cfg.data.prompt_key]), "answer": str(row[answer_key])}
-        for row in rows
-    ]
+    pairs = _rendered_pairs(cfg, answer_key)
     losses: list[float] = []
 
     def record(step, model, tok, loss) -> bool:

@@ -217,7 +217,7 @@ class IpcTensorReceiver(Receiver):
         except RuntimeError as err:  # the handle does not open here (another device, no IPC)
             raise TransportError(
                 f"tensor lane 'ipc': cannot open the trainer's CUDA memory ({err}); run the executors on one "
-                "device or use weight_sync.transport='shm' or tensor_mode='broadcast'"
+                "device or use weight_sync.transport='shm' or transport.mode='broadcast'"
             ) from err
         flat = src.clone()  # our own copy: the sender rewrites this slot later
         return TensorUpdate.from_manifest(box["manifest"], flat)
@@ -352,8 +352,8 @@ def choose_lane(mode: str, *, in_process: bool, device: str) -> tuple[str, dict[
     if mode == "broadcast":
         if in_process:
             raise ValueError(
-                "weight_sync.tensor_mode='broadcast' needs one process per executor; the local "
-                "runtime runs threads: use tensor_mode='auto'"
+                "weight_sync.transport.mode='broadcast' needs one process per executor; the local "
+                "runtime runs threads: use mode='auto'"
             )
         return "tensor", {"mode": "broadcast"}
     if in_process:

@@ -9,9 +9,9 @@ import os
 import torch
 
 from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.device import offload as offload_module
+from loomrl.device.offload import OffloadedState, Swappable, offload, restore
 from loomrl.models import load_model_and_tokenizer
-from loomrl.scheduler import offload as offload_module
-from loomrl.scheduler.offload import OffloadedState, Swappable, offload, restore
 from loomrl.training.trainer import Trainer
 from loomrl.types import Group, Rollout
 
