@@ -8,14 +8,14 @@ RAY_STAMP := $(VENV)/.installed-ray
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora]'
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora,data]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # The `ray` extra (runtime = "ray"), on top of the dev install; `make test-ray` needs it.
 $(RAY_STAMP): $(STAMP)
-	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora,ray]'
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lora,data,ray]'
 	touch $(RAY_STAMP)
 
 install-ray: $(RAY_STAMP)

@@ -41,6 +41,7 @@ def tiny_job_raw(tmp_path: Path, train: Path, evals: Path | None = None, **secti
         "trainer": {"num_steps": 4, "lr": 1e-3, "micro_batch_size": 8},
         "checkpoint": {"every_steps": 2},
         "eval": {"every_steps": 100},
+        "logging": {"report": False},  # 1-2 s of plotting a run: tests/test_report.py draws it
     }
     for section, values in sections.items():
         if isinstance(values, dict):

@@ -90,3 +90,36 @@ def test_docs_list_every_config_key_as_loomrl_config_prints_it():
     assert out.stdout.strip() and out.stdout.strip() in docs, (
         "docs/config.md is stale: paste `loomrl config`"
     )
+
+
+@pytest.mark.parametrize(
+    ("raw", "hint"),
+    [
+        (
+            {"trainer": {"learning_rate": 1e-6}},
+            "trainer.learning_rate: unknown key (TRL's 'learning_rate' is trainer.lr",
+        ),
+        ({"num_generations": 8}, "TRL's 'num_generations' is algorithm.group_size"),
+        ({"algorithm": {"beta": 0.04}}, "TRL's 'beta' is algorithm.kl_coef"),
+        ({"trainer": {"lrr": 1e-4}}, "trainer.lrr: unknown key (did you mean trainer.lr?"),
+        ({"generation": {"max_new_token": 4}}, "did you mean generation.max_new_tokens?"),
+        ({"trainer": {"clip_eps": 0.2}}, "did you mean algorithm.clip_eps?"),  # wrong section
+        ({"trainer": {"zzzz": 1}}, "trainer.zzzz: unknown key (check the spelling;"),
+    ],
+)
+def test_unknown_keys_say_what_was_meant(raw, hint):
+    from loomrl.config import ConfigError, build_config
+
+    base = {
+        "model": {"path": "tiny:llama"},
+        "data": {"train": "x.jsonl"},
+        "task": {"reward": "a:b"},
+    }
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            base.setdefault(section, {}).update(values)
+        else:
+            base[section] = values
+    with pytest.raises(ConfigError) as err:
+        build_config(base)
+    assert hint in str(err.value)

@@ -40,10 +40,9 @@ def test_sync_resume_gives_bit_identical_next_step_loss(tiny_job, tmp_path):
     full = Job(tiny_job(**sync, trainer={"num_steps": 3}, output_dir=str(tmp_path / "a"))).run()
     part = Job(tiny_job(**sync, trainer={"num_steps": 2}, output_dir=str(tmp_path / "b"))).run()
     assert [p.name for p in (part.run_dir / "checkpoints").iterdir()] == ["step_000002"]
-    config = json.loads((part.run_dir / "config.json").read_text())
-    config["trainer"]["num_steps"] = 3  # extend the run past its last checkpoint
-    (part.run_dir / "config.json").write_text(json.dumps(config))
-    resumed = resume_job(part.run_dir)
+    with pytest.raises(ValueError, match=r"model.path cannot change on resume"):
+        resume_job(part.run_dir, overrides=["model.path='tiny:qwen2'"])
+    resumed = resume_job(part.run_dir, overrides=["trainer.num_steps=3"])  # train on past the end
     a, b = step_records(full.run_dir), step_records(resumed.run_dir)
     assert a[3]["train/loss"] != 0.0
     assert a[3]["train/loss"] == b[3]["train/loss"]  # bit-identical, not approximately equal

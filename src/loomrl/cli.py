@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -184,15 +185,44 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from loomrl.job import load_run_config, resume_job
 
     try:
-        cfg = load_run_config(args.run_dir)
+        cfg = load_run_config(args.run_dir, list(args.overrides))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _execute(
-        lambda cb: resume_job(args.run_dir, on_record=cb, from_step=args.from_step),
+        lambda cb: resume_job(
+            args.run_dir, on_record=cb, from_step=args.from_step, overrides=list(args.overrides)
+        ),
         cfg.trainer.num_steps,
         args.run_dir,
     )
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from loomrl.telemetry.report import ReportError, build_report
+
+    try:
+        out = build_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        print(f"error: the report draws with matplotlib: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from loomrl.telemetry.run_status import ReportError, format_status, run_status
+
+    try:
+        status = run_status(args.run_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(status) if args.json else format_status(status))
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -225,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run_dir", help="the run folder")
     resume.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. trainer.num_steps=400 (docs/runs.md)"
+    )
+    resume.add_argument(
         "--from",
         dest="from_step",
         type=int,
@@ -232,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from this step's checkpoint, not the newest",
     )
     resume.set_defaults(fn=cmd_resume)
+    _add_view_commands(sub)
     config = sub.add_parser("config", help="list every config key with its default")
     config.set_defaults(fn=cmd_config)
     try:
@@ -250,6 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_view_commands(sub) -> None:
+    """``loomrl report`` and ``loomrl status`` (a run folder seen from outside), and
+    ``loomrl warmstart``."""
+    from loomrl.training.warmstart import add_warmstart_command
+
+    add_warmstart_command(sub)
+    report = sub.add_parser("report", help="write a run folder's report.html (plots of the run)")
+    report.add_argument("run_dir", help="the run folder")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
+    status = sub.add_parser("status", help="where a run is: step, reward, throughput, failures")
+    status.add_argument("run_dir", help="the run folder")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(fn=cmd_status)
+
+
 def _sandbox_unavailable(err: ImportError) -> int:
     print(
         f"error: the sandbox commands could not be loaded: {type(err).__name__}: {err}",
@@ -262,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options: `run job.toml --output-dir x a.b=1`
-        if getattr(args, "fn", None) is cmd_run and all(
+        if getattr(args, "fn", None) in (cmd_run, cmd_resume) and all(
             "=" in e and not e.startswith("-") for e in extra
         ):
             args.overrides = [*args.overrides, *extra]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from loomrl.config_base import DEVICE_PATTERN, DtypeName, Section
+from loomrl.config_hints import suggest
 from loomrl.generation.config import GenerationConfig
 from loomrl.runtime.config import FaultsConfig, RayConfig, RayCpus, RayGpus, RayMemory
 from loomrl.sandbox.config import SandboxConfig
@@ -126,8 +127,18 @@ class LoraConfig(Section):
 
 
 class DataConfig(Section):
-    train: str = Field(..., description="Training prompts: a local .jsonl or .parquet file.")
-    eval: str | None = Field(None, description="Held-out prompts for evaluation (.jsonl/.parquet).")
+    train: str = Field(
+        ...,
+        description="Training prompts: a .jsonl, .json (array or lines) or .parquet file, or a "
+        "dataset folder (save_to_disk, or data files named as on the hub) (docs/data.md).",
+    )
+    eval: str | None = Field(None, description="Held-out prompts for evaluation (as train).")
+    train_split: str = Field(
+        "train", description="Split of a dataset folder data.train names (files: not read)."
+    )
+    eval_split: str = Field(
+        "test", description="Split of a dataset folder data.eval names (files: not read)."
+    )
     prompt_key: str = Field(
         "prompt",
         description="Column holding the prompt: a string, or a list of {role, content} messages "
@@ -202,6 +213,18 @@ class EvalConfig(Section):
     every_steps: int = Field(25, gt=0, description="Evaluate every this many steps.")
 
 
+class WandbConfig(Section):
+    """``[logging.wandb]``: log to Weights & Biases (the table's presence turns it on)."""
+
+    project: str = Field("loomrl", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); None: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="'offline' writes under RUN_DIR/wandb with no network; `wandb sync` uploads it.",
+    )
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+
+
 class LoggingConfig(Section):
     """What the run folder records besides metrics.jsonl."""
 
@@ -216,6 +239,21 @@ class LoggingConfig(Section):
         gt=0,
         description="Warn when more than half of a step's groups got the same reward for every "
         "completion (nothing to learn from them), at most once every this many steps.",
+    )
+    trace: bool = Field(
+        True,
+        description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "
+        "runs, lease waits) as Chrome trace events (Perfetto, chrome://tracing; docs/runs.md).",
+    )
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Weights & Biases: every metrics record and each step's samples (a table); the "
+        "run id follows the run folder, so a resume continues the W&B run. Needs `pip install wandb`.",
+    )
+    report: bool = Field(
+        True,
+        description="Write report.html at the end of the run (plots of reward, eval, throughput, "
+        "staleness, the executor timeline, weight sync, failures; `loomrl report RUN_DIR` redraws it).",
     )
 
 
@@ -371,7 +409,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (check the spelling; see `loomrl config`)")
+            hint = suggest(loc, key_paths()) or "check the spelling"
+            lines.append(f"  {loc}: unknown key ({hint}; see `loomrl config`)")
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -408,11 +447,37 @@ def _section_types(annotation: Any) -> list[type[BaseModel]]:
     return [t for arg in args for t in _section_types(arg)]
 
 
+def _choices_text(annotation: Any) -> str:
+    """`` [one of: 'a', 'b']`` for a field whose values are a Literal's (with None or a
+    bool beside it), else nothing."""
+    import typing
+
+    def literals(t: Any) -> list[Any]:
+        if typing.get_origin(t) is Literal:
+            return list(typing.get_args(t))
+        return [v for arg in typing.get_args(t) for v in literals(arg)]
+
+    values = literals(annotation)
+    return f" [one of: {', '.join(map(repr, values))}]" if len(values) > 1 else ""
+
+
 def _default_text(field: Any) -> str:
     if field.is_required():
         return "(required)"
     default = field.get_default(call_default_factory=True)
     return repr(default.model_dump() if isinstance(default, BaseModel) else default)
+
+
+def key_paths(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
+    """Every dotted key, each table of a tagged section and a list of tables included."""
+    paths = []
+    for name, field in model.model_fields.items():
+        sections = _section_types(field.annotation)
+        if not sections:
+            paths.append(f"{prefix}{name}")
+        for section in sections:
+            paths += key_paths(section, f"{prefix}{name}.")
+    return sorted(set(paths))
 
 
 def config_reference(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
@@ -425,7 +490,10 @@ def config_reference(model: type[BaseModel] = JobConfig, prefix: str = "") -> li
         if len(sections) == 1 and field.annotation is sections[0]:
             lines += config_reference(sections[0], f"{prefix}{name}.")
             continue
-        lines.append(f"{prefix}{name} = {_default_text(field)}    # {field.description or ''}")
+        lines.append(
+            f"{prefix}{name} = {_default_text(field)}    # {field.description or ''}"
+            + _choices_text(field.annotation)
+        )
         for section in sections:
             lines += config_reference(section, f"{prefix}{name}.")
     return lines

@@ -1,4 +1,5 @@
-"""Datasets from local JSONL or Parquet files, and the epoch-ordered prompt stream."""
+"""Datasets from local files and folders (``loomrl.data_sources``), checked row by row, and
+the epoch-ordered prompt stream."""
 
 from __future__ import annotations
 
@@ -9,34 +10,48 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from loomrl.data_sources import DatasetSourceError, read_folder
+
 
 class DatasetError(ValueError):
     """A dataset file that is missing or malformed."""
 
 
-def load_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """All rows of a .jsonl/.json or .parquet file; every row must have ``prompt_key``."""
-    return load_rows_with_places(path, prompt_key)[0]
+def load_rows(
+    path: str | Path, prompt_key: str = "prompt", split: str = "train"
+) -> list[dict[str, Any]]:
+    """All rows of a data file or folder (``loomrl.data_sources``); every row must have
+    ``prompt_key``."""
+    return load_rows_with_places(path, prompt_key, split)[0]
 
 
 def load_rows_with_places(
-    path: str | Path, prompt_key: str = "prompt"
+    path: str | Path, prompt_key: str = "prompt", split: str = "train"
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The rows, and where each one is for error messages: ``file:LINE`` for JSON lines
-    (counted from 1, like JSON errors), ``file row N`` (from 1) for Parquet."""
+    (counted from 1, like JSON errors), ``file item N`` for a JSON array, ``file row N`` (from
+    1) for Parquet, ``folder[split] row N`` for a dataset folder (``split`` is read only there)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        try:
+            rows, places = read_folder(path, split)
+        except DatasetSourceError as err:
+            raise DatasetError(str(err)) from None
+    elif not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    if path.suffix == ".parquet":
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
         places = [f"{path} row {n}" for n in range(1, len(rows) + 1)]
+    elif path.suffix == ".json" and _starts_with(path, b"["):
+        rows, places = _read_json_array(path)
     elif path.suffix in (".jsonl", ".json"):
         rows, places = _read_json_lines(path)
     else:
         raise DatasetError(
-            f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet"
+            f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json, .parquet "
+            "or a dataset folder"
         )
     if not rows:
         raise DatasetError(f"{path}: no rows")
@@ -81,6 +96,34 @@ def _kind(value: Any) -> str:
         return "null"
     name = type(value).__name__
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """The file's first non-blank bytes are ``prefix`` (a JSON array starts with ``[``)."""
+    with path.open("rb") as f:
+        return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(prefix)
+
+
+def _read_json_array(path: Path) -> tuple[list[Any], list[str]]:
+    """A ``.json`` file holding one array of rows; places are ``file item N`` (from 1)."""
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{path}: not UTF-8 ({err.reason}); re-encode the file as UTF-8"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(
+            f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})"
+        ) from None
+    except RecursionError:
+        raise DatasetError(
+            f"{path}: nested too deeply to read (past Python's recursion limit of "
+            f"{sys.getrecursionlimit()})"
+        ) from None
+    if not isinstance(rows, list):
+        raise DatasetError(f"{path}: expected a JSON array of row objects, got {_kind(rows)}")
+    return rows, [f"{path} item {n}" for n in range(1, len(rows) + 1)]
 
 
 def _read_json_lines(path: Path) -> tuple[list[Any], list[str]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+from loomrl.data_sources import materialize
 from loomrl.envs.reward import callable_path, is_registered
 from loomrl.run_folder import JobResult, default_run_dir
 
@@ -105,8 +106,12 @@ class Job:
 
 def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``reward=`` and each ``rewards=[{"path": ...}]`` given as function objects, as import
-    paths (``callable_path``)."""
+    paths (``callable_path``); ``dataset=`` / ``eval_dataset=`` given as a ``datasets.Dataset``
+    or a list of rows, as a path (``materialize``)."""
     out = dict(kwargs)
+    for key in ("dataset", "eval_dataset"):  # a datasets.Dataset or rows: written once, by content
+        if out.get(key) is not None:
+            out[key] = materialize(out[key], key)
     if callable(out.get("reward")):
         out["reward"] = callable_path(out["reward"])
     if isinstance(out.get("rewards"), list):
@@ -134,20 +139,55 @@ def check_reward_reachable(config: JobConfig) -> None:
             )
 
 
-def load_run_config(run_dir: str | Path) -> JobConfig:
-    """The resolved config a run folder was started with."""
+# Keys a resume cannot change: the checkpoint holds weights of this model (and adapter), in
+# this sharding, in this run folder.
+RESUME_FIXED = ("model.", "trainer.parallel.", "name", "output_dir", "seed")
+# Keys a resume may change without changing what the run computes.
+RESUME_NEUTRAL = (
+    "trainer.num_steps",
+    "checkpoint.",
+    "eval.",
+    "logging.",
+    "faults.",
+    "runtime",
+    "ray.",
+    "scheduler.",
+    "event_loop",
+)
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """The resolved config a run folder was started with, with ``overrides`` (``key=value``)
+    applied: those that would make its checkpoints unusable are refused; those that change
+    what the run computes (a learning rate, a loss) are allowed with a warning."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a loomrl run folder (no config.json)")
     raw = json.loads(path.read_text())
     raw["output_dir"] = str(run_dir)
-    return build_config(raw, str(path))
+    for text in overrides or []:
+        key = text.partition("=")[0].strip()
+        if key.startswith(RESUME_FIXED) or key in {k.rstrip(".") for k in RESUME_FIXED}:
+            raise ValueError(
+                f"resume override {text!r}: {key} cannot change on resume (the checkpoints hold "
+                "this run's model, sharding and folder); start a new run instead"
+            )
+        if not key.startswith(RESUME_NEUTRAL):
+            logger.warning(
+                "resume override %s changes what the run computes: the steps after the checkpoint "
+                "are not those the run would have taken",
+                text,
+            )
+    return build_config(apply_overrides(raw, list(overrides or [])), str(path))
 
 
 def resume_job(
     run_dir: str | Path,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     from_step: int | None = None,
+    overrides: list[str] | None = None,
 ) -> JobResult:
-    """Continue the run in ``run_dir`` from its newest checkpoint, or that of ``from_step``."""
-    return Job(load_run_config(run_dir)).run(resume=True, from_step=from_step, on_record=on_record)
+    """Continue the run in ``run_dir`` from its newest checkpoint, or that of ``from_step``,
+    with ``overrides`` (e.g. ``["trainer.num_steps=400"]`` to train on past the end)."""
+    cfg = load_run_config(run_dir, overrides)
+    return Job(cfg).run(resume=True, from_step=from_step, on_record=on_record)

@@ -16,14 +16,16 @@ from functools import partial
 from typing import Any
 
 from loomrl.runtime.endpoints import bind_arguments, endpoints_of, unknown_endpoint
+from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
 
 
 class CallTracker:
-    """Calls that started and have not returned: ``{call id: (method, start time)}``."""
+    """Calls that started and have not returned, each a span on the executor's trace lane."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name or None
         self._lock = threading.Lock()
         self._next_id = 0
         self._running: dict[int, tuple[str, float]] = {}
@@ -35,7 +37,8 @@ class CallTracker:
             call_id = self._next_id
             self._running[call_id] = (method, time.monotonic())
         try:
-            yield
+            with trace.span(method, "call", self.name):
+                yield
         finally:
             with self._lock:
                 del self._running[call_id]

@@ -157,7 +157,7 @@ class ExecutorGroup(ExecutorHandle):
     ) -> None:
         self.name, self.ranks, self.rank_factory = name, ranks, rank_factory
         self.rendezvous = rendezvous
-        self.calls = CallTracker()
+        self.calls = CallTracker(self.name)
         self._dead: ExecutorDiedError | None = None
         self._closed = False
         self._bind_interface(interface)

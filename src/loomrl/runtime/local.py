@@ -38,7 +38,7 @@ class LocalHandle(ExecutorHandle):
         self._pool = WorkerThreads(f"loomrl-{name}")
         self._concurrent_pool: WorkerThreads | None = None
         self._busy = BusyClock()
-        self.calls = CallTracker()
+        self.calls = CallTracker(self.name)
         self.obj = self._pool.submit(factory).result()
         self.concurrent: dict[str, bool] = {}
         if interface is not None:

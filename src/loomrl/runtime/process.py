@@ -44,6 +44,7 @@ from loomrl.runtime.base import (
     then,
 )
 from loomrl.runtime.endpoints import check_implements
+from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def _serve(
     root = logging.getLogger()
     root.handlers[:] = [_PipeLogHandler(log_conn, name)]
     root.setLevel(log_level)
+    trace.configure_from_env(name)
     for sig in (
         signal.SIGINT,
         signal.SIGTERM,
@@ -160,7 +162,8 @@ def _answer_calls(conn: Connection, obj: Any) -> None:
             return
         t0 = time.perf_counter()
         try:
-            result = getattr(obj, method)(*args, **kwargs)
+            with trace.span(method, "executor"):
+                result = getattr(obj, method)(*args, **kwargs)
             reply = _dumps(("ok", result, None, time.perf_counter() - t0))
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
             reply = _error_reply(err, time.perf_counter() - t0)
@@ -209,7 +212,7 @@ class ProcessHandle(ExecutorHandle):
         )
         self._log_forwarder.start()
         self._busy = BusyClock()
-        self.calls = CallTracker()
+        self.calls = CallTracker(self.name)
         self._dead: ExecutorDiedError | None = None
         # One thread talks to the process, so calls are serialized in submission order.
         self._pool = WorkerThreads(f"loomrl-{name}")

@@ -44,6 +44,7 @@ from loomrl.runtime.base import (
 )
 from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.endpoints import check_implements
+from loomrl.telemetry import trace
 
 if TYPE_CHECKING:
     from loomrl.config import RayConfig
@@ -108,6 +109,7 @@ class _ExecutorActor:
         handler.setFormatter(logging.Formatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
         root.handlers[:] = [handler]
         root.setLevel(log_level)
+        trace.configure_from_env(name)
         import torch
 
         torch.set_num_threads(torch_threads)
@@ -138,7 +140,8 @@ class _ExecutorActor:
             return self.failure
         t0 = time.perf_counter()
         try:
-            result = getattr(self.obj, method)(*args, **kwargs)
+            with trace.span(method, "executor"):
+                result = getattr(self.obj, method)(*args, **kwargs)
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
             return _error_reply(err, time.perf_counter() - t0)
         return ("ok", result, None, time.perf_counter() - t0)
@@ -172,7 +175,7 @@ class RayHandle(ExecutorHandle):
     ) -> None:
         self.name, self.factory, self.actor_name = name, factory, actor_name
         self._bind_interface(interface)
-        self.calls = CallTracker()
+        self.calls = CallTracker(self.name)
         self._busy = BusyClock()
         self._dead: ExecutorDiedError | None = None
         self._info: dict[str, Any] = {}

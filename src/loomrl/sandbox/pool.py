@@ -37,6 +37,7 @@ from loomrl.sandbox.base import ExecResult, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import cgroups_writable, remove_stale_cgroups
 from loomrl.sandbox.fork_sandbox import ForkServerSandbox, kill_uid_processes, uid_processes
 from loomrl.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidAllocator
+from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,8 @@ class SandboxPool:
     # --- exec -----------------------------------------------------------------------
     def exec(self, code: str | None = None, **kwargs: object) -> ExecResult:
         """Run a snippet (or ``command=[...]``) in a pooled sandbox; see ``Sandbox.exec``."""
-        return self._exec(code, kwargs, None)
+        with trace.span("sandbox_exec", "sandbox"):
+            return self._exec(code, kwargs, None)
 
     def _exec(self, code: str | None, kwargs: dict, claim_deadline: float | None) -> ExecResult:
         """``exec``; the first claim waits until ``claim_deadline`` at most (retries after

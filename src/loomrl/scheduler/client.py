@@ -41,6 +41,7 @@ from loomrl.scheduler.model import (
     Unauthorized,
     UnknownJob,
 )
+from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,16 @@ class SchedulerClient:
     ) -> Lease:
         """Block until the devices are this job's, or raise ``AcquireTimeout`` past
         ``timeout_s`` with the reason it waited. Prefer ``with client.lease(...)``."""
+        with trace.span("lease_wait", "scheduler", phase=phase):
+            return self._acquire(devices, phase, expected_s, timeout_s)
+
+    def _acquire(
+        self,
+        devices: str | list[str],
+        phase: str,
+        expected_s: float | None,
+        timeout_s: float | None,
+    ) -> Lease:
         devices = [devices] if isinstance(devices, str) else list(devices)
         t0 = time.time()
         if self._released is not None:

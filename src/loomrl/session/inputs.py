@@ -71,7 +71,7 @@ def environment_factory(cfg: JobConfig):
 
 
 def load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
-    train = load_rows_with_places(cfg.data.train, cfg.data.prompt_key)
+    train = load_rows_with_places(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
     groups = cfg.algorithm.groups_per_step
     if len(train[0]) < groups:
         logger.warning(
@@ -83,7 +83,7 @@ def load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
         )
     if not cfg.data.eval:
         return train, ([], [])
-    rows, places = load_rows_with_places(cfg.data.eval, cfg.data.prompt_key)
+    rows, places = load_rows_with_places(cfg.data.eval, cfg.data.prompt_key, cfg.data.eval_split)
     return train, (rows[: cfg.data.max_eval_examples], places[: cfg.data.max_eval_examples])
 
 

@@ -37,6 +37,7 @@ from loomrl.session.resume import (
     resume_state,
     write_failure_summary,
 )
+from loomrl.session.views import extra_sinks, run_views
 from loomrl.stop_signals import raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import checkpoint_step, rng_state
@@ -82,7 +83,11 @@ def run_job(
     run_dir = default_run_dir(cfg)
     # one count of executor restarts for the whole job, its own restarts included
     faults = FaultStats(cfg.faults.max_executor_restarts)
-    with raise_on_stop_signals(), claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+    with (
+        raise_on_stop_signals(),
+        claim_run_folder(run_dir, resume=resume, overwrite=overwrite),
+        run_views(cfg, run_dir),
+    ):
         while True:
             try:
                 return _run_locked(
@@ -188,7 +193,9 @@ def _train(
     controller: Controller | None = None
     try:
         runtime = make_runtime(cfg.runtime, cfg)
-        metrics = MetricsLogger(run_dir, purge_step=inputs.purge_step)
+        metrics = MetricsLogger(
+            run_dir, purge_step=inputs.purge_step, sinks=extra_sinks(cfg, run_dir)
+        )
         ends = leases = None
         try:
             ends = open_transport_ends(cfg, runtime, run_dir)

@@ -21,10 +21,17 @@ class MetricsLogger:
     """Appends records to ``run_dir/metrics.jsonl`` and, when available, ``run_dir/tb``."""
 
     def __init__(
-        self, run_dir: Path, tensorboard: bool = True, purge_step: int | None = None
+        self,
+        run_dir: Path,
+        tensorboard: bool = True,
+        purge_step: int | None = None,
+        sinks: list[Any] = (),
     ) -> None:
         """``purge_step``: a resumed run's first step; TensorBoard hides the events the run
-        wrote at or after it before the crash (metrics.jsonl is cut by the caller)."""
+        wrote at or after it before the crash (metrics.jsonl is cut by the caller).
+        ``sinks``: more sinks (``WandbSink``), given each record's finite scalars and each
+        step's samples on the writer thread, and closed with it."""
+        self._sinks = list(sinks)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
         self.samples_path = run_dir / "samples.jsonl"
@@ -117,13 +124,17 @@ class MetricsLogger:
                 self._file.write(line + "\n")
             except Exception as err:  # noqa: BLE001 - raised on the caller's next log or flush
                 self._error = self._error or err
-            if self._tb is None:
+            if self._tb is None and not self._sinks:
                 continue
             scalars = [
                 (k, v)
                 for k, v in record.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             ]
+            for sink in self._sinks:
+                sink.log(dict(scalars), step)
+            if self._tb is None:
+                continue
             try:
                 self._write_step(scalars, step)
             except Exception as err:  # noqa: BLE001 - keep draining; metrics.jsonl has every record
@@ -136,6 +147,8 @@ class MetricsLogger:
                 tb_failed = True
 
     def _write_samples(self, samples: list[dict[str, Any]], step: int) -> None:
+        for sink in self._sinks:
+            sink.log_samples(samples, step)
         lines = "".join(json.dumps({"step": step, **s}, default=str) + "\n" for s in samples)
         try:
             if self._samples_file is None:
@@ -176,6 +189,8 @@ class MetricsLogger:
             self._samples_file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 class _Samples:

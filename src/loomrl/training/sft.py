@@ -26,8 +26,8 @@ def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
     import torch
 
     seqs, masks = [], []
-    for row in rows:
-        prompt = tok(row["prompt"]).input_ids
+    for row in rows:  # prompt ids already rendered (loomrl warmstart: the chat template), or text
+        prompt = row["prompt_ids"] if "prompt_ids" in row else tok(row["prompt"]).input_ids
         answer = tok(str(row[answer_key]), add_special_tokens=False).input_ids + [tok.eos_token_id]
         seqs.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from loomrl.telemetry import trace
 from loomrl.types import WeightsApplied
 from loomrl.weights.publisher import Subscriber
 
@@ -58,9 +59,15 @@ class WeightReceiver:
         """Apply whatever the subscriber has; returns the version held."""
         if self.subscriber is None:
             return self.version
+        start = time.time_ns()
         update, _ = self.subscriber.poll(self.mirror, self.version if self.version >= 0 else None)
         changed = self.subscriber.take_changed()
-        return self._adopt(update.version, changed) if update is not None else self.version
+        if update is None:
+            return self.version
+        version = self._adopt(update.version, changed)
+        if (tracer := trace.current()) is not None:  # a span only for polls that applied one
+            tracer.add("apply_weights", "weights", start, time.time_ns(), args={"version": version})
+        return version
 
     def apply_newest(self, min_version: int = 0) -> WeightsApplied:
         """Apply the newest updates, waiting until the version held is at least

@@ -1,0 +1,168 @@
+"""Where training rows come from: files, folders and in-memory datasets.
+
+``data.train`` / ``data.eval`` name one of
+
+- a ``.jsonl`` file (one JSON object a line) or a ``.json`` file (a JSON array of objects, or
+  JSON lines), a ``.parquet`` file;
+- a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
+  from which ``data.train_split`` / ``data.eval_split`` is taken);
+- any other folder of data files ``datasets.load_dataset`` reads, such as a copy of a hub
+  repository (``main/train-00000-of-00001.parquet``, ``data/test.jsonl``): the split is found
+  from the file names, as on the hub.
+
+``Job(dataset=...)`` also takes a ``datasets.Dataset`` or a list of row dicts: they are written
+once to a cache folder named by their content (``materialize``), so executors in other
+processes read the same rows and a resumed run finds them again.
+
+Folders need the ``datasets`` package (``pip install 'loomrl[data]'``); files do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DatasetSourceError(ValueError):
+    """A data source that cannot be read (missing, an unknown kind, a missing split)."""
+
+
+def read_folder(path: Path, split: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of ``split`` in a dataset folder, and where each one is (``PATH[split] row N``,
+    counted from 1)."""
+    datasets = _import_datasets(path)
+    with _quiet(datasets):
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = _load_data_files(datasets, path, split)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DatasetSourceError(
+                f"{path}: no split {split!r} in this dataset (it holds {sorted(loaded)}); set "
+                "data.train_split / data.eval_split to one of them"
+            )
+        loaded = loaded[split]
+    rows = loaded.to_list()
+    return rows, [f"{path}[{split}] row {n}" for n in range(1, len(rows) + 1)]
+
+
+def _load_data_files(datasets, path: Path, split: str):
+    """``datasets.load_dataset`` of a plain folder of data files, offline."""
+    if not any(p.suffix in (".jsonl", ".json", ".parquet", ".csv") for p in path.rglob("*")):
+        raise DatasetSourceError(
+            f"{path}: a folder with no data files (.parquet, .jsonl, .json, .csv) and not a "
+            "datasets save_to_disk folder"
+        )
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local folder needs no network
+    try:
+        return datasets.load_dataset(str(path), split=split)
+    except ValueError as err:
+        if "split" in str(err).lower() or "Unknown split" in str(err):
+            raise DatasetSourceError(
+                f"{path}: no split {split!r} found from its file names ({err}); name files as "
+                "the hub does (train-*.parquet, test.jsonl, ...) or set data.train_split / "
+                "data.eval_split"
+            ) from None
+        raise DatasetSourceError(f"{path}: datasets could not read this folder: {err}") from None
+
+
+def _import_datasets(path: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetSourceError(
+            f"{path} is a folder: reading dataset folders needs the `datasets` package "
+            "(pip install 'loomrl[data]'); or point data.train at a .jsonl/.json/.parquet file"
+        ) from None
+    return datasets
+
+
+@contextmanager
+def _quiet(datasets):
+    """No ``datasets`` progress bars while loomrl's own progress runs."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def cache_root() -> Path:
+    """Where ``materialize`` writes: ``$LOOMRL_CACHE_DIR/datasets`` (default
+    ``~/.cache/loomrl/datasets``)."""
+    base = os.environ.get("LOOMRL_CACHE_DIR") or Path.home() / ".cache" / "loomrl"
+    return Path(base) / "datasets"
+
+
+def materialize(data: Any, what: str = "dataset") -> str:
+    """A path for ``data``: a str or Path is returned as is; a ``datasets.Dataset`` is saved
+    with ``save_to_disk`` and a list of row dicts as JSON lines, under ``cache_root()`` in a
+    folder named by a digest of their content (written once, atomically)."""
+    if isinstance(data, (str, os.PathLike)):
+        return str(data)
+    if isinstance(data, list):
+        return _materialize_rows(data, what)
+    kind = type(data)
+    if kind.__module__.startswith("datasets"):
+        return _materialize_dataset(data, what)
+    raise TypeError(
+        f"{what} must be a path, a datasets.Dataset or a list of row dicts, not {kind.__name__}"
+    )
+
+
+def _materialize_rows(rows: list[Any], what: str) -> str:
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"{what}[{n}] is a {type(row).__name__}, expected a dict (a row)")
+    try:
+        text = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
+    except TypeError as err:
+        raise TypeError(f"{what}: a row holds a value JSON cannot write ({err})") from None
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    target = cache_root() / f"rows-{digest}.jsonl"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
+    return str(target)
+
+
+def _materialize_dataset(data: Any, what: str) -> str:
+    import datasets
+
+    if isinstance(data, datasets.DatasetDict):
+        raise TypeError(
+            f"{what} is a DatasetDict with splits {sorted(data)}: pass one split, e.g. "
+            f"ds[{next(iter(data), 'train')!r}]"
+        )
+    if not isinstance(data, datasets.Dataset):
+        raise TypeError(
+            f"{what} is a {type(data).__name__}; pass a datasets.Dataset (an IterableDataset "
+            "has no length: materialize it with Dataset.from_generator or .take(n))"
+        )
+    target = cache_root() / f"dataset-{data._fingerprint}"
+    if not (target / "state.json").is_file():
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        with _quiet(datasets):
+            data.save_to_disk(str(tmp))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process wrote it first: theirs is the same content
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("%s: %d rows saved at %s", what, data.num_rows, target)
+    return str(target)

@@ -1,0 +1,273 @@
+"""``loomrl report RUN_DIR``: one self-contained HTML page (``report.html``) of a run folder.
+
+Built from what the run folder holds (``metrics.jsonl``, ``summary.json``, ``trace.json``),
+so it works on a finished run, a stopped one, or a copy of one: reward and eval over steps
+and over wall time, completions/s, staleness, an executor timeline from the trace (idle gaps
+visible), busy fraction per executor, weight-sync bytes and time, failures by reason. The
+figures are PNGs drawn with matplotlib and embedded, so the page is one file to send.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE = "report.html"
+LANE_COLORS = {"generator": "#4c72b0", "trainer": "#dd8452", "scorer": "#55a868"}
+
+
+class ReportError(ValueError):
+    """A folder that holds no run to report on."""
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records (a last line cut short by a killed run is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{run_dir}: no metrics.jsonl; is this a loomrl run folder?")
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+    pairs = [(r[x], r[key]) for r in records if key in r and x in r and r[key] is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _line_figure(records, keys: dict[str, str], x: str, xlabel: str, ylabel: str, title: str):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    drawn = False
+    for key, label in keys.items():
+        xs, ys = _series(records, key, x)
+        if xs:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def _reward_keys(records: list[dict]) -> dict[str, str]:
+    keys = {"rollout/reward_mean": "train reward (mean)", "eval/mean_reward": "eval reward"}
+    for key in sorted({k for r in records for k in r if k.startswith("reward/")}):
+        keys[key] = key.removeprefix("reward/").removesuffix("_mean")
+    return keys
+
+
+def _timeline_figure(trace_events: list[dict]):
+    """The controller's call lanes over wall time: one bar per call an executor ran."""
+    import matplotlib.pyplot as plt
+
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in trace_events if e["name"] == "thread_name"
+    }
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in trace_events:
+        lane = names.get((e.get("pid"), e.get("tid")))
+        if e.get("ph") == "X" and e.get("cat") == "call" and lane:
+            spans[lane].append((e["ts"] / 1e6, e["dur"] / 1e6))
+    if not spans:
+        return None, {}
+    t0 = min(s for lane in spans.values() for s, _ in lane)
+    lanes = sorted(spans, key=lambda n: (n.rstrip("0123456789"), n))
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(lanes)))
+    busy = {}
+    for row, lane in enumerate(lanes):
+        bars = [(s - t0, d) for s, d in spans[lane]]
+        color = LANE_COLORS.get(lane.rstrip("0123456789"), "#8172b3")
+        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color)
+        end = max(s + d for s, d in bars)
+        busy[lane] = _union_length(bars) / max(end, 1e-9)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set(xlabel="wall time since the first call (s)", title="executor timeline (calls in flight)")
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig), busy
+
+
+def _union_length(bars: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, dur in sorted(bars):
+        stop = start + dur
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _bar_figure(values: dict[str, float], xlabel: str, title: str):
+    import matplotlib.pyplot as plt
+
+    if not values:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.35 * len(values)))
+    ax.barh(list(values), list(values.values()), color="#4c72b0")
+    ax.set(xlabel=xlabel, title=title)
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def _failures(summary: dict, records: list[dict]) -> dict[str, float]:
+    counts = {k: v for k, v in summary.get("faults", {}).items() if v}
+    last = records[-1] if records else {}
+    for key in ("rollout/failed", "rollout/dropped_stale", "weight_sync/send_failures"):
+        if last.get(key):
+            counts[key] = last[key]
+    for reason in summary.get("first_failures", {}):
+        counts.setdefault(f"failure: {reason}", 1)
+    return counts
+
+
+# (title, {metric: label}, x key, x label, y label) of each line figure after the reward ones
+LINE_FIGURES = [
+    (
+        "Throughput",
+        {"throughput/samples_per_s": "completions/s"},
+        "step",
+        "step",
+        "completions per second",
+    ),
+    (
+        "Staleness",
+        {"rollout/staleness_mean": "mean", "rollout/staleness_max": "max"},
+        "step",
+        "step",
+        "policy versions behind (trained rollouts)",
+    ),
+    (
+        "Weight sync bytes",
+        {"weight_sync/bytes_sent": "sent", "weight_sync/bytes_full": "a full copy"},
+        "step",
+        "step",
+        "bytes per publish",
+    ),
+    (
+        "Weight sync time",
+        {
+            "timing/publish_s": "publish (trainer)",
+            "weight_sync/generator_apply_s": "apply (generator)",
+        },
+        "step",
+        "step",
+        "seconds",
+    ),
+]
+
+
+def _figures(run_dir: Path, records: list[dict], summary: dict) -> list[tuple[str, str | None]]:
+    rewards = _reward_keys(records)
+    trace_events = _read_json(run_dir / "trace.json").get("traceEvents", [])
+    timeline, busy_from_trace = _timeline_figure(trace_events)
+    busy = {
+        k.removeprefix("executor/").removesuffix("_busy_frac"): v
+        for k, v in (records[-1] if records else {}).items()
+        if k.endswith("_busy_frac")
+    } or busy_from_trace
+    lines = {
+        title: _line_figure(records, keys, x, xlabel, ylabel, title.lower())
+        for title, keys, x, xlabel, ylabel in LINE_FIGURES
+    }
+    return [
+        ("Reward over steps", _line_figure(records, rewards, "step", "step", "reward", "reward")),
+        (
+            "Reward over wall time",
+            _line_figure(records, rewards, "timing/elapsed_s", "wall time (s)", "reward", "reward"),
+        ),
+        ("Throughput", lines["Throughput"]),
+        ("Staleness", lines["Staleness"]),
+        ("Executor timeline", timeline),
+        ("Busy fraction", _bar_figure(busy, "fraction of the run busy", "busy fraction")),
+        ("Weight sync bytes", lines["Weight sync bytes"]),
+        ("Weight sync time", lines["Weight sync time"]),
+        ("Failures by reason", _bar_figure(_failures(summary, records), "count", "failures")),
+    ]
+
+
+def _summary_rows(summary: dict, records: list[dict]) -> list[tuple[str, str]]:
+    rows = [("steps", str(summary.get("steps", len(records))))]
+    for key, label in (
+        ("elapsed_s", "training time (s)"),
+        ("samples_per_s", "completions/s"),
+        ("generated", "rollouts generated"),
+        ("trained", "rollouts trained"),
+        ("dropped_stale", "dropped as stale"),
+        ("failed", "failed"),
+        ("eval_start", "eval reward at start"),
+        ("eval_end", "eval reward at end"),
+    ):
+        if key in summary:
+            value = summary[key]
+            rows.append((label, f"{value:.3f}" if isinstance(value, float) else str(value)))
+    return rows
+
+
+def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``out`` (default ``RUN_DIR/report.html``) and return its path."""
+    run_dir = Path(run_dir)
+    records = [r for r in read_records(run_dir) if "step" in r]
+    summary = _read_json(run_dir / "summary.json")
+    config = _read_json(run_dir / "config.json")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    figures = _figures(run_dir, records, summary)
+    parts = [
+        "<!doctype html><meta charset=utf-8>",
+        f"<title>loomrl report: {html.escape(run_dir.name)}</title>",
+        "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
+        "img{max-width:100%;border:1px solid #ddd;margin:.3em 0}td{padding:2px 12px}"
+        "h2{font-size:1.1em;margin-top:1.6em}</style>",
+        f"<h1>Run {html.escape(config.get('name', run_dir.name))}</h1>",
+        f"<p>{html.escape(str(run_dir))}: {len(records)} step records"
+        + (", still running or stopped early" if not summary else "")
+        + ". The timeline comes from <code>trace.json</code> (open it in ui.perfetto.dev).</p>",
+        "<table>"
+        + "".join(
+            f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+            for k, v in _summary_rows(summary, records)
+        )
+        + "</table>",
+    ]
+    for title, png in figures:
+        if png is not None:
+            alt = html.escape(title)
+            parts.append(f'<h2>{alt}</h2><img alt="{alt}" src="data:image/png;base64,{png}">')
+    out = Path(out) if out is not None else run_dir / REPORT_FILE
+    tmp = out.with_suffix(".html.tmp")
+    tmp.write_text("\n".join(parts), encoding="utf-8")
+    tmp.replace(out)
+    return out

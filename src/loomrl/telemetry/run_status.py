@@ -1,0 +1,84 @@
+"""``loomrl status RUN_DIR``: where a run is, running or not, from its run folder alone."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from loomrl.telemetry.report import ReportError, _read_json, read_records
+
+LOCK_FILE = ".lock"  # loomrl.run_folder.LOCK_FILE: a running run holds an flock on it
+
+
+def running_pid(run_dir: Path) -> int | None:
+    """The pid of the loomrl run holding ``run_dir``'s lock, or None when none does."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.read(fd, 64).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def run_status(run_dir: str | Path) -> dict[str, Any]:
+    """State, step, reward, eval, throughput and failures of the run in ``run_dir``."""
+    run_dir = Path(run_dir)
+    records = read_records(run_dir)
+    steps = [r for r in records if "step" in r and "rollout/reward_mean" in r]
+    config = _read_json(run_dir / "config.json")
+    summary = _read_json(run_dir / "summary.json")
+    pid = running_pid(run_dir)
+    total = config.get("trainer", {}).get("num_steps")
+    last = steps[-1] if steps else {}
+    evals = [r for r in records if "eval/mean_reward" in r]
+    status: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "state": "running" if pid else ("finished" if summary else "stopped"),
+        "pid": pid,
+        "step": last.get("step", 0),
+        "num_steps": total,
+        "reward_mean": last.get("rollout/reward_mean"),
+        "eval_reward": evals[-1]["eval/mean_reward"] if evals else None,
+        "completions_per_s": last.get("throughput/samples_per_s"),
+        "elapsed_s": last.get("timing/elapsed_s"),
+        "failed": last.get("rollout/failed", 0),
+        "restarts": last.get("executor/restarts", 0),
+        "updated_s_ago": time.time() - (run_dir / "metrics.jsonl").stat().st_mtime,
+    }
+    if status["state"] == "running" and total and status["elapsed_s"] and status["step"]:
+        status["eta_s"] = status["elapsed_s"] / status["step"] * (total - status["step"])
+    return status
+
+
+def format_status(status: dict[str, Any]) -> str:
+    def num(value: Any, fmt: str = ".3f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [
+        f"{status['run_dir']}: {status['state']}"
+        + (f" (pid {status['pid']})" if status["pid"] else ""),
+        f"  step          {status['step']}"
+        + (f" / {status['num_steps']}" if status["num_steps"] else ""),
+        f"  train reward  {num(status['reward_mean'])}",
+        f"  eval reward   {num(status['eval_reward'])}",
+        f"  completions/s {num(status['completions_per_s'], '.1f')}",
+        f"  elapsed       {num(status['elapsed_s'], '.0f')} s"
+        + (f", about {status['eta_s']:.0f} s to go" if "eta_s" in status else ""),
+        f"  failed        {status['failed']} rollouts, {status['restarts']} executor restarts",
+        f"  last record   {status['updated_s_ago']:.0f} s ago",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["ReportError", "format_status", "run_status", "running_pid"]
