@@ -328,8 +328,8 @@ class Controller(Evaluation, StallWatchdog):
         # call (one round trip); one that holds it is not asked to look.
         key = id(generator)
         behind = self._held.get(key, -1) < self.published_version
-        apply_s, weight_metrics, engine_metrics, version, value = await generator.call_then(
-            partial(_read_reports, then), "generate", requests, apply_newest=behind
+        apply_s, weight_metrics, engine_metrics, version, value = await generator.generate.call(
+            requests, apply_newest=behind, then=partial(_read_reports, then)
         )
         self._apply_s += apply_s  # generate's own catch-up, if any
         if weight_metrics is not None:

@@ -34,8 +34,10 @@ from loomrl.runtime.base import (
     ExecutorHandle,
     ExecutorHungError,
     Runtime,
+    UnknownEndpointError,
     role_of,
 )
+from loomrl.runtime.endpoints import Endpoint, endpoints_of, unknown_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +154,8 @@ class FaultStats:
 
 
 class Supervised:
-    """One executor as the controller sees it: ``await slot.generate(requests)`` calls the
-    current handle under a deadline and heals the executor when the call is lost (module
+    """One executor as the controller sees it: ``await slot.generate(requests)`` (and every
+    variant of ``Endpoint``) calls the current handle under a deadline and heals the executor when the call is lost (module
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
@@ -187,6 +189,7 @@ class Supervised:
         # The loop a deadline check is armed on (checks run every check_s while calls are queued);
         # a loop, not a flag, so a check left armed on a closed loop does not stop later ones.
         self._deadline_loop: asyncio.AbstractEventLoop | None = None
+        self._bind_endpoints()
 
     # -- what the controller reads off a handle
     @property
@@ -209,28 +212,33 @@ class Supervised:
     def busy_s(self) -> float:
         return self._busy_before + self.handle.busy_s
 
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        if method.startswith("_"):
+    def _bind_endpoints(self) -> None:
+        """The handle's endpoints as this slot's own ``Endpoint`` attributes, called through
+        the slot (an executor started without an interface gets one per name asked for)."""
+        interface = self.handle.interface
+        if interface is not None:
+            for name in endpoints_of(interface):
+                self.__dict__[name] = Endpoint(name, self._send)
+
+    def __getattr__(self, method: str) -> Endpoint:  # only reached for names the slot lacks
+        interface = self.__dict__.get("handle") and self.handle.interface
+        if method.startswith("_") or interface:
+            if interface and not method.startswith("_"):
+                raise UnknownEndpointError(str(unknown_endpoint(interface, method)))
             raise AttributeError(method)
-
-        def call(
-            *args: Any, **kwargs: Any
-        ) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
-            return self.call_then(None, method, *args, **kwargs)
-
-        call.__name__ = method
-        self.__dict__[method] = call  # built once per endpoint: later lookups skip __getattr__
-        return call
+        self.__dict__[method] = Endpoint(method, self._send)  # (no interface: any name)
+        return self.__dict__[method]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        """``method(*args, **kwargs)`` on the executor, watched and healed (to await)."""
-        return self.call_then(None, method, *args, **kwargs)
+        """``method(*args, **kwargs)`` on the executor by name, watched and healed (to await)."""
+        return self._send(method, args, kwargs, None)
 
-    async def call_then(
-        self, post: Callable[[Any], Any] | None, method: str, *args: Any, **kwargs: Any
+    async def _send(
+        self, method: str, args: tuple, kwargs: dict, post: Callable[[Any], Any] | None
     ) -> Any:
-        """``call``, resolving with ``post(result)`` run where the call ended, off the
-        controller's loop (``ExecutorHandle.submit``); ``post`` None: the result itself."""
+        """An ``Endpoint``'s call through the slot, resolving with ``post(result)`` run where
+        the call ended, off the controller's loop (``Endpoint.call``); ``post`` None: the
+        result itself."""
         if not self._serving.is_set():  # a restart in progress: calls wait for the fresh executor
             await self._serving.wait()
         if self.lost is not None:  # counted once, when it was lost
@@ -241,13 +249,8 @@ class Supervised:
             if (
                 self.deadlines is None
             ):  # (an in-process runtime: nothing to kill, nothing to restart)
-                if (
-                    handle.calls_are_futures
-                ):  # the handle's future itself: two coroutine frames fewer a call
-                    return await handle.submit(method, args, kwargs, None, post)
-                if post is None:
-                    return await handle.call(method, *args, **kwargs)
-                return await handle.call_then(post, method, *args, **kwargs)
+                # (the handle's future itself: no coroutine frame of the handle's a call)
+                return await handle.submit(method, args, kwargs, None, post)
             return await self._call_with_deadline(handle, incarnation, method, args, kwargs, post)
         finally:
             self.in_flight -= 1
