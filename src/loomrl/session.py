@@ -17,7 +17,7 @@ from typing import Any
 
 from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
-from loomrl.controller import Controller, Counters
+from loomrl.control import Controller, Counters
 from loomrl.data import PromptStream, load_rows_with_places
 from loomrl.envs.scorer import RewardEndpoints, Scorer
 from loomrl.generation.base import Generator
