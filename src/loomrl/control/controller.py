@@ -188,7 +188,7 @@ class Controller:
                 continue
             try:
                 groups, count, payload = await self.rollouts.generate_groups(generator, picks)
-            except ExecutorLostError as err:  # (its generator is replaced)
+            except ExecutorLostError as err:  # lost with its generator (now replaced)
                 await self.requeues.lost_generate(picks, err)
                 continue
             self.intake.add(groups, count, payload)  # scored, then into the buffer

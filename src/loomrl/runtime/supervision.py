@@ -284,13 +284,30 @@ class Supervised:
         ):  # one timer per executor while it has calls, not one per call
             self._deadline_loop = loop
             loop.call_later(self.check_s, self._check_deadline)
+        await self._wait(handle, incarnation, call, inner)
+        try:
+            result = inner.result()
+        except ExecutorDiedError as err:
+            await self._heal(handle, incarnation, err, hung=False)
+        except asyncio.CancelledError as err:  # not this caller's cancel: the handle dropped it
+            dropped = f"executor {handle.name!r}: call {method!r} was dropped by its handle"
+            await self._heal(handle, incarnation, ExecutorDiedError(dropped), hung=False)
+            raise AssertionError("unreachable") from err
+        self.deadlines.observe(self.role, key, call.ran_s)
+        return result
+
+    async def _wait(
+        self, handle: ExecutorHandle, incarnation: int, call: _Queued, inner: asyncio.Future
+    ) -> None:
+        """Until the call ends; a call past its deadline is healed (killed, replaced) and
+        raises ``ExecutorLostError`` here."""
         while True:
             # Woken by the call's end or by the deadline check; a cancelled caller cancels only
             # its wake-up, and the call runs on.
             hung = await call.woken
             if hung is None or inner.done():
-                break
-            call.woken = loop.create_future()  # (if another call heals it first)
+                return
+            call.woken = asyncio.get_running_loop().create_future()  # (if another call heals first)
             # this caller leaves without the call's result: its ExecutorDiedError, once the kill
             # lands, is taken here, not logged at GC ("Future exception was never retrieved",
             # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
@@ -305,24 +322,6 @@ class Supervised:
                     ),
                     hung=True,
                 )
-        try:
-            result = inner.result()
-        except ExecutorDiedError as err:
-            await self._heal(handle, incarnation, err, hung=False)
-        except (
-            asyncio.CancelledError
-        ) as err:  # not this caller's cancel: the handle dropped the call
-            await self._heal(
-                handle,
-                incarnation,
-                ExecutorDiedError(
-                    f"executor {handle.name!r}: call {method!r} was dropped by its handle"
-                ),
-                hung=False,
-            )
-            raise AssertionError("unreachable") from err
-        self.deadlines.observe(self.role, key, call.ran_s)
-        return result
 
     def _finished(self, call: _Queued) -> None:
         """A call returned (or failed): the next one in the executor's queue starts now."""
