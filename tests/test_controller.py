@@ -498,7 +498,9 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
     with caplog.at_level(logging.WARNING, logger="loomrl.control.watchdog"):
         ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
     stalls = [r.getMessage() for r in caplog.records if "past stall_warning_s" in r.getMessage()]
-    assert len(stalls) == ctl.watchdog.stall_warnings >= 1  # once per slow call, however long it runs
+    assert (
+        len(stalls) == ctl.watchdog.stall_warnings >= 1
+    )  # once per slow call, however long it runs
     assert all(
         m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls
     )
@@ -506,7 +508,9 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
     assert records[-1]["executor/stall_warnings"] == ctl.watchdog.stall_warnings
     quiet = tiny_job(trainer={"num_steps": 3})  # the default (300 s) stays quiet
     (tmp_path / "quiet").mkdir()
-    assert run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].watchdog.stall_warnings == 0
+    assert (
+        run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].watchdog.stall_warnings == 0
+    )
 
 
 def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
