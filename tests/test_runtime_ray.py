@@ -150,7 +150,7 @@ def test_typed_calls_their_post_processing_and_replicas_on_actors(runtime):
     actor and fans out to both."""
     from loomrl.runtime.replicas import Replicas
 
-    first, second = (runtime.start(f"worker{i}", Worker, WorkerEndpoints) for i in range(2))
+    first, second = (runtime.start(f"generator{i}", Worker, WorkerEndpoints) for i in range(2))
     replicas = Replicas([first, second])
 
     async def main():
