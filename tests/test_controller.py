@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loomrl.buffer import RolloutBuffer, StalenessGate
-from loomrl.controller import Controller
+from loomrl.control import Controller
+from loomrl.control.buffer import RolloutBuffer, StalenessGate
 from loomrl.data import PromptStream, load_rows
 from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.generation.base import Generator
@@ -478,10 +478,10 @@ def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_
     assert (
         seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed
     )  # (counted before the step that lost them)
-    # The step record's failures by reason are cached: a new count or reason shows at once.
+    # The step record's failures by reason: a new count or reason shows at once.
     ctl.scorer.failures_by_reason["timeout"] += 2
     ctl.scorer.failures_by_reason["raised"] += 1
-    assert ctl._failed_metrics() == {
+    assert ctl.step_record.failed_metrics() == {
         "rollout/failed_timeout": ctl.counters.failed + 2,
         "rollout/failed_raised": 1,
     }
@@ -495,27 +495,30 @@ def test_async_reward_functions_are_awaited(tiny_job, tmp_path):
 
 def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_path, caplog):
     cfg = tiny_job(stall_warning_s=0.3, trainer={"num_steps": 3})
-    with caplog.at_level(logging.WARNING, logger="loomrl.controller"):
+    with caplog.at_level(logging.WARNING, logger="loomrl.control.watchdog"):
         ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
     stalls = [r.getMessage() for r in caplog.records if "past stall_warning_s" in r.getMessage()]
-    assert len(stalls) == ctl.stall_warnings >= 1  # once per slow call, however long it runs
+    assert (
+        len(stalls) == ctl.watchdog.stall_warnings >= 1
+    )  # once per slow call, however long it runs
     assert all(
         m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls
     )
     records = [r for r in read_metrics(tmp_path) if "executor/stall_warnings" in r]
-    assert records[-1]["executor/stall_warnings"] == ctl.stall_warnings
+    assert records[-1]["executor/stall_warnings"] == ctl.watchdog.stall_warnings
     quiet = tiny_job(trainer={"num_steps": 3})  # the default (300 s) stays quiet
     (tmp_path / "quiet").mkdir()
-    assert run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].stall_warnings == 0
+    assert (
+        run_fake(quiet, tmp_path / "quiet", [0.0, 0.0, 1.2], [0.0])[0].watchdog.stall_warnings == 0
+    )
 
 
 def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
-    import loomrl.controller as controller_module
-    from loomrl.chat import PromptEncoder
+    import loomrl.control.prompts as prompts_module
     from loomrl.config import DataConfig
-    from loomrl.controller import Controller
+    from loomrl.control.prompts import PromptCache
 
-    monkeypatch.setattr(controller_module, "PROMPT_CACHE_ROWS", 3)
+    monkeypatch.setattr(prompts_module, "PROMPT_CACHE_ROWS", 3)
 
     class Tok:
         bos_token_id = 1
@@ -526,15 +529,13 @@ def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
 
             return Out()
 
-    c = Controller.__new__(Controller)
-    c.tokenizer, c.max_prompt_tokens, c._prompt_key = Tok(), None, "prompt"
-    c._prompt_encoder = PromptEncoder(c.tokenizer, DataConfig(train="t.jsonl"))
-    c.train_rows = [{"prompt": "x" * (i + 1)} for i in range(10)]
-    c._prompt_ids = {}
+    rows = [{"prompt": "x" * (i + 1)} for i in range(10)]
+    cache = PromptCache(Tok(), DataConfig(train="t.jsonl"), "m", rows, None)
+    assert not cache.complete and not cache.ids  # too many rows to encode at the start
     for picks in ([0, 1], [1, 2], [3, 4], [4, 5, 6]):
-        c._encode_train_prompts(picks)
-        assert all(c._prompt_ids[i] == [1, i + 1] for i in picks)
-        assert len(c._prompt_ids) <= 3
+        ids = cache.of_rows(picks)
+        assert all(ids[i] == [1, i + 1] for i in picks)
+        assert len(cache.ids) <= 3
 
 
 def test_rollouts_and_completions_pickle_and_copy_field_for_field():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,12 +136,35 @@ def test_the_job_interfaces_declare_what_the_controller_calls():
     assert issubclass(TrainerExecutor, TrainerEndpoints)
 
 
-def test_controller_and_session_call_only_declared_endpoints():
-    """Every ``<handle>.<method>(`` the controller and session await is an endpoint, so a
-    typo in them fails this test (and at once at run time), not deep in a job. Calls made
-    inside a scheduler lease are passed as ``lambda: handle.method(...)`` or as the bound
-    method itself (``on_device("weight_sync", trainer.publish)``): those count too, and so
-    does the method named in ``handle.call_then(post, "method", ...)``."""
+VARIANTS = (
+    "call",
+    "route",
+    "fanout",
+)  # ``handle.generate.call(...)``, ``scorers.score.route(...)``
+
+
+def _endpoint_called(func: Any, handles: set[str]) -> str | None:
+    """The endpoint ``func`` names on one of ``handles``: ``trainer.publish``,
+    ``generator.generate.call``, ``self.generators[0].generate``; else None."""
+    import ast
+
+    if not isinstance(func, ast.Attribute):
+        return None
+    owner, name = func.value, func.attr
+    if name in VARIANTS and isinstance(owner, ast.Attribute):
+        owner, name = owner.value, owner.attr
+    if isinstance(owner, ast.Subscript):
+        owner = owner.value
+    owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+    return name if owner_name in handles else None
+
+
+def test_controller_and_session_call_only_declared_endpoints_and_none_by_name():
+    """Every endpoint of a handle the controller and session call (``trainer.train_step``,
+    ``generator.generate.call``, or a bound endpoint passed to a lease:
+    ``on_device("weight_sync", trainer.publish)``) is declared, so a typo fails this test
+    (and at once at run time), not deep in a job; and none is called by name
+    (``handle.call("generate", ...)``)."""
     import ast
 
     from conftest import ROOT
@@ -147,31 +172,21 @@ def test_controller_and_session_call_only_declared_endpoints():
     declared = set(endpoints_of(TrainerEndpoints)) | set(endpoints_of(Generator))
     handles = {"trainer", "generator", "generators"}
     called = set()
-    for name in ("controller.py", "session/run.py", "session/assembly.py"):
-        tree = ast.parse((ROOT / "src/loomrl" / name).read_text())
-        for node in ast.walk(tree):
-            funcs = []
-            if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
-                funcs.append((node.value.func, node.value))
-            elif isinstance(node, ast.Lambda) and isinstance(node.body, ast.Call):
-                funcs.append((node.body.func, node.body))
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "on_device":
-                funcs += [(a, None) for a in node.args if isinstance(a, ast.Attribute)]
-            for func, call in funcs:
-                if isinstance(func, ast.Attribute):
-                    owner = func.value
-                    if isinstance(owner, ast.Subscript):
-                        owner = owner.value
-                    owner_name = (
-                        owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
-                    )
-                    if owner_name in handles:
-                        if func.attr in ("call", "call_then") and call is not None:
-                            names = [a.value for a in call.args if isinstance(a, ast.Constant)]
-                            assert len(names) == 1, ast.unparse(node)  # the method, by name
-                            called.add(names[0])
-                        else:
-                            called.add(func.attr)
+    src = ROOT / "src/loomrl"
+    paths = [*sorted((src / "session").glob("*.py")), *sorted((src / "control").glob("*.py"))]
+    for path in filter(Path.exists, paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            funcs = [node.func]
+            if getattr(node.func, "attr", "") == "on_device":  # a bound endpoint, called there
+                funcs += [a for a in node.args if isinstance(a, ast.Attribute)]
+            for func in funcs:
+                name = _endpoint_called(func, handles)
+                by_name = name in ("call", "call_then", "submit")
+                assert not by_name, f"{path.name}: {ast.unparse(node)} names its method by a string"
+                if name is not None and name not in VARIANTS:
+                    called.add(name)
     assert called and called <= declared, called - declared
     assert {"train_step", "publish", "generate"} <= called
 
@@ -225,3 +240,55 @@ def test_closing_a_local_executor_cancels_the_calls_still_queued():
 
     asyncio.run(scenario())
     assert handle.obj.ran == ["running"]
+
+
+class Thenful:
+    @endpoint
+    def add(self, n: int, then: int = 0) -> int: ...
+
+
+def test_an_interface_whose_endpoint_takes_then_is_refused_at_start_up():
+    """``then`` is the keyword of a call's post-processing: an endpoint parameter of that
+    name would be shadowed, so the start fails and names it."""
+    runtime = LocalRuntime()
+    try:
+        with pytest.raises(TypeError, match="Thenful.add takes a parameter 'then'"):
+            runtime.start("counter", GoodCounter, Thenful)
+    finally:
+        runtime.shutdown()
+
+
+@pytest.mark.parametrize("supervised", [False, True])
+def test_replicas_route_to_the_least_busy_and_fan_out_to_all(supervised):
+    from loomrl.runtime.replicas import Replicas
+    from loomrl.runtime.supervision import FaultStats, Supervised
+
+    runtime = LocalRuntime()
+    try:
+
+        async def scenario():
+            handles = [await _start(runtime, GoodCounter, Counter) for _ in range(3)]
+            members = (
+                [Supervised(None, h, None, FaultStats()) for h in handles]
+                if supervised
+                else handles
+            )
+            replicas = Replicas(members)
+            with pytest.raises(UnknownEndpointError, match="did you mean 'add'"):
+                replicas.addd  # noqa: B018 - fails on lookup, on every replica's interface
+            napping = asyncio.ensure_future(replicas[0].nap(0.3))  # replica 0 is busy
+            await asyncio.sleep(0.05)
+            assert replicas.least_busy() is members[1]
+            assert await replicas.add.route(5) == 5  # on replica 1 (0 is busy, 1 comes first)
+            assert await replicas.add.route(2, then=lambda total: -total) == -7  # on replica 1
+            assert [h.obj.total for h in handles] == [0, 7, 0]
+            assert await replicas.add.fanout(1) == [1, 8, 1]
+            assert await replicas.add.fanout(1, then=str) == ["2", "9", "2"]
+            await napping
+            with pytest.raises(TypeError, match="Counter.add"):
+                await replicas.add.fanout(1, 2)  # checked before anything is sent
+            return [h.obj.total for h in handles]
+
+        assert asyncio.run(scenario()) == [2, 9, 2]
+    finally:
+        runtime.shutdown()

@@ -12,6 +12,7 @@ import pytest
 
 from loomrl.config import TaskConfig
 from loomrl.envs.scorer import RewardExecutor, Scorer, per_group_outcomes
+from loomrl.runtime.endpoints import Endpoint
 from loomrl.types import Completion, GenerationResult, Group, Rollout
 
 ROW = {"prompt": "1+2=", "answer": "3"}
@@ -139,18 +140,20 @@ def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollout
 
 
 class _Slot:
-    """A scorer executor as the Scorer sees one (a ``Supervised`` slot): called by name."""
+    """A scorer executor as the Scorer sees one (a ``Supervised`` slot): its endpoints."""
 
     def __init__(self, executor) -> None:
         self.executor, self.in_flight, self.name, self.methods = executor, 0, "scorer0", []
+        self.score = Endpoint("score", self._send)
+        self.score_groups = Endpoint("score_groups", self._send)
 
-    async def call(self, method, *args):
+    async def _send(self, method, args, kwargs, then):
+        result = await self._run(method, *args)
+        return result if then is None else then(result)
+
+    async def _run(self, method, *args):
         self.methods.append(method)
         return getattr(self.executor, method)(*args)
-
-    async def call_then(self, post, method, *args):
-        result = await self.call(method, *args)
-        return result if post is None else post(result)
 
 
 def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with_scoring_here():
@@ -186,7 +189,7 @@ def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with
 class _LostSlot(_Slot):
     """A scorer executor lost with every call (as one killed, restarted and killed again)."""
 
-    async def call(self, method, *args):
+    async def _run(self, method, *args):
         from loomrl.runtime.supervision import ExecutorLostError
 
         self.methods.append(method)

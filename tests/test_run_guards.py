@@ -58,7 +58,7 @@ def test_no_step_for_stall_warning_s_is_logged(tiny_job, tmp_path, caplog):
             data={"eval": None},
             stall_warning_s=0.3,
         )
-        with caplog.at_level(logging.WARNING, logger="loomrl.controller"):
+        with caplog.at_level(logging.WARNING, logger="loomrl.control.watchdog"):
             Job(cfg).run()
     finally:
         sys.path.remove(str(tmp_path))

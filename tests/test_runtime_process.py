@@ -16,6 +16,7 @@ import pytest
 
 from loomrl.config import ConfigError, build_config
 from loomrl.job import Job, resume_job
+from loomrl.runtime.endpoints import endpoint
 from loomrl.runtime.process import ExecutorDiedError, ProcessRuntime, RemoteError
 from loomrl.runtime.supervision import RestartLimitError
 from loomrl.telemetry.metrics import read_metrics
@@ -269,6 +270,13 @@ def test_a_generator_killed_mid_job_is_reported_and_the_job_resumes(tiny_job, tm
     assert result.summary["trained"] == 6 * cfg.algorithm.groups_per_step * cfg.algorithm.group_size
 
 
+class Recording:
+    """``Worker``'s one endpoint, for the tests of typed calls."""
+
+    @endpoint
+    def record(self, tag: str, sleep_s: float = 0.0) -> list[str]: ...
+
+
 def _tagged(loop_thread: int, calls: list[str]) -> tuple[list[str], bool]:
     """A ``post``: the result, and whether it ran off the loop's thread."""
     if calls[-1] == "boom":
@@ -291,22 +299,22 @@ def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is
 
     runtime = LocalRuntime() if runtime_name == "local" else ProcessRuntime()
     try:
-        handle = runtime.start("worker0", Worker)
+        handle = runtime.start("worker0", Worker, Recording)
         stats = FaultStats()
         target = Supervised(runtime, handle, Deadlines(), stats) if supervised else handle
 
         async def main():
             post = partial(_tagged, threading.get_ident())
-            fresh = runtime.start("worker1", Worker)  # calls that go out before it is built
-            assert (await fresh.call_then(post, "record", "x"))[0] == ["x", "posted"]
+            fresh = runtime.start("worker1", Worker, Recording)  # called before it is built
+            assert (await fresh.record.call("x", then=post))[0] == ["x", "posted"]
             with pytest.raises(ValueError, match="post failed"):
-                await runtime.start("worker2", Worker).call_then(post, "record", "boom")
+                await runtime.start("worker2", Worker, Recording).record.call("boom", then=post)
             await handle.ready()
-            assert await target.call_then(post, "record", "a") == (["a", "posted"], True)
-            assert await target.call_then(None, "record", "b") == ["a", "b"]
+            assert await target.record.call("a", then=post) == (["a", "posted"], True)
+            assert await target.record.call("b") == ["a", "b"]
             with pytest.raises(ValueError, match="post failed"):
-                await target.call_then(post, "record", "boom")
-            assert await target.call("record", "c") == [
+                await target.record.call("boom", then=post)
+            assert await target.record("c") == [
                 "a",
                 "b",
                 "boom",

@@ -144,6 +144,29 @@ def test_calls_run_in_an_actor_in_order_and_count_busy_time(runtime, tmp_path):
     assert not handle.alive
 
 
+def test_typed_calls_their_post_processing_and_replicas_on_actors(runtime):
+    """``handle.record.call(..., then=post)`` resolves with ``post(result)`` (on the loop:
+    an actor's reply has no thread of its own here); ``Replicas`` routes to the least busy
+    actor and fans out to both."""
+    from loomrl.runtime.replicas import Replicas
+
+    first, second = (runtime.start(f"generator{i}", Worker, WorkerEndpoints) for i in range(2))
+    replicas = Replicas([first, second])
+
+    async def main():
+        await runtime.wait_ready()
+        posted = await first.record.call("a", then=lambda calls: calls + ["posted"])
+        busy = asyncio.ensure_future(first.record("slow", sleep_s=1.0))
+        await asyncio.sleep(0.2)
+        routed = await replicas.record.route("b")  # the second actor: the first is busy
+        await busy
+        return posted, routed, await replicas.record.fanout("c")
+
+    posted, routed, fanned = run(main())
+    assert posted == ["a", "posted"] and routed == ["b"]
+    assert fanned == [["a", "slow", "c"], ["b", "c"]]
+
+
 def test_remote_exceptions_keep_their_type_and_traceback(runtime):
     handle = runtime.start("generator0", Worker)
     with pytest.raises(KeyError, match="no such thing") as info:

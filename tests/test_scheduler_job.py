@@ -69,7 +69,7 @@ def test_a_shared_job_trains_exactly_as_alone_while_giving_way(tiny_job, tmp_pat
 
 def test_without_a_scheduler_url_nothing_of_it_is_imported():
     code = (
-        "import sys; import loomrl.job, loomrl.session, loomrl.controller, loomrl.config\n"
+        "import sys; import loomrl.job, loomrl.session, loomrl.control, loomrl.config\n"
         "cfg = loomrl.config.SchedulerConfig(); assert cfg.url is None\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('loomrl.scheduler'))\n"
         "assert loaded == ['loomrl.scheduler', 'loomrl.scheduler.config'], loaded\n"

@@ -20,14 +20,6 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 50  # from the ``def`` line to the last line of the body
 MAX_CONTROLLER_LINES = 350
 
-# Files (under src/loomrl) that other branches are rewriting while these checks land: the
-# controller and its string-named hot calls, evaluation, the scorer client, the session and
-# the config. The size and string-call checks skip them; empty this once those branches are
-# merged (controller.py's and envs/scorer.py's entries are removed when control/ lands).
-BEING_REWRITTEN = frozenset(
-    {"controller.py", "evaluation.py", "envs/scorer.py", "session.py", "config.py"}
-)
-
 
 def _modules() -> dict[str, tuple[Path, bool]]:
     """``{dotted name: (path, is_package)}`` of every module under src/loomrl."""
@@ -243,7 +235,7 @@ def test_no_executor_call_names_its_method_by_a_string():
     found = [
         f"{rel} {call}"
         for rel, path in _source_files()
-        if not rel.startswith("runtime/") and rel not in BEING_REWRITTEN
+        if not rel.startswith("runtime/")
         for call in string_named_calls(path.read_text())
     ]
     assert found == []
@@ -275,10 +267,7 @@ def test_long_functions_counts_from_def_to_last_line():
 def test_no_function_over_50_lines():
     """A function that long is doing two jobs: split it by job (CONVENTIONS.md)."""
     found = [
-        f"{rel}: {fn}"
-        for rel, path in _source_files()
-        if rel not in BEING_REWRITTEN
-        for fn in long_functions(path.read_text())
+        f"{rel}: {fn}" for rel, path in _source_files() for fn in long_functions(path.read_text())
     ]
     assert found == []
 
@@ -299,7 +288,7 @@ def test_long_files_finds_a_file_over_the_bar(tmp_path):
 
 
 def test_no_file_over_500_lines():
-    files = [(rel, path) for rel, path in _source_files() if rel not in BEING_REWRITTEN]
+    files = list(_source_files())
     assert long_files(files) == []
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -27,6 +27,7 @@ from loomrl.config import SandboxConfig, TaskConfig
 from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch
 from loomrl.envs.reward_list import drain_stats, load_reward
 from loomrl.runtime.endpoints import endpoint
+from loomrl.runtime.replicas import Replicas
 from loomrl.types import Completions, Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ _prompt, _completion, _row, _status = (
     operator.attrgetter(a) for a in ("prompt", "completion", "row", "status")
 )
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
-_columns, _in_flight, _texts = (operator.attrgetter(a) for a in ("columns", "in_flight", "texts"))
+_columns, _texts = (operator.attrgetter(a) for a in ("columns", "texts"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[
     str, Any, float
@@ -230,7 +231,7 @@ class Scorer:
         ] = {}  # a reward list's reward/<name>_{sum,count} since the last step
         # Scorer executors (``Supervised`` slots), attached by the session; without them
         # the reward runs here, on this process's reward threads (a library user's Scorer).
-        self.executors: list[Any] = []
+        self.executors: Replicas = Replicas(())
         self.fault_stats: Any = None  # the run's FaultStats, with the executors
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self._merged_pool_metrics: dict[str, float] | None = None
@@ -257,7 +258,7 @@ class Scorer:
 
     def attach(self, executors: list[Any], fault_stats: Any) -> None:
         """Score on these scorer executors from now on."""
-        self.executors, self.fault_stats = executors, fault_stats
+        self.executors, self.fault_stats = Replicas(executors), fault_stats
 
     async def score(self, rollouts: list[Rollout]) -> None:
         """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""
@@ -284,12 +285,9 @@ class Scorer:
             lost = lambda message: per_group_outcomes(  # noqa: E731
                 [("scorer_lost", message, 0.0)] * count, sizes
             )
+            post = partial(_set_rewards, list(map(_columns, groups)))
             failed = await self._score_remote(
-                "score_groups",
-                items,
-                count,
-                lost,
-                partial(_set_rewards, list(map(_columns, groups))),
+                lambda slot: slot.score_groups.call(items, then=post), count, lost, post
             )
             for i, outcomes in failed:
                 self._apply(groups[i].rollouts, outcomes)
@@ -317,8 +315,7 @@ class Scorer:
     async def _outcomes(self, items: list[ScoreItem]) -> list[ScoreOutcome]:
         if self.executors:
             return await self._score_remote(
-                "score",
-                items,
+                lambda slot: slot.score.call(items),
                 len(items),
                 lambda message: [("scorer_lost", message, 0.0)] * len(items),
             )
@@ -357,22 +354,21 @@ class Scorer:
 
     async def _score_remote(
         self,
-        method: str,
-        payload: list,
+        send: Callable[[Any], Awaitable[tuple]],
         count: int,
         lost: Callable[[str], list],
         post: Callable[[tuple], tuple] | None = None,
     ) -> list:
-        """``method(payload)`` (``count`` rollouts) on the least busy scorer; once more if
-        that scorer is lost (it is restarted), then they count as failed: ``lost(message)``
-        (``scorer_lost``). ``post``: what the reply ``(outcomes, pool metrics)`` becomes,
-        made where the call ended (and here from ``lost``'s outcomes)."""
+        """``send(scorer)`` (a call of ``count`` rollouts) to the least busy scorer; once more
+        if that scorer is lost (it is restarted), then they count as failed: ``lost(message)``
+        (``scorer_lost``). ``post``: what the call makes of the reply ``(outcomes, pool
+        metrics)`` where it ended (applied here to ``lost``'s outcomes)."""
         from loomrl.runtime.supervision import ExecutorLostError
 
         for attempt in range(2):
-            slot = min(self.executors, key=_in_flight)
+            slot = self.executors.least_busy()  # (kept: each scorer's sandbox metrics are its own)
             try:
-                outcomes, pool_metrics = await slot.call_then(post, method, payload)
+                outcomes, pool_metrics = await send(slot)
             except ExecutorLostError as err:
                 if attempt == 0:
                     self.fault_stats.rescored_rollouts += count

@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from loomrl.runtime.endpoints import bind_arguments, endpoints_of, unknown_endpoint
+from loomrl.runtime.endpoints import (
+    Endpoint,
+    bind_arguments,
+    check_no_then_parameter,
+    endpoints_of,
+    unknown_endpoint,
+)
 from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
@@ -280,47 +286,37 @@ class ExecutorHungError(ExecutorDiedError):
     """An executor call ran past its deadline; the executor was killed."""
 
 
-def _endpoint_method(
-    handle: ExecutorHandle, interface: type, name: str
-) -> Callable[..., Awaitable[Any]]:
-    """``await handle.<name>(...)``: arguments checked here, the call run there."""
-    spec = endpoints_of(interface)[name]
-
-    async def method(*args: Any, **kwargs: Any) -> Any:
-        bind_arguments(interface, name, args, kwargs)
-        return await handle._invoke(name, args, kwargs)
-
-    method.__name__ = name
-    method.__qualname__ = f"{interface.__name__}Handle.{name}"
-    if spec.signature is not None:
-        params = list(spec.signature.parameters.values())[1:]  # without self
-        method.__signature__ = spec.signature.replace(parameters=params)  # type: ignore[attr-defined]
-    return method
-
-
 class ExecutorHandle(ABC):
     """A started executor. Started against an interface (``Generator``, ``TrainerEndpoints``),
-    the handle has one async method per endpoint: ``await trainer.train_step(groups)``; any
-    other name fails at once with ``UnknownEndpointError``. ``await handle.call("method",
-    ...)`` is the same call by name (the only way for an executor started without one)."""
+    the handle has one ``Endpoint`` per endpoint: ``await trainer.train_step(groups)``,
+    ``await generator.generate.call(requests, then=post)``; any other name fails at once with
+    ``UnknownEndpointError``. ``await handle.call("method", ...)`` is the same call by name,
+    for an executor started without an interface (tests, tools)."""
 
     name: str
     calls: CallTracker  # what is running there now (the controller's stall watchdog reads it)
     interface: type | None = None
     factory: Callable[[], Any] | None = None  # what built the executor (a restart builds it again)
-    calls_are_futures = False  # ``submit`` returns the call's own future (no task made to run it)
 
     def _bind_interface(self, interface: type | None) -> None:
-        """Give this handle the interface's endpoints as methods."""
+        """Give this handle the interface's endpoints as ``Endpoint`` attributes."""
         self.interface = interface
         if interface is None:
             return
+        check_no_then_parameter(interface)
         for endpoint_name in endpoints_of(interface):
             if hasattr(type(self), endpoint_name):
                 raise TypeError(
                     f"endpoint {interface.__name__}.{endpoint_name} clashes with the handle's own attribute"
                 )
-            setattr(self, endpoint_name, _endpoint_method(self, interface, endpoint_name))
+            setattr(self, endpoint_name, Endpoint(endpoint_name, self._send))
+
+    async def _send(
+        self, method: str, args: tuple, kwargs: dict, post: Callable[[Any], Any] | None
+    ) -> Any:
+        """An ``Endpoint``'s call: arguments checked here, the call run there."""
+        bind_arguments(self.interface, method, args, kwargs)
+        return await self._submit(method, args, kwargs, None, post)
 
     def __getattr__(self, name: str) -> Any:  # only reached for names the handle lacks
         interface = self.__dict__.get("interface")
@@ -343,12 +339,10 @@ class ExecutorHandle(ABC):
         self._check(method, args, kwargs)
         return await self._invoke(method, args, kwargs)
 
-    async def call_then(
-        self, post: Callable[[Any], Any], method: str, *args: Any, **kwargs: Any
-    ) -> Any:
-        """``call``, resolving with ``post(result)`` run where the call ended (see ``submit``)."""
-        self._check(method, args, kwargs)
-        return await self._submit(method, args, kwargs, None, post)
+    @property
+    def in_flight(self) -> int:
+        """Calls running there now (``Replicas.least_busy`` routes by it)."""
+        return len(self.calls.running())
 
     def submit(
         self,
@@ -365,11 +359,7 @@ class ExecutorHandle(ABC):
         the same callback: no turn of the loop of its own).
 
         ``post``: the future resolves with ``post(result)`` instead, run where the call
-        ended, before the loop hears of it: on ``local`` the executor's thread, on
-        ``process`` the handle's transport thread (where the result was unpickled), so that
-        what the caller makes of a result costs the controller's loop nothing; on a runtime
-        with no such thread, on the loop. It must not touch what the loop owns (it may run
-        alongside it); what it raises is the call's error."""
+        ended (``Endpoint.call``'s ``then``)."""
         self._check(method, args, kwargs)
         return self._submit(method, args, kwargs, on_done, post)
 

@@ -1,11 +1,20 @@
 """Endpoints: the methods of an executor that a handle may call.
 
 An interface (``Generator``, ``TrainerEndpoints``) marks its methods with ``@endpoint``; a
-runtime starts an executor against its interface and gives back a handle whose methods are
-exactly those endpoints (``await trainer.train_step(groups)``), their arguments checked
-against the signature before anything leaves the caller. The executor it builds must have
-every endpoint, or the start fails with the names it lacks (a misspelt method fails at
-start-up, on every runtime, not deep in a job).
+runtime starts an executor against its interface and gives back a handle whose attributes
+are exactly those endpoints, as ``Endpoint`` objects with call variants:
+
+- ``await trainer.train_step(groups)`` (or ``trainer.train_step.call(groups)``): the result;
+- ``await generator.generate.call(requests, then=post)``: ``post(result)``, run where the
+  call ended, off the caller's loop (see ``Endpoint.call``);
+- over interchangeable executors (``loomrl.runtime.replicas``):
+  ``scorers.score.route(...)`` on the least busy, ``generators.apply_weights.fanout(...)``
+  on all of them.
+
+Arguments are checked against the signature before anything leaves the caller. The executor
+a runtime builds must have every endpoint, or the start fails with the names it lacks (a
+misspelt method fails at start-up, on every runtime, not deep in a job); a handle asked for
+a name its interface does not declare fails at once.
 
 ``@endpoint(concurrent=True)`` says that calls of that method may overlap each other and
 other calls (an engine that batches continuously); by default an executor runs one call at
@@ -17,13 +26,17 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "__loomrl_endpoint__"
+THEN = "then"  # the keyword of a call's post-processing (no endpoint may take a parameter of that name)
+
+# How an endpoint's owner sends a call: ``send(endpoint name, args, kwargs, then)``, to await.
+Send = Callable[[str, tuple, dict, Callable[[Any], Any] | None], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -118,3 +131,41 @@ def unknown_endpoint(interface: type, name: str) -> MissingEndpointError:
     return MissingEndpointError(
         f"{interface.__name__} has no endpoint {name!r}{_near(name, names)}; its endpoints: {', '.join(names)}"
     )
+
+
+class Endpoint:
+    """One endpoint of one executor, as its handle (or ``Supervised`` slot) holds it:
+    ``handle.generate``. Calling it is ``call`` without ``then``."""
+
+    __slots__ = ("name", "_send")
+
+    def __init__(self, name: str, send: Send) -> None:
+        self.name, self._send = name, send
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._send(self.name, args, kwargs, None)
+
+    def call(
+        self, *args: Any, then: Callable[[Any], Any] | None = None, **kwargs: Any
+    ) -> Awaitable[Any]:
+        """The call, to await: its result, or with ``then`` what ``then(result)`` returns,
+        run where the call ended, before the caller's loop hears of it (on ``local`` the
+        executor's thread, on ``process`` the handle's transport thread, where the result was
+        unpickled; on a runtime with no such thread, on the loop), so that what the caller
+        makes of a result costs its loop nothing. ``then`` must not touch what the loop owns
+        (it may run alongside it); what it raises is the call's error."""
+        return self._send(self.name, args, kwargs, then)
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self.name}>"
+
+
+def check_no_then_parameter(interface: type) -> None:
+    """Refuse an interface whose endpoint takes a ``then`` parameter: ``Endpoint.call``
+    keeps that keyword for its post-processing."""
+    for name, spec in endpoints_of(interface).items():
+        if spec.signature is not None and THEN in spec.signature.parameters:
+            raise TypeError(
+                f"endpoint {interface.__name__}.{name} takes a parameter {THEN!r}, the keyword "
+                f"Endpoint.call keeps for post-processing; rename it"
+            )

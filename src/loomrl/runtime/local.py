@@ -29,8 +29,6 @@ CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concur
 
 
 class LocalHandle(ExecutorHandle):
-    calls_are_futures = True  # (``_submit`` is ``on_thread``'s future)
-
     def __init__(
         self, name: str, factory: Callable[[], Any], interface: type | None = None
     ) -> None:

@@ -34,8 +34,10 @@ from loomrl.runtime.base import (
     ExecutorHandle,
     ExecutorHungError,
     Runtime,
+    UnknownEndpointError,
     role_of,
 )
+from loomrl.runtime.endpoints import Endpoint, endpoints_of, unknown_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +154,8 @@ class FaultStats:
 
 
 class Supervised:
-    """One executor as the controller sees it: ``await slot.generate(requests)`` calls the
-    current handle under a deadline and heals the executor when the call is lost (module
+    """One executor as the controller sees it: ``await slot.generate(requests)`` (and every
+    variant of ``Endpoint``) calls the current handle under a deadline and heals the executor when the call is lost (module
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
@@ -187,6 +189,7 @@ class Supervised:
         # The loop a deadline check is armed on (checks run every check_s while calls are queued);
         # a loop, not a flag, so a check left armed on a closed loop does not stop later ones.
         self._deadline_loop: asyncio.AbstractEventLoop | None = None
+        self._bind_endpoints()
 
     # -- what the controller reads off a handle
     @property
@@ -209,28 +212,33 @@ class Supervised:
     def busy_s(self) -> float:
         return self._busy_before + self.handle.busy_s
 
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        if method.startswith("_"):
+    def _bind_endpoints(self) -> None:
+        """The handle's endpoints as this slot's own ``Endpoint`` attributes, called through
+        the slot (an executor started without an interface gets one per name asked for)."""
+        interface = self.handle.interface
+        if interface is not None:
+            for name in endpoints_of(interface):
+                self.__dict__[name] = Endpoint(name, self._send)
+
+    def __getattr__(self, method: str) -> Endpoint:  # only reached for names the slot lacks
+        interface = self.__dict__.get("handle") and self.handle.interface
+        if method.startswith("_") or interface:
+            if interface and not method.startswith("_"):
+                raise UnknownEndpointError(str(unknown_endpoint(interface, method)))
             raise AttributeError(method)
-
-        def call(
-            *args: Any, **kwargs: Any
-        ) -> Awaitable[Any]:  # (the call's own coroutine: no frame around it)
-            return self.call_then(None, method, *args, **kwargs)
-
-        call.__name__ = method
-        self.__dict__[method] = call  # built once per endpoint: later lookups skip __getattr__
-        return call
+        self.__dict__[method] = Endpoint(method, self._send)  # (no interface: any name)
+        return self.__dict__[method]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        """``method(*args, **kwargs)`` on the executor, watched and healed (to await)."""
-        return self.call_then(None, method, *args, **kwargs)
+        """``method(*args, **kwargs)`` on the executor by name, watched and healed (to await)."""
+        return self._send(method, args, kwargs, None)
 
-    async def call_then(
-        self, post: Callable[[Any], Any] | None, method: str, *args: Any, **kwargs: Any
+    async def _send(
+        self, method: str, args: tuple, kwargs: dict, post: Callable[[Any], Any] | None
     ) -> Any:
-        """``call``, resolving with ``post(result)`` run where the call ended, off the
-        controller's loop (``ExecutorHandle.submit``); ``post`` None: the result itself."""
+        """An ``Endpoint``'s call through the slot, resolving with ``post(result)`` run where
+        the call ended, off the controller's loop (``Endpoint.call``); ``post`` None: the
+        result itself."""
         if not self._serving.is_set():  # a restart in progress: calls wait for the fresh executor
             await self._serving.wait()
         if self.lost is not None:  # counted once, when it was lost
@@ -241,13 +249,8 @@ class Supervised:
             if (
                 self.deadlines is None
             ):  # (an in-process runtime: nothing to kill, nothing to restart)
-                if (
-                    handle.calls_are_futures
-                ):  # the handle's future itself: two coroutine frames fewer a call
-                    return await handle.submit(method, args, kwargs, None, post)
-                if post is None:
-                    return await handle.call(method, *args, **kwargs)
-                return await handle.call_then(post, method, *args, **kwargs)
+                # (the handle's future itself: no coroutine frame of the handle's a call)
+                return await handle.submit(method, args, kwargs, None, post)
             return await self._call_with_deadline(handle, incarnation, method, args, kwargs, post)
         finally:
             self.in_flight -= 1
@@ -263,45 +266,6 @@ class Supervised:
     ) -> Any:
         """The call, watched: it is hung when it has *run* (not waited behind the calls
         before it: an executor runs its calls one at a time, in order) past its deadline."""
-        call, inner = self._enqueue(handle, method, args, kwargs, post)
-        while True:
-            # Woken by the call's end or by the deadline check; a cancelled caller cancels only
-            # its wake-up, and the call runs on.
-            hung = await call.woken
-            if hung is None or inner.done():
-                break
-            call.woken = asyncio.get_running_loop().create_future()  # (if another heals it first)
-            # this caller leaves without the call's result: its ExecutorDiedError, once the kill
-            # lands, is taken here, not logged at GC ("Future exception was never retrieved",
-            # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
-            inner.add_done_callback(_take_outcome)
-            if self.incarnation == incarnation:
-                await self._heal(handle, incarnation, _hung_error(handle, hung), hung=True)
-        try:
-            result = inner.result()
-        except ExecutorDiedError as err:
-            await self._heal(handle, incarnation, err, hung=False)
-        except (
-            asyncio.CancelledError
-        ) as err:  # not this caller's cancel: the handle dropped the call
-            dropped = ExecutorDiedError(
-                f"executor {handle.name!r}: call {method!r} was dropped by its handle"
-            )
-            await self._heal(handle, incarnation, dropped, hung=False)
-            raise AssertionError("unreachable") from err
-        self.deadlines.observe(self.role, call.key, call.ran_s)
-        return result
-
-    def _enqueue(
-        self,
-        handle: ExecutorHandle,
-        method: str,
-        args: tuple,
-        kwargs: dict,
-        post: Callable[[Any], Any] | None,
-    ) -> tuple[_Queued, asyncio.Future]:
-        """Queue the call behind this executor's others (running now if none is) and submit
-        it; the deadline timer runs while the executor has calls."""
         key = call_key(method, args)
         loop = asyncio.get_running_loop()
         call = _Queued(key, self.deadlines.limit(self.role, key), loop.create_future())
@@ -320,7 +284,44 @@ class Supervised:
         ):  # one timer per executor while it has calls, not one per call
             self._deadline_loop = loop
             loop.call_later(self.check_s, self._check_deadline)
-        return call, inner
+        await self._wait(handle, incarnation, call, inner)
+        try:
+            result = inner.result()
+        except ExecutorDiedError as err:
+            await self._heal(handle, incarnation, err, hung=False)
+        except asyncio.CancelledError as err:  # not this caller's cancel: the handle dropped it
+            dropped = f"executor {handle.name!r}: call {method!r} was dropped by its handle"
+            await self._heal(handle, incarnation, ExecutorDiedError(dropped), hung=False)
+            raise AssertionError("unreachable") from err
+        self.deadlines.observe(self.role, key, call.ran_s)
+        return result
+
+    async def _wait(
+        self, handle: ExecutorHandle, incarnation: int, call: _Queued, inner: asyncio.Future
+    ) -> None:
+        """Until the call ends; a call past its deadline is healed (killed, replaced) and
+        raises ``ExecutorLostError`` here."""
+        while True:
+            # Woken by the call's end or by the deadline check; a cancelled caller cancels only
+            # its wake-up, and the call runs on.
+            hung = await call.woken
+            if hung is None or inner.done():
+                return
+            call.woken = asyncio.get_running_loop().create_future()  # (if another call heals first)
+            # this caller leaves without the call's result: its ExecutorDiedError, once the kill
+            # lands, is taken here, not logged at GC ("Future exception was never retrieved",
+            # whose traceback CPython 3.11 can fail to format there: an AST SystemError)
+            inner.add_done_callback(_take_outcome)
+            if self.incarnation == incarnation:
+                await self._heal(
+                    handle,
+                    incarnation,
+                    ExecutorHungError(
+                        f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
+                        f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
+                    ),
+                    hung=True,
+                )
 
     def _finished(self, call: _Queued) -> None:
         """A call returned (or failed): the next one in the executor's queue starts now."""
@@ -444,13 +445,6 @@ def _kill_quietly(handle: ExecutorHandle) -> None:
         )
     except Exception as err:  # noqa: BLE001 - it is being replaced either way
         logger.warning("killing executor %r failed: %s", handle.name, err)
-
-
-def _hung_error(handle: ExecutorHandle, hung: _Queued) -> ExecutorHungError:
-    return ExecutorHungError(
-        f"executor {handle.name!r} ({handle.where}): a {hung.key[0]!r} call ran past its deadline of "
-        f"{hung.limit:.1f} s (faults.deadline_factor x the longest such call so far); killed"
-    )
 
 
 def _take_outcome(future: asyncio.Future) -> None:

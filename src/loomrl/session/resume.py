@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
-from loomrl.controller import Controller, Counters
+from loomrl.control import Controller, Counters
 from loomrl.data import PromptStream
 from loomrl.run_folder import JobResult, write_json_atomically
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
-from loomrl.controller import Controller
+from loomrl.control import Controller
 from loomrl.data import PromptStream
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb

@@ -1,0 +1,80 @@
+"""The controller's parts on their own: a request's groups scored into the buffer (failed
+rollouts left out, a group every scorer lost handed out again)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from loomrl.control.background import Background
+from loomrl.control.buffer import RolloutBuffer, StalenessGate
+from loomrl.control.intake import Intake
+from loomrl.control.requeues import Requeues
+from loomrl.control.rollouts import Versions
+from loomrl.control.step_record import Counters
+from loomrl.envs.scorer import SCORER_LOST
+from loomrl.runtime.supervision import FaultStats
+from loomrl.types import Group, Rollout
+
+
+class MarkingScorer:
+    """Scores each rollout by its completion: "ok", "bad" (the reward raised) or "lost"."""
+
+    def __init__(self) -> None:
+        self.recorded: list = []
+
+    async def score_groups(self, groups, payload=None) -> None:
+        for group in groups:
+            for r in group.rollouts:
+                if r.completion == "ok":
+                    r.reward = 1.0
+                else:
+                    r.status = "failed"
+                    r.error = "raised" if r.completion == "bad" else f"{SCORER_LOST}: killed"
+
+    def record_ok(self, count: int) -> None:
+        self.recorded.append(count)
+
+    def record_outcomes(self, outcomes) -> None:
+        self.recorded.append([r.status for r in outcomes])
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.requeued: list[tuple[int, int]] = []
+
+    def requeue(self, epoch: int, index: int) -> None:
+        self.requeued.append((epoch, index))
+
+
+def _group(index: int, completions: list[str]) -> Group:
+    rollouts = [Rollout(index, [1], [5], [-1.0], [1], 0, "p", c) for c in completions]
+    return Group(index, 0, rollouts)
+
+
+def test_intake_leaves_failed_rollouts_out_and_hands_out_again_a_group_every_scorer_lost():
+    async def scenario():
+        gate, buffer, counters, faults, stream = (
+            StalenessGate(0, 3),
+            RolloutBuffer(0),
+            Counters(),
+            FaultStats(),
+            Stream(),
+        )
+        requeues = Requeues(stream, gate, counters, faults, Versions(0, 0, 0), 3)
+        scorer = MarkingScorer()
+        intake = Intake(scorer, buffer, gate, counters, requeues, Background())
+        assert await gate.acquire(3) == 3
+        groups = [_group(0, ["ok", "ok"]), _group(1, ["ok", "bad"]), _group(2, ["lost", "lost"])]
+        intake.add(groups, 6)
+        assert intake.in_flight == 6  # being scored
+        await intake.settle(None)
+        return gate, buffer, counters, faults, stream, scorer, intake
+
+    gate, buffer, counters, faults, stream, scorer, intake = asyncio.run(scenario())
+    assert counters.generated == 6 and counters.failed == 3
+    assert [g.prompt_index for g in buffer.groups] == [0, 1] and buffer.num_rollouts == 3
+    assert intake.in_flight == 3  # the kept rollouts, now in the buffer
+    assert (gate.running, gate.accepted) == (0, 2)  # the lost group's place is free again
+    assert stream.requeued == [(0, 2)] and faults.requeued_prompts == 1  # not the bad reward's
+    # every outcome, ok or failed, goes to the failure-rate window once, in one call
+    assert scorer.recorded == [["ok", "ok", "failed", "ok", "failed", "failed"]]
