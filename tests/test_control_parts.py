@@ -30,6 +30,7 @@ class MarkingScorer:
                 else:
                     r.status = "failed"
                     r.error = "raised" if r.completion == "bad" else f"{SCORER_LOST}: killed"
+                    r.failure = "raised" if r.completion == "bad" else "scorer_lost"
 
     def record_ok(self, count: int) -> None:
         self.recorded.append(count)

@@ -128,6 +128,7 @@ def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollout
     assert clean.columns is not None and clean.rewards == [1.0, 0.0, 1.0]
     assert faulty.columns is None and [r.status for r in faulty.rollouts] == ["ok", "ok", "failed"]
     assert faulty.rewards == [1.0, 0.0, None] and "no x here" in faulty.rollouts[2].error
+    assert [r.failure for r in faulty.rollouts] == [None, None, "raised"]
     assert scorer.failures_by_reason and sum(scorer.failures_by_reason.values()) == 1
     # The same outcomes as scoring the rollouts themselves, one list.
     twin = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
@@ -216,6 +217,20 @@ def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
         for g in groups
     )
     assert "SIGKILL" in groups[0].rollouts[0].error
+    assert {r.failure for g in groups for r in g.rollouts} == {"scorer_lost"}
+
+
+def test_a_reward_whose_message_reads_like_a_lost_scorer_is_still_the_rewards_failure():
+    """``lost_by_scorer`` reads the failure kind, never the error text."""
+    from loomrl.envs.scorer import SCORER_LOST, lost_by_scorer
+
+    scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
+    rollout = _one_by_one()[0]
+    scorer.record_failure(rollout, "raised", f"{SCORER_LOST}: said the reward")
+    assert rollout.status == "failed" and rollout.failure == "raised"
+    assert not lost_by_scorer(rollout)
+    scorer.record_failure(rollout, "scorer_lost", "killed")
+    assert lost_by_scorer(rollout)
 
 
 def test_per_group_outcomes_split_at_the_group_sizes():

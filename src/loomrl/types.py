@@ -210,6 +210,9 @@ class WeightsApplied:
 
 
 RolloutStatus = Literal["ok", "failed"]
+# Why a rollout failed: its reward raised, returned no number or timed out (``RewardFailure``'s
+# reasons), every scorer executor was lost while scoring it, or its environment failed the episode.
+FailureKind = Literal["raised", "invalid", "timeout", "scorer_lost", "environment"]
 
 
 @_pickled_by_fields
@@ -237,6 +240,7 @@ class Rollout:
     finish_reason: str = "stop"
     num_turns: int = 1
     timings: dict[str, float] = field(default_factory=dict)
+    failure: FailureKind | None = None  # set with status "failed", where the failure is made
 
 
 @_pickled_by_fields

@@ -28,7 +28,7 @@ from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch
 from loomrl.envs.reward_list import drain_stats, load_reward
 from loomrl.runtime.endpoints import endpoint
 from loomrl.runtime.replicas import Replicas
-from loomrl.types import Completions, Group, Rollout
+from loomrl.types import Completions, FailureKind, Group, Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def reward_outcomes(done: list[tuple[Any, float]]) -> list[ScoreOutcome]:
 
 
 def lost_by_scorer(rollout: Rollout) -> bool:
-    return rollout.status == "failed" and (rollout.error or "").startswith(SCORER_LOST)
+    """No scorer could score ``rollout`` (the executors' failure, not the reward's)."""
+    return rollout.failure == "scorer_lost"
 
 
 class RewardEndpoints(ABC):
@@ -395,11 +396,12 @@ class Scorer:
             self._merged_pool_metrics = merge_pool_metrics(list(self._pool_metrics.values()))
         return self._merged_pool_metrics
 
-    def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
+    def record_failure(self, rollout: Rollout, reason: FailureKind, message: str) -> None:
         """Mark ``rollout`` failed and count it; the 1st, 2nd, 4th, 8th ... failure of each
         reason is logged with its message (which holds the value), so the log stays short."""
         headline = message.partition("\n")[0]  # (a raised error's traceback follows its first line)
         rollout.status, rollout.error, rollout.reward = "failed", headline, None
+        rollout.failure = reason
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
         self.first_errors.setdefault(reason, message)
