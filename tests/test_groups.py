@@ -283,12 +283,12 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
         1
     ].finish_reason == "length"
     assert all(g.rewards == [None] * g.size for g in groups[:1])
-    # Without a decode (built off the loop, where the tokenizer is not to be used): None
-    # for a call with a result to decode, the same groups for one without.
-    assert (
+    # Without a decode (built off the loop, where the tokenizer is not to be used): an
+    # error naming the row for a call with a result to decode (``has_texts`` says which to
+    # leave to the loop), the same groups for one without.
+    assert [r.has_texts for r in results] == [True, False, True]
+    with pytest.raises(ValueError, match="row 3 has completions without text"):
         Group.from_results([(1, 7), (0, 3)], [[1, 2], [9]], rows, "prompt", results[:2], None)
-        is None
-    )
     assert Group.from_results(
         [(1, 7), (2, 7)], [[1, 2], [1, 2]], rows, "prompt", results[::2], None
     ) == [groups[0], groups[2]]

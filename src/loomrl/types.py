@@ -151,6 +151,14 @@ class GenerationResult:
             list(map(_text_of, cs)),
         )
 
+    @property
+    def has_texts(self) -> bool:
+        """Every completion carries its text (the engine detokenized them)."""
+        if self._columns is not None:
+            texts = self._columns[3]
+            return texts is not None and None not in texts
+        return None not in map(_text_of, self._completions)
+
     def __len__(self) -> int:
         """How many completions."""
         return len(self._columns[0]) if self._columns is not None else len(self._completions)
@@ -330,13 +338,14 @@ class Group:
         prompt_key: str,
         results: list[GenerationResult],
         decode: Callable[[list[list[int]]], list[str]] | None,
-    ) -> list[Group] | None:
+    ) -> list[Group]:
         """The groups of one generate call's results, one per result: ``picks[i]`` is the
         ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
         text ``rows[index][prompt_key]``). Each keeps its completions as columns, as the
         result holds them (or taken at C speed), with the engine's own texts or, where it
-        gave none, ``decode(token_ids)`` (``decode`` None: then None, for the caller to
-        build them where it may decode). One call a request, with no frame of its own per
+        gave none, ``decode(token_ids)``: a caller that may not decode (off the loop, where
+        the tokenizer is not to be used) passes None and builds only results that all
+        ``has_texts``; else this raises. One call a request, with no frame of its own per
         group; it reads nothing but its arguments (the controller runs it off its loop)."""
         groups = []
         for (epoch, index), ids_of_prompt, result in zip(picks, prompt_ids, results):
@@ -347,7 +356,10 @@ class Group:
                 ids, logprobs, finish, texts = columns
             if None in texts:  # (identity first: no Python frame per completion)
                 if decode is None:
-                    return None
+                    raise ValueError(
+                        f"Group.from_results: the result for row {index} has completions "
+                        "without text and no decode was given (check has_texts first)"
+                    )
                 texts = decode(ids)
             row = rows[index]
             groups.append(
