@@ -209,7 +209,7 @@ class Rollouts:
         finally:
             for env in envs:
                 env.close()
-        return Group(index, epoch, rollouts)
+        return Group.of_rollouts(index, epoch, rollouts)
 
     def require(
         self, requests: list[GenerationRequest], eval_: bool = False
