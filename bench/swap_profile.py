@@ -70,7 +70,7 @@ def main() -> None:
 
     def train_step() -> int:  # the minor faults it took
         groups = [
-            Group(
+            Group.of_rollouts(
                 g,
                 0,
                 [

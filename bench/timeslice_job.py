@@ -108,7 +108,7 @@ def main() -> None:
         time.sleep(args.tool_s)  # the environment's tool calls: off the device
         rewards = torch.rand(len(prompts), generator=gen).round().tolist()
         groups = [
-            Group(
+            Group.of_rollouts(
                 g,
                 0,
                 [

@@ -107,7 +107,7 @@ def _groups(row_tokens: int, rows: int, prompt_tokens: int):
         )
         for i in range(rows)
     ]
-    return [Group(0, 0, rollouts)]
+    return [Group.of_rollouts(0, 0, rollouts)]
 
 
 def child(variant: str, layers: int, device_name: str) -> dict:

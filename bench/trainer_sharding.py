@@ -75,7 +75,7 @@ def _groups(rows: int):
         )
         for i in range(rows)
     ]
-    return [Group(0, 0, rollouts)]
+    return [Group.of_rollouts(0, 0, rollouts)]
 
 
 def _local_bytes(tensors) -> int:

@@ -24,7 +24,7 @@ from conftest import TINY_MODEL
 
 def _group(rewards: list[float]) -> Group:
     rollouts = [Rollout(0, [1, 2, 3], [4, 5], [-1.0, -1.0], [1, 1], 0, reward=r) for r in rewards]
-    return Group(0, 0, rollouts)
+    return Group.of_rollouts(0, 0, rollouts)
 
 
 def test_non_finite_loss_is_refused_before_the_optimizer_steps():

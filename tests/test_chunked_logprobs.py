@@ -121,7 +121,7 @@ def test_train_steps_with_chunked_logprobs_give_the_full_paths_losses():
         trainer = Trainer(model, tok, AlgorithmConfig(kl_coef=0.1), cfg, 1.0)
         assert (trainer.chunk is not None) == chunked
         rollouts = _rollouts(8)
-        groups = [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+        groups = [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
         losses.append([trainer.train_step(groups)["train/loss"] for _ in range(3)])
     for a, b in zip(*losses):
         assert abs(a - b) <= 1e-6

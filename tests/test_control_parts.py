@@ -24,12 +24,13 @@ class MarkingScorer:
 
     async def score_groups(self, groups, payload=None) -> None:
         for group in groups:
-            for r in group.rollouts:
-                if r.completion == "ok":
-                    r.reward = 1.0
+            for i, text in enumerate(group.texts):
+                if text == "ok":
+                    group.rewards[i] = 1.0
+                elif text == "bad":
+                    group.fail(i, "raised", "raised")
                 else:
-                    r.status = "failed"
-                    r.error = "raised" if r.completion == "bad" else f"{SCORER_LOST}: killed"
+                    group.fail(i, "scorer_lost", f"{SCORER_LOST}: killed")
 
     def record_ok(self, count: int) -> None:
         self.recorded.append(count)
@@ -48,7 +49,7 @@ class Stream:
 
 def _group(index: int, completions: list[str]) -> Group:
     rollouts = [Rollout(index, [1], [5], [-1.0], [1], 0, "p", c) for c in completions]
-    return Group(index, 0, rollouts)
+    return Group.of_rollouts(index, 0, rollouts)
 
 
 def test_intake_leaves_failed_rollouts_out_and_hands_out_again_a_group_every_scorer_lost():

@@ -196,8 +196,8 @@ def test_trained_rollouts_carry_what_the_generator_and_the_dataset_gave(tiny_job
     tok = build_char_tokenizer()
     assert len(trainer.groups) == 3 * 2
     for group in trainer.groups:
-        assert len(group.rollouts) == 3
-        for r in group.rollouts:
+        assert group.size == 3
+        for r in group:
             assert r.prompt_index == group.prompt_index and r.row == rows[r.prompt_index]
             assert (
                 r.prompt == rows[r.prompt_index]["prompt"]
@@ -267,7 +267,7 @@ def test_staleness_bound_and_accounting_hold_under_random_timings(
 def test_buffer_drops_stale_groups_and_counts_them():
     def group(index, version):
         r = Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0)
-        return Group(index, 0, [r, r])
+        return Group.of_rollouts(index, 0, [r, r])
 
     async def scenario():
         buf = RolloutBuffer(max_staleness=1)
@@ -288,7 +288,7 @@ def test_buffer_drops_stale_groups_and_counts_them():
 
 def test_a_requests_groups_enter_the_buffer_and_leave_the_gate_together():
     def group(index):
-        return Group(index, 0, [Rollout(index, [1], [5], [-1.0], [1], 0, reward=1.0)])
+        return Group.of_rollouts(index, 0, [Rollout(index, [1], [5], [-1.0], [1], 0, reward=1.0)])
 
     async def scenario():
         gate, buf = (
@@ -423,7 +423,7 @@ def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
     a batch carries its groups' sizes in its own (sorted) order."""
 
     def group(index, version, size):
-        return Group(
+        return Group.of_rollouts(
             index,
             0,
             [Rollout(index, [1], [5], [-1.0], [1], version, reward=1.0) for _ in range(size)],
@@ -565,7 +565,7 @@ def test_rollouts_and_completions_pickle_and_copy_field_for_field():
         {"episode_s": 0.5},
     )
     completion = Completion([5, 2], [-0.5, -0.25], "length", "3")
-    for thing in (rollout, completion, Group(7, 1, [rollout])):
+    for thing in (rollout, completion, Group.of_rollouts(7, 1, [rollout])):
         for back in (pickle.loads(pickle.dumps(thing, protocol=5)), copy.deepcopy(thing)):
             assert type(back) is type(thing) and back == thing and back is not thing
     shallow = copy.copy(rollout)

@@ -27,7 +27,7 @@ def rss_bytes() -> int:
 def groups(step: int) -> list[Group]:
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]
     return [
-        Group(
+        Group.of_rollouts(
             i,
             0,
             [

@@ -40,7 +40,7 @@ def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_jo
     real_step = TrainerExecutor.train_step
 
     def recording_step(self, groups, publish=False):
-        trained.extend(r for g in groups for r in g.rollouts)
+        trained.extend(r for g in groups for r in g)
         return real_step(self, groups, publish)
 
     monkeypatch.setattr(TrainerExecutor, "train_step", recording_step)

@@ -59,7 +59,7 @@ def _uneven_groups() -> list:
         Rollout(i, [1, 5 + i % 3, 6], [7 + i % 4] * n, [-1.5] * n, [1] * n, 0, reward=float(i % 2))
         for i, n in enumerate(lengths)
     ]
-    return [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+    return [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
 
 
 def _configs(aggregation: str):
@@ -113,7 +113,7 @@ def test_a_sharded_step_with_idle_micro_batches_is_the_single_step_and_resumes_o
     from loomrl.training.trainer import Trainer, micro_batch_slices
 
     groups = _uneven_groups()
-    rollouts = [r for g in groups for r in g.rollouts]
+    rollouts = [r for g in groups for r in g]
     shares = shard_rollouts(rollouts, 2)
     counts = [len(micro_batch_slices([rollouts[i] for i in s], 1, None)) for s in shares]
     assert counts[0] != counts[1]  # one rank runs idle micro-batches

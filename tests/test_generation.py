@@ -279,7 +279,7 @@ def test_micro_batching_matches_one_big_batch():
         )
         for i in range(8)
     ]
-    groups = [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+    groups = [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
     grads = []
     for micro in (8, 3):
         m = build_tiny_model(

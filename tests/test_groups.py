@@ -1,6 +1,6 @@
-"""A ``Group`` built from a generate call's completions keeps them as columns until its
-rollouts are asked for: every reading the loop makes must agree with the rollouts the
-controller used to build one by one, and the columns must never hide a change."""
+"""A ``Group`` holds one prompt's rollouts as columns; a ``Rollout`` is a row view built
+where one is needed. Every reading the loop makes must agree with the rollouts the
+controller used to build one by one, and a change goes into the columns, never a view."""
 
 from __future__ import annotations
 
@@ -63,54 +63,73 @@ def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
     ]
 
 
-def test_a_columnar_group_reads_as_the_rollouts_it_stands_for_without_building_them():
+def test_a_generated_group_reads_as_the_rollouts_it_stands_for():
     group = _columnar()
-    explicit = Group(7, 1, _one_by_one())
+    explicit = Group.of_rollouts(7, 1, _one_by_one())
     assert group.size == explicit.size == 3
     assert group.min_version == explicit.min_version == 3
     assert group.rewards == explicit.rewards == [None, None, None]
-    assert group.completion_tokens == explicit.completion_tokens == 6 == group.columns.num_tokens
-    group.columns.num_tokens = None  # (columns pickled before they carried the count)
-    assert group.completion_tokens == 6
+    assert group.completion_tokens == explicit.completion_tokens == 6 == group.num_tokens
+    assert explicit.num_tokens is None  # (counted when asked)
     assert group.all_ok and explicit.all_ok and group.num_failed == explicit.num_failed == 0
-    assert group == explicit and group.columns is not None  # (comparing builds nothing into it)
+    # Default columns are None in both forms, so they compare equal column by column.
+    assert group == explicit and explicit.loss_masks is None and explicit.statuses is None
     fresh = group.ok_rollouts()
-    assert fresh == _one_by_one() and group.ok_rollouts() is not fresh and group.columns is not None
+    assert fresh == list(group) == _one_by_one() and group.ok_rollouts() is not fresh
 
 
-def test_rollouts_are_built_once_and_from_then_on_are_the_group():
+def test_a_row_is_a_view_and_changes_go_into_the_columns():
     group = _columnar()
-    group.columns.rewards = [1.0, 0.0, 0.5]
-    rollouts = group.rollouts
-    assert group.columns is None and group.rollouts is rollouts
-    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.5] and [r.loss_mask for r in rollouts] == [
+    group.rewards = [1.0, 0.0, 0.5]
+    rows = list(group)
+    assert [r.reward for r in rows] == [1.0, 0.0, 0.5] and [r.loss_mask for r in rows] == [
         [1, 1],
         [1],
         [1] * 3,
     ]
-    rollouts[1].status, rollouts[1].reward = "failed", None
+    rows[1].reward = 9.0  # a view: the group does not change
+    assert group.rewards == [1.0, 0.0, 0.5]
+    group.fail(1, "timeout", "slow")
     assert not group.all_ok and group.num_failed == 1 and group.rewards == [1.0, None, 0.5]
-    assert group.ok_rollouts() == [rollouts[0], rollouts[2]]
-    group.rollouts = rollouts[:1]
-    assert group.size == 1 and group.completion_tokens == 2
+    assert group.failures == [None, "timeout", None] and group.errors == [None, "slow", None]
+    ok = group.ok_rollouts()
+    assert [r.completion_ids for r in ok] == [[5, 2], [8, 9, 4]]
+    failed = list(group)[1]
+    assert (failed.status, failed.failure, failed.error) == ("failed", "timeout", "slow")
+    kept = group.without_failed()
+    assert kept.size == 2 and kept.all_ok and kept.completion_tokens == 5
+    assert list(kept) == ok and group.size == 3  # (a new group: this one keeps its rows)
 
 
-@pytest.mark.parametrize("built", [False, True])
-def test_a_group_pickles_and_copies_in_the_form_it_is_in(built):
+def test_rollouts_with_masks_turns_and_failures_round_trip_through_the_columns():
+    rollouts = _one_by_one()
+    rollouts[0].loss_mask, rollouts[0].num_turns = [1, 0], 2
+    rollouts[2].status, rollouts[2].failure, rollouts[2].error = "failed", "environment", "boom"
+    rollouts[2].timings = {"episode_s": 0.5}
+    group = Group.of_rollouts(7, 1, rollouts)
+    assert group.loss_masks == [[1, 0], [1], [1, 1, 1]] and group.num_turns == [2, 1, 1]
+    assert group.statuses == ["ok", "ok", "failed"] and group.failures == [
+        None,
+        None,
+        "environment",
+    ]
+    assert list(group) == rollouts and group.completion_tokens == 5
+    with pytest.raises(ValueError, match="no rollouts for prompt 4"):
+        Group.of_rollouts(4, 0, [])
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_group_pickles_and_copies_as_its_columns(failed):
     group = _columnar()
-    group.columns.rewards = [1.0, 0.0, 1.0]
-    if built:
-        group.rollouts  # noqa: B018 (builds them)
+    group.rewards = [1.0, 0.0, 1.0]
+    if failed:
+        group.fail(2, "raised", "no")
     for back in (pickle.loads(pickle.dumps(group, protocol=5)), copy.deepcopy(group)):
         assert type(back) is Group and back == group and back is not group
-        assert (back.columns is None) == built and back.rewards == [1.0, 0.0, 1.0]
-
-
-def test_a_group_needs_exactly_one_form():
-    with pytest.raises(TypeError, match="either rollouts or columns"):
-        Group(0, 0)
-    with pytest.raises(TypeError, match="either rollouts or columns"):
-        Group(0, 0, [], _columnar().columns)
+        assert back.num_tokens == group.num_tokens and list(back) == list(group)
+    # (memoized: the prompt and its ids repeated per rollout pickle once)
+    back = pickle.loads(pickle.dumps(group))
+    assert back.prompt_ids[0] is back.prompt_ids[2]
 
 
 def picky_reward(prompt: str, completion: str, answer: str, **row) -> float:
@@ -122,12 +141,13 @@ def picky_reward(prompt: str, completion: str, answer: str, **row) -> float:
 def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollouts():
     scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
     clean = _columnar(index=1)
-    clean.columns.texts = ["3", "4", "3"]
+    clean.texts = ["3", "4", "3"]
     faulty = _columnar(index=2)  # its third completion is "x"
     asyncio.run(scorer.score_groups([clean, faulty]))
-    assert clean.columns is not None and clean.rewards == [1.0, 0.0, 1.0]
-    assert faulty.columns is None and [r.status for r in faulty.rollouts] == ["ok", "ok", "failed"]
-    assert faulty.rewards == [1.0, 0.0, None] and "no x here" in faulty.rollouts[2].error
+    assert clean.all_ok and clean.rewards == [1.0, 0.0, 1.0] and clean.statuses is None
+    assert [r.status for r in faulty] == ["ok", "ok", "failed"]
+    assert faulty.rewards == [1.0, 0.0, None] and "no x here" in faulty.errors[2]
+    assert faulty.failures == [None, None, "raised"]
     assert scorer.failures_by_reason and sum(scorer.failures_by_reason.values()) == 1
     # The same outcomes as scoring the rollouts themselves, one list.
     twin = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
@@ -167,17 +187,13 @@ def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with
         groups = {}
         for scorer in (remote, local):
             clean, faulty = _columnar(index=1), _columnar(index=2)
-            clean.columns.texts = ["3", "4", "3"]
+            clean.texts = ["3", "4", "3"]
             asyncio.run(scorer.score_groups([clean, faulty]))
             groups[id(scorer)] = (clean, faulty)
         assert slot.methods == ["score_groups"]  # one call for both groups, no ScoreItem built here
         (rc, rf), (lc, lf) = groups[id(remote)], groups[id(local)]
-        assert rc.columns is not None and rc.rewards == lc.rewards == [1.0, 0.0, 1.0]
-        assert (
-            rf.columns is None
-            and [r.status for r in rf.rollouts] == ["ok", "ok", "failed"]
-            and rf == lf
-        )
+        assert rc.all_ok and rc.rewards == lc.rewards == [1.0, 0.0, 1.0]
+        assert rf.statuses == ["ok", "ok", "failed"] and rf == lf
         assert (
             remote.failures_by_reason == local.failures_by_reason
             and sum(remote.failures_by_reason.values()) == 1
@@ -211,11 +227,22 @@ def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
     asyncio.run(scorer.score_groups(groups))
     assert slot.methods == ["score_groups", "score_groups"]
     assert stats.rescored_rollouts == stats.lost_rollouts == 6
-    assert all(
-        g.columns is None and g.num_failed == 3 and all(map(lost_by_scorer, g.rollouts))
-        for g in groups
-    )
-    assert "SIGKILL" in groups[0].rollouts[0].error
+    assert all(g.num_failed == 3 and all(map(lost_by_scorer, g)) for g in groups)
+    assert "SIGKILL" in groups[0].errors[0]
+    assert {f for g in groups for f in g.failures} == {"scorer_lost"}
+
+
+def test_a_reward_whose_message_reads_like_a_lost_scorer_is_still_the_rewards_failure():
+    """``lost_by_scorer`` reads the failure kind, never the error text."""
+    from loomrl.envs.scorer import SCORER_LOST, lost_by_scorer
+
+    scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
+    rollout = _one_by_one()[0]
+    scorer.record_failure(rollout, "raised", f"{SCORER_LOST}: said the reward")
+    assert rollout.status == "failed" and rollout.failure == "raised"
+    assert not lost_by_scorer(rollout)
+    scorer.record_failure(rollout, "scorer_lost", "killed")
+    assert lost_by_scorer(rollout)
 
 
 def test_per_group_outcomes_split_at_the_group_sizes():
@@ -258,22 +285,20 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
         (0, 3, 1, 2),
         (2, 7, 2, 1),
     ]
-    assert groups[0] == Group(7, 1, _one_by_one())
-    assert groups[1].rollouts == [
+    assert groups[0] == Group.of_rollouts(7, 1, _one_by_one())
+    assert list(groups[1]) == [
         Rollout(
             3, [9], [4, 4], [-0.3, -0.6], [1, 1], 2, "2+2=", "d2", rows[3], None, "ok", None, "stop"
         )
     ]
-    assert [r.completion for r in groups[2].rollouts] == ["a", "b"] and groups[2].rollouts[
-        1
-    ].finish_reason == "length"
+    assert groups[2].texts == ["a", "b"] and list(groups[2])[1].finish_reason == "length"
     assert all(g.rewards == [None] * g.size for g in groups[:1])
-    # Without a decode (built off the loop, where the tokenizer is not to be used): None
-    # for a call with a result to decode, the same groups for one without.
-    assert (
+    # Without a decode (built off the loop, where the tokenizer is not to be used): an
+    # error naming the row for a call with a result to decode (``has_texts`` says which to
+    # leave to the loop), the same groups for one without.
+    assert [r.has_texts for r in results] == [True, False, True]
+    with pytest.raises(ValueError, match="row 3 has completions without text"):
         Group.from_results([(1, 7), (0, 3)], [[1, 2], [9]], rows, "prompt", results[:2], None)
-        is None
-    )
     assert Group.from_results(
         [(1, 7), (2, 7)], [[1, 2], [1, 2]], rows, "prompt", results[::2], None
     ) == [groups[0], groups[2]]
@@ -305,7 +330,7 @@ def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
             back == as_columns and back._columns is not None
         )  # (still columns: nothing built to pickle)
     group_a, group_b = _from_result(7, 1, as_objects), _from_result(7, 1, as_columns)
-    assert group_a == group_b == Group(7, 1, _one_by_one())
+    assert group_a == group_b == Group.of_rollouts(7, 1, _one_by_one())
     assert (
         as_columns.completions == cs and as_columns._columns is None
     )  # built once, then the result's own

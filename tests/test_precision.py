@@ -35,7 +35,7 @@ def _groups(n_groups=2, size=4) -> list[Group]:
         )
         for i in range(n_groups * size)
     ]
-    return [Group(g, 0, rollouts[g * size : (g + 1) * size]) for g in range(n_groups)]
+    return [Group.of_rollouts(g, 0, rollouts[g * size : (g + 1) * size]) for g in range(n_groups)]
 
 
 def test_auto_dtype_and_precision_are_fp32_on_the_cpu_and_bf16_on_cuda():
@@ -220,7 +220,7 @@ def test_chunked_logprobs_through_a_lora_model_equal_the_full_ones():
     for p in model.parameters():  # a non-zero adapter, so that it shows in the log-probs
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
-    rollouts = [r for g in _groups() for r in g.rollouts]
+    rollouts = [r for g in _groups() for r in g]
     batch = build_token_batch(rollouts, [0.5] * len(rollouts), 0, tok.pad_token_id)
     full, _ = token_logprobs(model, batch, 1.0, None)
     chunked, _ = token_logprobs(model, batch, 1.0, 4)

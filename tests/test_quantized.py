@@ -129,7 +129,9 @@ def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
     want = float(over.sum() / batch.target_mask.sum())
     assert 0.2 < want < 0.8  # the check below can tell a wrong share
     trainer = Trainer(model, tok, AlgorithmConfig(delta=2.0), TrainerConfig(lr=1e-3), 1.0)
-    metrics = trainer.train_step([Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)])
+    metrics = trainer.train_step(
+        [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+    )
     assert metrics["train/importance_ratio_truncated_frac"] == pytest.approx(want, abs=1e-6)
     assert metrics["train/importance_ratio_max"] > 2.0
 

@@ -83,7 +83,7 @@ def test_trainer_step_matches_with_and_without_sharing():
             1.0,
         )
         rollouts = _rollouts(5)
-        groups = [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(3)]
+        groups = [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(3)]
         batch = trainer._micro_batch(rollouts, [0.0] * len(rollouts))
         assert isinstance(batch, PrefixBatch) == shared
         metrics = trainer.train_step(groups)
@@ -173,7 +173,9 @@ def test_a_sliding_window_model_keeps_the_unshared_forward():
     trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
     rollouts = _rollouts(0, prompt_lengths=(7, 6))
     assert not isinstance(trainer._micro_batch(rollouts, [0.0] * len(rollouts)), PrefixBatch)
-    trainer.train_step([Group(0, 0, rollouts[:4]), Group(1, 0, rollouts[4:])])
+    trainer.train_step(
+        [Group.of_rollouts(0, 0, rollouts[:4]), Group.of_rollouts(1, 0, rollouts[4:])]
+    )
     gen = HFGenerator(model.eval(), tok, publish_dtype="float32")
     out = gen.generate(
         [GenerationRequest([1] + [5] * 6, 3, SamplingParams(max_new_tokens=3), seed=1)]

@@ -26,7 +26,7 @@ def _groups() -> list[Group]:
         )
         for i in range(8)
     ]
-    return [Group(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
+    return [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
 
 
 def test_update_rms_is_the_root_mean_square_of_the_parameter_change():
@@ -134,19 +134,19 @@ def test_advantages_of_groups_of_one_size_at_once_are_those_of_each_group_alone(
             Rollout(g, [1], [2], [-1.0], [1], 0, reward=r, status="failed" if i < failed else "ok")
             for i, r in enumerate(rewards)
         ]
-        groups.append(Group(g, 0, rollouts))
+        groups.append(Group.of_rollouts(g, 0, rollouts))
     for scale in ("none", "std"):
         rollouts, adv = compute_advantages(groups, scale)
         expected_rollouts, expected = [], []
         for group in groups:
-            ok = [r for r in group.rollouts if r.status == "ok"]
+            ok = [r for r in group if r.status == "ok"]
             if ok:
                 expected_rollouts += ok
                 rewards = torch.tensor([[float(r.reward) for r in ok]])
                 expected += (
                     group_advantages(rewards, scale=scale)[0].tolist() if len(ok) > 1 else [0.0]
                 )
-        assert [id(r) for r in rollouts] == [id(r) for r in expected_rollouts] and adv == expected
+        assert rollouts == expected_rollouts and adv == expected  # (row views: equal, not the same)
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])

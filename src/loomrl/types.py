@@ -7,8 +7,9 @@ actors without a rewrite.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
+from itertools import repeat
 from typing import Any, Literal
 
 
@@ -151,6 +152,14 @@ class GenerationResult:
             list(map(_text_of, cs)),
         )
 
+    @property
+    def has_texts(self) -> bool:
+        """Every completion carries its text (the engine detokenized them)."""
+        if self._columns is not None:
+            texts = self._columns[3]
+            return texts is not None and None not in texts
+        return None not in map(_text_of, self._completions)
+
     def __len__(self) -> int:
         """How many completions."""
         return len(self._columns[0]) if self._columns is not None else len(self._completions)
@@ -210,12 +219,16 @@ class WeightsApplied:
 
 
 RolloutStatus = Literal["ok", "failed"]
+# Why a rollout failed: its reward raised, returned no number or timed out (``RewardFailure``'s
+# reasons), every scorer executor was lost while scoring it, or its environment failed the episode.
+FailureKind = Literal["raised", "invalid", "timeout", "scorer_lost", "environment"]
 
 
 @_pickled_by_fields
 @dataclass(slots=True)  # one per completion: cheaper to build and to read
 class Rollout:
-    """One completion (or multi-turn episode) for one prompt, with everything training needs.
+    """One completion (or multi-turn episode) for one prompt, with everything training needs:
+    a row of a ``Group``, built where a row is needed (a group holds columns, not these).
 
     ``completion_ids`` holds every token after the prompt; ``loss_mask`` is 1 for tokens the
     model generated and 0 for tokens an environment inserted (tool output, feedback), which
@@ -237,85 +250,41 @@ class Rollout:
     finish_reason: str = "stop"
     num_turns: int = 1
     timings: dict[str, float] = field(default_factory=dict)
+    failure: FailureKind | None = None  # set with status "failed", where the failure is made
 
 
 @_pickled_by_fields
 @dataclass(slots=True)
-class Completions:
-    """One prompt's completions from one generate call, as columns: what a ``Group`` holds
-    until something asks for its ``rollouts``. The controller's loop then builds one
-    object per group, not one per completion (nor frees one per completion once it is
-    trained): the trainer builds the rollouts it trains on, on its own thread."""
-
-    prompt_ids: list[int]
-    version: int  # of the weights that generated every one of them
-    prompt: str
-    row: dict[str, Any]
-    completion_ids: list[list[int]]
-    behaviour_logprobs: list[list[float]]
-    texts: list[str]
-    finish_reasons: list[str]
-    rewards: list[float | None]  # set by the scorer
-    num_tokens: int | None = (
-        None  # sum of the completions' lengths, counted where they were made (None: count them)
-    )
-
-    def build(self, prompt_index: int) -> list[Rollout]:
-        """The rollouts, as the controller built them from the completions (a loss mask of
-        ones: every token was generated)."""
-        return [
-            Rollout(
-                prompt_index,
-                self.prompt_ids,
-                ids,
-                logprobs,
-                [1] * len(ids),
-                self.version,
-                self.prompt,
-                text,
-                self.row,
-                reward,
-                "ok",
-                None,
-                finish,
-            )
-            for ids, logprobs, text, reward, finish in zip(
-                self.completion_ids,
-                self.behaviour_logprobs,
-                self.texts,
-                self.rewards,
-                self.finish_reasons,
-            )
-        ]
-
-
-_version, _reward, _loss_mask = (operator.attrgetter(a) for a in ("version", "reward", "loss_mask"))
-
-
 class Group:
-    """The G rollouts of one prompt. Advantages are computed within a group.
+    """The G rollouts of one prompt, as columns: one list per field, one entry per rollout.
+    Advantages are computed within a group.
 
-    Built from a generate call's completions (``from_results``), a group keeps them as
-    columns (``Completions``) until ``rollouts`` is read; reading it builds the rollouts
-    once and from then on they are the group (a scorer failure, a filter and any code that
-    changes a rollout work on them). What the loop needs every step (``size``,
-    ``min_version``, ``rewards``, ``completion_tokens``, ``all_ok``) reads either form
-    without building anything; ``ok_rollouts()`` gives a trainer fresh rollouts without
-    keeping them in the group."""
+    A ``Rollout`` is a row view, built where a row is needed (iterating the group,
+    ``ok_rollouts()``: the trainer's batch, a failed score) and never stored back: a change
+    goes into the columns (``rewards``, ``fail``, ``without_failed``). A column that holds
+    its default for every rollout is None, so a generated group carries nothing for it:
+    ``loss_masks`` (every token generated: ones), ``statuses``, ``failures`` and ``errors``
+    (none failed), ``num_turns`` (one turn each) and ``timings`` (none)."""
 
-    __slots__ = ("prompt_index", "epoch", "_rollouts", "_columns")
-
-    def __init__(
-        self,
-        prompt_index: int,
-        epoch: int,
-        rollouts: list[Rollout] | None = None,
-        columns: Completions | None = None,
-    ) -> None:
-        if (rollouts is None) == (columns is None):
-            raise TypeError("a Group holds either rollouts or columns")
-        self.prompt_index, self.epoch = prompt_index, epoch
-        self._rollouts, self._columns = rollouts, columns
+    prompt_index: int  # the row's index in the training dataset (the epoch-unique key)
+    epoch: int
+    row: dict[str, Any]  # the dataset row
+    prompt_ids: list[list[int]]  # per rollout (a generated group repeats one list)
+    prompts: list[str]  # per rollout, as the dataset (or the environment) gave it
+    completion_ids: list[list[int]]  # every token after the prompt
+    behaviour_logprobs: list[list[float]]  # same lengths (0.0 where masked)
+    texts: list[str]  # the completions' text
+    finish_reasons: list[str]
+    versions: list[int]  # policy version of the oldest weights behind each rollout
+    rewards: list[float | None]  # set by the scorer (None: not scored, or failed)
+    loss_masks: list[list[int]] | None = None  # 0 where an environment inserted the token
+    statuses: list[RolloutStatus] | None = None
+    failures: list[FailureKind | None] | None = None
+    errors: list[str | None] | None = None
+    num_turns: list[int] | None = None
+    timings: list[dict[str, float]] | None = None
+    # Tokens to train on, counted where they were made (None: count them).
+    num_tokens: int | None = field(default=None, compare=False)
 
     @classmethod
     def from_results(
@@ -326,13 +295,14 @@ class Group:
         prompt_key: str,
         results: list[GenerationResult],
         decode: Callable[[list[list[int]]], list[str]] | None,
-    ) -> list[Group] | None:
+    ) -> list[Group]:
         """The groups of one generate call's results, one per result: ``picks[i]`` is the
         ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
-        text ``rows[index][prompt_key]``). Each keeps its completions as columns, as the
-        result holds them (or taken at C speed), with the engine's own texts or, where it
-        gave none, ``decode(token_ids)`` (``decode`` None: then None, for the caller to
-        build them where it may decode). One call a request, with no frame of its own per
+        text ``rows[index][prompt_key]``). Each takes its completions' columns as the result
+        holds them (or taken at C speed), with the engine's own texts or, where it gave
+        none, ``decode(token_ids)``: a caller that may not decode (off the loop, where the
+        tokenizer is not to be used) passes None and builds only results that all
+        ``has_texts``; else this raises. One call a request, with no frame of its own per
         group; it reads nothing but its arguments (the controller runs it off its loop)."""
         groups = []
         for (epoch, index), ids_of_prompt, result in zip(picks, prompt_ids, results):
@@ -343,115 +313,171 @@ class Group:
                 ids, logprobs, finish, texts = columns
             if None in texts:  # (identity first: no Python frame per completion)
                 if decode is None:
-                    return None
+                    raise ValueError(
+                        f"Group.from_results: the result for row {index} has completions "
+                        "without text and no decode was given (check has_texts first)"
+                    )
                 texts = decode(ids)
-            row = rows[index]
+            row, n = rows[index], len(ids)
             groups.append(
                 cls(
                     index,
                     epoch,
-                    None,
-                    Completions(
-                        ids_of_prompt,
-                        result.version,
-                        row[prompt_key],
-                        row,
-                        ids,
-                        logprobs,
-                        texts,
-                        finish,
-                        [None] * len(ids),
-                        sum(map(len, ids)),
-                    ),
+                    row,
+                    [ids_of_prompt] * n,
+                    [row[prompt_key]] * n,
+                    ids,
+                    logprobs,
+                    texts,
+                    finish,
+                    [result.version] * n,
+                    [None] * n,
+                    num_tokens=sum(map(len, ids)),
                 )
             )
         return groups
 
-    @property
-    def columns(self) -> Completions | None:
-        """The completions as columns, until the rollouts were built (then None)."""
-        return self._columns
+    @classmethod
+    def of_rollouts(cls, prompt_index: int, epoch: int, rollouts: list[Rollout]) -> Group:
+        """The group of ``rollouts`` (an environment's episodes, a test's rows), its row
+        the first rollout's; a column that holds its default for every rollout is None."""
+        if not rollouts:
+            raise ValueError(f"Group.of_rollouts: no rollouts for prompt {prompt_index}")
 
-    @property
-    def rollouts(self) -> list[Rollout]:
-        if self._rollouts is None:
-            self._rollouts, self._columns = self._columns.build(self.prompt_index), None
-        return self._rollouts
+        def column(name: str, default: Callable[[Rollout], Any]) -> list | None:
+            values = [getattr(r, name) for r in rollouts]
+            return None if all(v == default(r) for v, r in zip(values, rollouts)) else values
 
-    @rollouts.setter
-    def rollouts(self, rollouts: list[Rollout]) -> None:
-        self._rollouts, self._columns = rollouts, None
+        return cls(
+            prompt_index,
+            epoch,
+            rollouts[0].row,
+            [r.prompt_ids for r in rollouts],
+            [r.prompt for r in rollouts],
+            [r.completion_ids for r in rollouts],
+            [r.behaviour_logprobs for r in rollouts],
+            [r.completion for r in rollouts],
+            [r.finish_reason for r in rollouts],
+            [r.version for r in rollouts],
+            [r.reward for r in rollouts],
+            column("loss_mask", lambda r: [1] * len(r.completion_ids)),
+            column("status", lambda r: "ok"),
+            column("failure", lambda r: None),
+            column("error", lambda r: None),
+            column("num_turns", lambda r: 1),
+            column("timings", lambda r: {}),
+        )
+
+    def __iter__(self) -> Iterator[Rollout]:
+        """The rollouts, as row views built now (a change to one stays in it)."""
+        return iter(self._rows())
 
     def ok_rollouts(self) -> list[Rollout]:
-        """The successfully scored rollouts; built afresh from columns (and not kept: the
-        caller owns them), else the group's own."""
-        if self._columns is not None:
-            return self._columns.build(self.prompt_index)
-        return [r for r in self._rollouts if r.status == "ok"]
+        """The successfully scored rollouts, as fresh row views (the caller owns them)."""
+        rows = self._rows()
+        return rows if self.statuses is None else [r for r in rows if r.status == "ok"]
+
+    def _rows(self) -> list[Rollout]:
+        """One comprehension, with each default column's value made inline (the trainer
+        builds its batch this way every step: no Python call per row)."""
+        index, row = self.prompt_index, self.row
+        return [
+            Rollout(
+                index,
+                prompt_ids,
+                ids,
+                logprobs,
+                [1] * len(ids) if mask is None else mask,
+                version,
+                prompt,
+                text,
+                row,
+                reward,
+                "ok" if status is None else status,
+                error,
+                finish,
+                1 if turns is None else turns,
+                {} if timings is None else timings,
+                failure,
+            )
+            for (
+                prompt_ids,
+                ids,
+                logprobs,
+                mask,
+                version,
+                prompt,
+                text,
+                reward,
+                status,
+                error,
+                finish,
+                turns,
+                timings,
+                failure,
+            ) in zip(*self._row_columns())
+        ]
+
+    def _row_columns(self) -> tuple:
+        """Every column in ``Rollout``'s field order (from its ``prompt_ids``), a default
+        one as None for each row."""
+        return (
+            self.prompt_ids,
+            self.completion_ids,
+            self.behaviour_logprobs,
+            self.loss_masks or repeat(None),
+            self.versions,
+            self.prompts,
+            self.texts,
+            self.rewards,
+            self.statuses or repeat(None),
+            self.errors or repeat(None),
+            self.finish_reasons,
+            self.num_turns or repeat(None),
+            self.timings or repeat(None),
+            self.failures or repeat(None),
+        )
+
+    def fail(self, i: int, kind: FailureKind, error: str) -> None:
+        """Mark rollout ``i`` failed (``kind``, with its ``error``); it keeps no reward."""
+        n = len(self.texts)
+        if self.statuses is None:
+            self.statuses = ["ok"] * n
+        if self.failures is None:
+            self.failures = [None] * n
+        if self.errors is None:
+            self.errors = [None] * n
+        self.statuses[i], self.failures[i], self.errors[i] = "failed", kind, error
+        self.rewards[i] = None
+
+    def without_failed(self) -> Group:
+        """A new group of this one's successful rollouts (all of them when none failed)."""
+        if self.statuses is None:
+            return self
+        return Group.of_rollouts(self.prompt_index, self.epoch, self.ok_rollouts())
 
     @property
     def size(self) -> int:
-        return len(self._columns.texts) if self._columns is not None else len(self._rollouts)
+        return len(self.texts)
 
     @property
     def min_version(self) -> int:
-        if self._columns is not None:
-            return self._columns.version
-        return min(map(_version, self._rollouts))
-
-    @property
-    def rewards(self) -> list[float | None]:
-        return (
-            self._columns.rewards
-            if self._columns is not None
-            else list(map(_reward, self._rollouts))
-        )
+        return min(self.versions)
 
     @property
     def completion_tokens(self) -> int:
         """Tokens to train on (the loss mask's ones)."""
-        columns = self._columns
-        if columns is not None:
-            return (
-                columns.num_tokens
-                if columns.num_tokens is not None
-                else sum(map(len, columns.completion_ids))
-            )
-        return sum(map(sum, map(_loss_mask, self._rollouts)))
+        if self.loss_masks is not None:
+            return sum(map(sum, self.loss_masks))
+        if self.num_tokens is not None:
+            return self.num_tokens
+        return sum(map(len, self.completion_ids))
 
     @property
     def all_ok(self) -> bool:
-        """No rollout failed (columns never hold a failure: failing one builds the rollouts)."""
-        return self._columns is not None or all(r.status == "ok" for r in self._rollouts)
+        """No rollout failed."""
+        return self.statuses is None or "failed" not in self.statuses
 
     @property
     def num_failed(self) -> int:
-        return 0 if self._columns is not None else sum(r.status == "failed" for r in self._rollouts)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Group):
-            return NotImplemented
-        return (self.prompt_index, self.epoch, self._view()) == (
-            other.prompt_index,
-            other.epoch,
-            other._view(),
-        )
-
-    def _view(self) -> list[Rollout]:
-        """The rollouts, without building them into the group."""
-        return (
-            self._columns.build(self.prompt_index) if self._columns is not None else self._rollouts
-        )
-
-    __hash__ = None  # mutable, as the dataclass it was
-
-    def __repr__(self) -> str:
-        form = (
-            f"columns={self._columns!r}"
-            if self._columns is not None
-            else f"rollouts={self._rollouts!r}"
-        )
-        return f"Group(prompt_index={self.prompt_index}, epoch={self.epoch}, {form})"
-
-    def __reduce__(self):
-        return Group, (self.prompt_index, self.epoch, self._rollouts, self._columns)
+        return 0 if self.statuses is None else self.statuses.count("failed")

@@ -52,10 +52,11 @@ class Intake:
     async def add_episodes(self, group: Group) -> None:
         """``add`` for a group of episodes, awaited here (it has a task of its own already);
         an episode its environment failed counts as an ``environment`` failure."""
-        for r in group.rollouts:
-            if r.status == "failed":
-                self.scorer.failures_by_reason["environment"] += 1
-                self.scorer.last_error = r.error
+        if not group.all_ok:
+            for r in group:
+                if r.status == "failed":
+                    self.scorer.failures_by_reason["environment"] += 1
+                    self.scorer.last_error = r.error
         groups, count = [group], group.size
         self.counters.generated += count
         self.scoring_rollouts += count
@@ -79,21 +80,21 @@ class Intake:
             self.scorer.record_outcomes(outcomes)
 
     def _drop_failed(self, groups: list[Group]) -> tuple[list[Group], list[Rollout]]:
-        """Count and remove the failed rollouts of ``groups``; the groups left with any
-        rollout, and every outcome for the failure-rate window."""
+        """Count the failed rollouts of ``groups``; the groups left with any rollout (each
+        without its failed ones), and every outcome for the failure-rate window."""
         outcomes: list[Rollout] = []  # failed and ok
         kept: list[Group] = []
         for group in groups:
-            ok = [r for r in group.rollouts if r.status == "ok"]
-            if len(ok) < len(group.rollouts):
-                self.counters.failed += len(group.rollouts) - len(ok)
-                outcomes += [r for r in group.rollouts if r.status != "ok"]
-                if all(map(lost_by_scorer, group.rollouts)):  # scorers lost it, not the reward
+            rows = list(group)
+            ok = [r for r in rows if r.status == "ok"]
+            if len(ok) < len(rows):
+                self.counters.failed += len(rows) - len(ok)
+                outcomes += [r for r in rows if r.status != "ok"]
+                if all(map(lost_by_scorer, rows)):  # scorers lost it, not the reward
                     self.requeues.lost_scoring(group)
-                group.rollouts = ok
             outcomes += ok
             if ok:
-                kept.append(group)
+                kept.append(group.without_failed())
         return kept, outcomes
 
     async def settle(self, timeout_s: float | None) -> None:

@@ -24,9 +24,16 @@ from loomrl.runtime.base import release_later
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 
 # (read per result with map, at C speed: a request has up to a few hundred results)
-_weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids = (
+_weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _has_texts = (
     operator.attrgetter(a)
-    for a in ("weight_apply_s", "weight_metrics", "engine_metrics", "version", "prompt_ids")
+    for a in (
+        "weight_apply_s",
+        "weight_metrics",
+        "engine_metrics",
+        "version",
+        "prompt_ids",
+        "has_texts",
+    )
 )
 
 
@@ -97,13 +104,16 @@ def _read_reports(
 
 def _groups_of(picks, requests, rows, prompt_key, results: list[GenerationResult]) -> tuple:
     """Off the loop, where a training request's generate call ended: the results, their
-    groups (None when an engine left the texts to decode: the tokenizer is the loop's),
-    how many completions they hold and what a scorer executor takes for them."""
+    groups, how many completions they hold and what a scorer executor takes for them. When
+    an engine left texts to decode, the groups are left to the loop (the tokenizer is the
+    loop's): groups and payload are then None."""
+    count = sum(map(len, results))
+    if not all(map(_has_texts, results)):
+        return results, None, count, None
     groups = Group.from_results(
         picks, list(map(_prompt_ids, requests)), rows, prompt_key, results, None
     )
-    payload = None if groups is None else group_payload(groups)
-    return results, groups, sum(map(len, results)), payload
+    return results, groups, count, group_payload(groups)
 
 
 class Rollouts:
@@ -199,7 +209,7 @@ class Rollouts:
         finally:
             for env in envs:
                 env.close()
-        return Group(index, epoch, rollouts)
+        return Group.of_rollouts(index, epoch, rollouts)
 
     def require(
         self, requests: list[GenerationRequest], eval_: bool = False

@@ -185,5 +185,6 @@ def _to_rollout(ep: _Episode, row: dict, prompt_index: int, elapsed_s: float) ->
     )
     if ep.error is not None:
         rollout.status, rollout.error, rollout.reward = "failed", ep.error, None
+        rollout.failure = "environment"
         logger.debug("episode of prompt %d failed: %s", prompt_index, ep.error)
     return rollout

@@ -28,7 +28,7 @@ from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch
 from loomrl.envs.reward_list import drain_stats, load_reward
 from loomrl.runtime.endpoints import endpoint
 from loomrl.runtime.replicas import Replicas
-from loomrl.types import Completions, Group, Rollout
+from loomrl.types import FailureKind, Group, Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ _prompt, _completion, _row, _status = (
     operator.attrgetter(a) for a in ("prompt", "completion", "row", "status")
 )
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
-_columns, _texts = (operator.attrgetter(a) for a in ("columns", "texts"))
 SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
 ScoreOutcome = tuple[
     str, Any, float
@@ -66,7 +65,8 @@ def reward_outcomes(done: list[tuple[Any, float]]) -> list[ScoreOutcome]:
 
 
 def lost_by_scorer(rollout: Rollout) -> bool:
-    return rollout.status == "failed" and (rollout.error or "").startswith(SCORER_LOST)
+    """No scorer could score ``rollout`` (the executors' failure, not the reward's)."""
+    return rollout.failure == "scorer_lost"
 
 
 class RewardEndpoints(ABC):
@@ -94,26 +94,26 @@ def group_payload(
     groups: list[Group],
 ) -> tuple[list[tuple[str, list[str], dict]], list[int]] | None:
     """What a scorer executor's ``score_groups`` takes for ``groups`` (each one's prompt,
-    completion texts and row) and their sizes; None when a group's rollouts were built
-    (those are scored per rollout). It reads only the groups (the controller builds it off
-    its loop, with the groups)."""
-    columns = list(map(_columns, groups))
-    if None in columns:  # (read at C speed, no frame per group)
-        return None
-    texts = list(map(_texts, columns))
-    return list(zip(map(_prompt, columns), texts, map(_row, columns))), list(map(len, texts))
+    completion texts and row) and their sizes; None when a group's rollouts have prompts of
+    their own (those are scored per rollout). It reads only the groups (the controller
+    builds it off its loop, with the groups)."""
+    items = []
+    for group in groups:
+        prompts = group.prompts
+        if len(set(prompts)) > 1:
+            return None
+        items.append((prompts[0] if prompts else "", group.texts, group.row))
+    return items, [group.size for group in groups]
 
 
-def _set_rewards(
-    columns: list[Completions], reply: tuple[list[GroupOutcome], Any]
-) -> tuple[list, Any]:
+def _set_rewards(groups: list[Group], reply: tuple[list[GroupOutcome], Any]) -> tuple[list, Any]:
     """Where a ``score_groups`` call ended, off the loop: every scored group's rewards into
-    its columns; the others' ``(position, outcomes)``, for the loop to mark, and the
+    its column; the others' ``(position, outcomes)``, for the loop to mark, and the
     executor's pool metrics."""
     failed = []
-    for i, (group_columns, (kind, value)) in enumerate(zip(columns, reply[0])):
+    for i, (group, (kind, value)) in enumerate(zip(groups, reply[0])):
         if kind == "ok":
-            group_columns.rewards = value
+            group.rewards = value
         else:
             failed.append((i, value))
     return failed, reply[1]
@@ -269,10 +269,10 @@ class Scorer:
         self.busy_s += time.perf_counter() - t0
 
     async def score_groups(self, groups: list[Group], payload: tuple | None = None) -> None:
-        """``score`` every rollout of ``groups`` as one batch. A group still in columns
-        gets its rewards as one list (no rollout built); with any failure, the failed
-        groups' rollouts are built and marked, as ``score`` marks them. ``payload``: the
-        groups' ``group_payload``, if the caller built it."""
+        """``score`` every rollout of ``groups`` as one batch, into their columns: a group
+        gets its rewards as one list; a failed rollout is marked in its group
+        (``Group.fail``) and counted, as ``score`` does. ``payload``: the groups'
+        ``group_payload``, if the caller built it."""
         if not self.scores:
             return
         t0 = time.perf_counter()
@@ -285,30 +285,22 @@ class Scorer:
             lost = lambda message: per_group_outcomes(  # noqa: E731
                 [("scorer_lost", message, 0.0)] * count, sizes
             )
-            post = partial(_set_rewards, list(map(_columns, groups)))
+            post = partial(_set_rewards, groups)
             failed = await self._score_remote(
                 lambda slot: slot.score_groups.call(items, then=post), count, lost, post
             )
             for i, outcomes in failed:
-                self._apply(groups[i].rollouts, outcomes)
+                self._apply_to_group(groups[i], outcomes)
             self.busy_s += time.perf_counter() - t0
             return
         items: list[ScoreItem] = []
         for group in groups:
-            columns = group.columns
-            if columns is not None:
-                items += zip(repeat(columns.prompt), columns.texts, repeat(columns.row))
-            else:
-                items += _items_of(group.rollouts)
+            items += zip(group.prompts, group.texts, repeat(group.row))
         outcomes = await self._outcomes(items)
         start = 0
         for group in groups:
             end = start + group.size
-            mine = outcomes[start:end]
-            if group.columns is not None and set(map(_first, mine)) <= {"ok"}:  # the common case
-                group.columns.rewards = list(map(_second, mine))
-            else:
-                self._apply(group.rollouts, mine)
+            self._apply_to_group(group, outcomes[start:end])
             start = end
         self.busy_s += time.perf_counter() - t0
 
@@ -351,6 +343,16 @@ class Scorer:
                 rollout.reward = value
             else:
                 self.record_failure(rollout, status, value)
+
+    def _apply_to_group(self, group: Group, outcomes: list[ScoreOutcome]) -> None:
+        if set(map(_first, outcomes)) <= {"ok"}:  # the common case: one list, at C speed
+            group.rewards = list(map(_second, outcomes))
+            return
+        for i, (status, value, _seconds) in enumerate(outcomes):
+            if status == "ok":
+                group.rewards[i] = value
+            else:
+                group.fail(i, status, self._count_failure(status, value))
 
     async def _score_remote(
         self,
@@ -395,11 +397,16 @@ class Scorer:
             self._merged_pool_metrics = merge_pool_metrics(list(self._pool_metrics.values()))
         return self._merged_pool_metrics
 
-    def record_failure(self, rollout: Rollout, reason: str, message: str) -> None:
-        """Mark ``rollout`` failed and count it; the 1st, 2nd, 4th, 8th ... failure of each
-        reason is logged with its message (which holds the value), so the log stays short."""
-        headline = message.partition("\n")[0]  # (a raised error's traceback follows its first line)
+    def record_failure(self, rollout: Rollout, reason: FailureKind, message: str) -> None:
+        """Mark ``rollout`` failed and count it (``_count_failure``)."""
+        headline = self._count_failure(reason, message)
         rollout.status, rollout.error, rollout.reward = "failed", headline, None
+        rollout.failure = reason
+
+    def _count_failure(self, reason: FailureKind, message: str) -> str:
+        """Count a failure; the 1st, 2nd, 4th, 8th ... one of each reason is logged with its
+        message (which holds the value), so the log stays short. Its headline, to keep."""
+        headline = message.partition("\n")[0]  # (a raised error's traceback follows its first line)
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
         self.first_errors.setdefault(reason, message)
@@ -412,6 +419,7 @@ class Scorer:
                 count,
                 message if count == 1 else headline,
             )
+        return headline
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which

@@ -18,15 +18,10 @@ logger = logging.getLogger(__name__)
 def step_samples(groups: list[Any], count: int) -> list[dict[str, Any]]:
     """The first completion of each of the first ``count`` groups, as
     ``{"prompt_index", "prompt", "completion", "reward"}``: the prompt as the dataset holds it
-    and the completion as text. Read from a group's columns where it has them (no rollout built)."""
+    and the completion as text, read from the group's columns (no rollout built)."""
     samples = []
     for group in groups[:count]:
-        columns = group.columns
-        if columns is not None:
-            prompt, completion, reward = columns.prompt, columns.texts[0], columns.rewards[0]
-        else:
-            first = group.rollouts[0]
-            prompt, completion, reward = first.prompt, first.completion, first.reward
+        prompt, completion, reward = group.prompts[0], group.texts[0], group.rewards[0]
         samples.append(
             {
                 "prompt_index": group.prompt_index,
