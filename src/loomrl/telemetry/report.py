@@ -89,10 +89,8 @@ def _reward_keys(records: list[dict]) -> dict[str, str]:
     return keys
 
 
-def _timeline_figure(trace_events: list[dict]):
-    """The controller's call lanes over wall time: one bar per call an executor ran."""
-    import matplotlib.pyplot as plt
-
+def _call_lanes(trace_events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """``{executor: [(start s, duration s), ...]}`` of the controller's calls."""
     names = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in trace_events if e["name"] == "thread_name"
     }
@@ -101,21 +99,60 @@ def _timeline_figure(trace_events: list[dict]):
         lane = names.get((e.get("pid"), e.get("tid")))
         if e.get("ph") == "X" and e.get("cat") == "call" and lane:
             spans[lane].append((e["ts"] / 1e6, e["dur"] / 1e6))
-    if not spans:
-        return None, {}
-    t0 = min(s for lane in spans.values() for s, _ in lane)
-    lanes = sorted(spans, key=lambda n: (n.rstrip("0123456789"), n))
-    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(lanes)))
-    busy = {}
+    return spans
+
+
+def _zoom_window(spans: dict[str, list[tuple[float, float]]], t0: float, end: float):
+    """A window a few train steps wide in the middle of the run (whole calls visible), or
+    None for a run short enough to read whole."""
+    steps = sorted(spans.get("trainer", []))
+    if end - t0 < 20 or len(steps) < 12:
+        return None
+    mid = len(steps) // 2
+    return steps[mid][0] - t0, steps[mid + 5][0] + steps[mid + 5][1] - t0
+
+
+def _draw_lanes(ax, spans, lanes: list[str], t0: float, window=None) -> None:
     for row, lane in enumerate(lanes):
         bars = [(s - t0, d) for s, d in spans[lane]]
         color = LANE_COLORS.get(lane.rstrip("0123456789"), "#8172b3")
-        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color)
-        end = max(s + d for s, d in bars)
-        busy[lane] = _union_length(bars) / max(end, 1e-9)
+        edges = {} if window is None else {"edgecolors": "white", "linewidth": 0.5}
+        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, **edges)
     ax.set_yticks(range(len(lanes)), lanes)
-    ax.set(xlabel="wall time since the first call (s)", title="executor timeline (calls in flight)")
     ax.grid(axis="x", alpha=0.3)
+    if window is not None:
+        ax.set_xlim(*window)
+
+
+def _timeline_figure(trace_events: list[dict]):
+    """The controller's call lanes over wall time, one bar per call an executor ran: the
+    whole run, and a window of six train steps in its middle where gaps and overlaps show."""
+    import matplotlib.pyplot as plt
+
+    spans = _call_lanes(trace_events)
+    if not spans:
+        return None, {}
+    t0 = min(s for lane in spans.values() for s, _ in lane)
+    end = max(s + d for lane in spans.values() for s, d in lane)
+    lanes = sorted(spans, key=lambda n: (n.rstrip("0123456789"), n))
+    window = _zoom_window(spans, t0, end)
+    rows = 1 if window is None else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(9, rows * (0.9 + 0.45 * len(lanes))), squeeze=False)
+    _draw_lanes(axes[0][0], spans, lanes, t0)
+    axes[0][0].set(
+        xlabel="wall time since the first call (s)", title="executor timeline (calls in flight)"
+    )
+    if window is not None:
+        _draw_lanes(axes[1][0], spans, lanes, t0, window)
+        axes[1][0].set(
+            xlabel="wall time since the first call (s)",
+            title=f"six train steps from {window[0]:.1f} s (gaps: an executor waiting)",
+        )
+    fig.tight_layout()
+    busy = {
+        lane: _union_length([(s - t0, d) for s, d in spans[lane]]) / max(end - t0, 1e-9)
+        for lane in lanes
+    }
     return _png(fig), busy
 
 
