@@ -97,9 +97,19 @@ class DataConfig(_Section):
 
 
 class RewardSpec(_Section):
-    """One of ``[[task.rewards]]``: a reward function and its weight in the total."""
+    """One of ``[[task.rewards]]``: a reward function, or a reward model or judge
+    (``[task.rewards.scorer]``), and its weight in the total."""
 
-    path: str = Field(..., description="Reward function by import path 'module:function'.")
+    path: str | None = Field(
+        None, description="Reward function by import path 'module:function' (or give 'scorer')."
+    )
+    scorer: Annotated[ModelScorerConfig | JudgeScorerConfig, Field(discriminator="type")] | None = (
+        Field(
+            None,
+            description="A reward model (type = 'model') or judge (type = 'judge') as this part, "
+            "in place of 'path'; it runs in the scorer executors with the list's functions.",
+        )
+    )
     weight: float = Field(1.0, description="Its weight in the total reward (the weighted sum).")
     name: str | None = Field(
         None,
@@ -113,10 +123,23 @@ class RewardSpec(_Section):
         "parameter named 'completions', else 'loomrl'.",
     )
 
+    @model_validator(mode="after")
+    def _function_or_scorer(self) -> RewardSpec:
+        if (self.path is None) == (self.scorer is None):
+            raise ValueError(
+                "a [[task.rewards]] entry needs exactly one of 'path' (a function) or 'scorer' "
+                f"(a model or judge table), got {'both' if self.path else 'neither'}"
+            )
+        if self.scorer is not None and self.signature != "auto":
+            raise ValueError(f"signature={self.signature!r} is for a function, not a scorer part")
+        return self
+
     @property
     def label(self) -> str:
         """The name in the metrics."""
-        return self.name or self.path.rpartition(":")[2]
+        if self.name:
+            return self.name
+        return self.path.rpartition(":")[2] if self.path else self.scorer.type
 
 
 class FunctionScorerConfig(_Section):
