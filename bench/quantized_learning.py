@@ -20,6 +20,7 @@ after another, seed-major.
 
     python bench/quantized_learning.py --steps 300 --json docs/data/quantized_learning.json
     python bench/quantized_learning.py --warmstart 0=.cache/arithmetic-warmstart --steps 300
+    python bench/quantized_learning.py --job-seeds 10,11 --losses aipo   # job-seed spread
 
 A warm-start folder is built (``python -m examples.arithmetic.warmstart``) where missing.
 """
@@ -27,6 +28,7 @@ A warm-start folder is built (``python -m examples.arithmetic.warmstart``) where
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -53,12 +55,14 @@ def ensure_warmstart(seed: int, folder: Path) -> Path:
     return folder
 
 
-def run_cell(model: Path, seed: int, loss: str, precision: str, args, out: Path) -> dict:
+def run_cell(
+    model: Path, seed: int, job_seed: int, loss: str, precision: str, args, out: Path
+) -> dict:
     """One RL run; its accuracies, speed and the trainer's ratio metrics (run means)."""
     shutil.rmtree(out, ignore_errors=True)
     overrides = [
         f'model.path="{model}"',
-        f"seed={seed}",
+        f"seed={job_seed}",
         f'algorithm.loss="{loss}"',
         f"algorithm.max_staleness={args.max_staleness}",
         f'generation.quantize="{precision}"',
@@ -85,6 +89,7 @@ def run_cell(model: Path, seed: int, loss: str, precision: str, args, out: Path)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cell = {
         "warmstart_seed": seed,
+        "job_seed": job_seed,
         "loss": loss,
         "precision": precision,
         "steps": summary["steps"],
@@ -99,6 +104,11 @@ def run_cell(model: Path, seed: int, loss: str, precision: str, args, out: Path)
     return cell
 
 
+def _key(cell: dict) -> tuple:
+    """A cell's (warm-start seed, job seed, loss): the cells one precision row compares."""
+    return cell["warmstart_seed"], cell.get("job_seed", cell["warmstart_seed"]), cell["loss"]
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -107,15 +117,16 @@ def print_table(cells: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    base = {(c["warmstart_seed"], c["loss"]): c["end"] for c in cells if c["precision"] == "none"}
+    base = {_key(c): c["end"] for c in cells if c["precision"] == "none"}
     table = Table(title="held-out accuracy by precision and loss (same steps every cell)")
-    cols = ("seed", "loss", "precision", "start", "end", "vs none", "ratio mean", "ratio max")
-    for col in (*cols, ">delta", "|dlogp| same version", "samples/s"):
+    cols = ("seed", "job seed", "loss", "precision", "start", "end", "vs none", "ratio mean")
+    for col in (*cols, "ratio max", ">delta", "|dlogp| same version", "samples/s"):
         table.add_column(col, justify="right")
     for c in cells:
-        ref = base.get((c["warmstart_seed"], c["loss"]))
+        ref = base.get(_key(c))
         table.add_row(
             str(c["warmstart_seed"]),
+            str(c.get("job_seed", c["warmstart_seed"])),
             c["loss"],
             c["precision"],
             f"{c['start']:.1%}",
@@ -152,6 +163,9 @@ def main() -> None:
     parser.add_argument(
         "--warmstart", action="append", default=[], help="SEED=PATH: an existing warm-start"
     )
+    parser.add_argument(
+        "--job-seeds", default="", help="job seeds (sampling, data order); '': the warm-start seed"
+    )
     parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of every cell")
     parser.add_argument("--override", action="append", default=[], help="extra dotted job override")
@@ -164,19 +178,20 @@ def main() -> None:
     cells = []
     for seed, folder in parse_warmstarts(args).items():
         model = ensure_warmstart(seed, folder)
-        for loss in losses:
-            for precision in precisions:
-                out = args.work / f"s{seed}-{loss}-{precision}"
-                cells.append(run_cell(model, seed, loss, precision, args, out))
-                c = cells[-1]
-                print(
-                    f"seed {seed} {loss} {precision}: {c['start']:.1%} -> {c['end']:.1%} "
-                    f"({c['wall_min']:.1f} min, ratio max {_fmt(c['ratio_max'], '.3f')})",
-                    flush=True,
-                )
-                if args.json:
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    args.json.write_text(json.dumps(cells, indent=2))
+        job_seeds = [int(s) for s in args.job_seeds.split(",") if s] or [seed]
+        for job_seed, loss, precision in itertools.product(job_seeds, losses, precisions):
+            name = f"s{seed}" if job_seed == seed else f"s{seed}-j{job_seed}"
+            out = args.work / f"{name}-{loss}-{precision}"
+            cells.append(run_cell(model, seed, job_seed, loss, precision, args, out))
+            c = cells[-1]
+            print(
+                f"seed {seed} job seed {job_seed} {loss} {precision}: {c['start']:.1%} -> "
+                f"{c['end']:.1%} ({c['wall_min']:.1f} min, ratio max {_fmt(c['ratio_max'], '.3f')})",
+                flush=True,
+            )
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(cells, indent=2))
     print_table(cells)
 
 
