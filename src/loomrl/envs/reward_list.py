@@ -1,6 +1,7 @@
 """The task's reward as one callable: a single function, TRL's batched signature through an
 adapter, or a weighted list of functions (``[[task.rewards]]``) with each one's values kept
-for its own metric.
+for its own metric. A list with a reward-model or judge part is scored whole in the scorer
+executors (``loomrl.scoring.weighted``); here it is only ``scores_in_executors``' stand-in.
 
 Whatever the form, the scorer calls one ``fn(prompt, completion, **row) -> float`` (sync or
 async), so timeouts, failure counting and the batch paths in ``loomrl.envs.reward`` apply
@@ -174,9 +175,31 @@ def _checked(name: str, value: Any) -> float:
         raise RewardFailure(failure.reason, f"reward {name!r}: {failure}") from None
 
 
+def scores_in_executors(specs: list[RewardSpec]) -> Callable[..., Any]:
+    """The controller's stand-in for a list with a reward-model or judge part: such a list
+    is scored whole in the scorer executors (``loomrl.scoring.weighted``), so the controller
+    loads no model. Its function parts are loaded here all the same (a bad path fails at
+    start-up), and its ``reward_stats`` tells the controller's ``Scorer`` to add up the
+    per-part sums the executors send."""
+    for spec in specs:
+        if spec.scorer is None:
+            _part(spec)
+
+    def only_in_executors(prompt: Any, completion: str, **row: Any) -> float:
+        raise RuntimeError(
+            "a task.rewards list with a model or judge part is scored in scorer executors "
+            "(loomrl.scoring.executor.start_scorer_executor); attach them with Scorer.attach"
+        )
+
+    only_in_executors.reward_stats = RewardStats([spec.label for spec in specs])  # type: ignore[attr-defined]
+    return only_in_executors
+
+
 def load_reward(task: TaskConfig) -> Callable[..., Any] | None:
     """The task's reward as one ``fn(prompt, completion, **row)``, or None for an
     environment task."""
+    if any(spec.scorer is not None for spec in task.rewards):
+        return scores_in_executors(task.rewards)
     if task.rewards:
         return combine(task.rewards)
     if task.reward is None:
@@ -197,5 +220,6 @@ __all__ = [
     "drain_stats",
     "is_trl_signature",
     "load_reward",
+    "scores_in_executors",
     "trl_adapter",
 ]

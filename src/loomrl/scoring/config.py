@@ -10,29 +10,6 @@ from pydantic import Field, model_validator
 from loomrl.config_base import DEVICE_PATTERN, DtypeName, Section
 
 
-class RewardSpec(Section):
-    """One of ``[[task.rewards]]``: a reward function and its weight in the total."""
-
-    path: str = Field(..., description="Reward function by import path 'module:function'.")
-    weight: float = Field(1.0, description="Its weight in the total reward (the weighted sum).")
-    name: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="Name in the metrics (reward/<name>_mean); default: the function's name.",
-    )
-    signature: Literal["auto", "loomrl", "trl"] = Field(
-        "auto",
-        description="'loomrl': fn(prompt, completion, **row) -> float; 'trl': TRL's batched "
-        "fn(prompts, completions, **columns) -> list[float]; 'auto': 'trl' when the function has a "
-        "parameter named 'completions', else 'loomrl'.",
-    )
-
-    @property
-    def label(self) -> str:
-        """The name in the metrics."""
-        return self.name or self.path.rpartition(":")[2]
-
-
 class FunctionScorerConfig(Section):
     """``[task.scorer] type = "function"``: a reward function, as ``task.reward`` names one."""
 
@@ -122,6 +99,52 @@ class JudgeScorerConfig(Section):
                 f"string: {err}"
             ) from None
         return self
+
+
+class RewardSpec(Section):
+    """One of ``[[task.rewards]]``: a reward function, or a reward model or judge
+    (``[task.rewards.scorer]``), and its weight in the total."""
+
+    path: str | None = Field(
+        None, description="Reward function by import path 'module:function' (or give 'scorer')."
+    )
+    scorer: Annotated[ModelScorerConfig | JudgeScorerConfig, Field(discriminator="type")] | None = (
+        Field(
+            None,
+            description="A reward model (type = 'model') or judge (type = 'judge') as this part, "
+            "in place of 'path'; it runs in the scorer executors with the list's functions.",
+        )
+    )
+    weight: float = Field(1.0, description="Its weight in the total reward (the weighted sum).")
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name in the metrics (reward/<name>_mean); default: the function's name.",
+    )
+    signature: Literal["auto", "loomrl", "trl"] = Field(
+        "auto",
+        description="'loomrl': fn(prompt, completion, **row) -> float; 'trl': TRL's batched "
+        "fn(prompts, completions, **columns) -> list[float]; 'auto': 'trl' when the function has a "
+        "parameter named 'completions', else 'loomrl'.",
+    )
+
+    @model_validator(mode="after")
+    def _function_or_scorer(self) -> RewardSpec:
+        if (self.path is None) == (self.scorer is None):
+            raise ValueError(
+                "a [[task.rewards]] entry needs exactly one of 'path' (a function) or 'scorer' "
+                f"(a model or judge table), got {'both' if self.path else 'neither'}"
+            )
+        if self.scorer is not None and self.signature != "auto":
+            raise ValueError(f"signature={self.signature!r} is for a function, not a scorer part")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The name in the metrics."""
+        if self.name:
+            return self.name
+        return self.path.rpartition(":")[2] if self.path else self.scorer.type
 
 
 ScorerConfig = Annotated[

@@ -3,9 +3,10 @@
 ``task.reward`` (or ``[task.scorer] type = "function"``) runs a Python function in a
 ``RewardExecutor`` (loomrl.envs.scorer); ``type = "model"`` a frozen reward model
 (``scoring/model.py``) and ``type = "judge"`` a frozen generative judge
-(``scoring/judge.py``). Every kind answers the same ``RewardEndpoints`` with the same
-outcomes, so the controller's ``Scorer``, supervision (restart when killed, deadlines) and
-failure accounting see one kind of scorer executor.
+(``scoring/judge.py``); a ``[[task.rewards]]`` list with a model or judge part is scored
+whole by a ``WeightedScorer`` (``scoring/weighted.py``). Every kind answers the same
+``RewardEndpoints`` with the same outcomes, so the controller's ``Scorer``, supervision
+(restart when killed, deadlines) and failure accounting see one kind of scorer executor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def function_task(task: TaskConfig) -> TaskConfig:
 
 def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardEndpoints:
     """The scorer executor ``task`` asks for (module-level, so a ``functools.partial`` of it
-    pickles to a process or an actor): a reward function's, a reward model's or a judge's."""
+    pickles to a process or an actor): a reward function's, a reward model's, a judge's, or a
+    weighted list's that holds a model or judge."""
+    if any(spec.scorer is not None for spec in task.rewards):
+        from loomrl.scoring.weighted import WeightedScorer
+
+        return WeightedScorer(task, sandbox)
     kind = task.scorer.type if task.scorer is not None else "function"
     if kind == "model":
         from loomrl.scoring.model import RewardModelScorer
