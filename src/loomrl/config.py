@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loomrl.generation.engine_config import EngineConfig, HFEngineConfig
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -277,7 +279,11 @@ class TaskConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine.")
+    engine: EngineConfig = Field(
+        default_factory=HFEngineConfig,
+        description="Generation engine: "
+        "[generation.engine] type = 'hf' or 'vllm' with its settings (docs/engines.md); engine = 'hf' too.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")
