@@ -47,7 +47,7 @@ def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
         )
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     return VllmGenerator(
-        model,
+        model.to("cpu"),  # vLLM holds the weights on the device; the mirror stays in host memory
         tokenizer,
         engine=gen.engine,
         subscriber=Subscriber(receiver, prefetch=cfg.weight_sync.prefetch),

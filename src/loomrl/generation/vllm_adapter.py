@@ -51,6 +51,14 @@ def vllm_version() -> str | None:
     return str(vllm.__version__)
 
 
+def platform_device_type() -> str:
+    """Where vLLM computes ('cuda', 'cpu', ...): its platform's, whatever device the policy
+    model that loomrl loaded sits on."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
 def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, str]:
     """``(name, tensor)`` pairs as safetensors bytes, and their blake2b digest."""
     from safetensors.torch import save

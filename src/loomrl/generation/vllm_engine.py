@@ -81,13 +81,13 @@ class VllmGenerator(Generator):
         stop: list[str] | None = None,
         seed: int = 0,
     ) -> None:
-        from loomrl.device import module_device
+        from loomrl.generation import vllm_adapter
 
         self.engine_cfg = engine or VllmEngineConfig()
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.eos_ids = sorted(eos_token_ids(model, tokenizer))
-        self.device_type = module_device(model).type
+        self.device_type = vllm_adapter.platform_device_type()  # where vLLM runs
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.seed = seed
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
