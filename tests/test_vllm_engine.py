@@ -181,3 +181,29 @@ def test_reload_groups_widen_a_change_to_its_whole_decoder_layer():
         names[3],
         names[5],
     ]
+
+
+@pytest.mark.slow  # two multi-process vLLM starts (16-34 s each on 2 cores)
+def test_a_killed_engine_core_process_is_restarted_with_the_verified_weights():
+    import os
+    import signal
+
+    import psutil
+
+    model, tok = load_model_and_tokenizer(MODEL, seed=2)
+    gen = VllmGenerator(
+        model,
+        tok,
+        engine=VllmEngineConfig(multiprocessing=True, cpu_kv_cache_gb=0.25),
+        publish_dtype="float32",
+    )
+    try:
+        state = _perturbed(published_state(model, torch.float32), seed=15)
+        gen.update_weights(encode_update(None, state, version=0, base_version=None))
+        (core,) = [p for p in psutil.Process().children() if p.name() == "VLLM::EngineCore"]
+        os.kill(core.pid, signal.SIGKILL)
+        core.wait(timeout=30)
+        assert _parity(gen, model, tok, state, ["12+3="]) <= PARITY_TOL
+        assert gen.metrics()["generation/vllm_restarts"] == 1
+    finally:
+        gen.close()

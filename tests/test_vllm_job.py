@@ -70,3 +70,38 @@ def test_a_killed_vllm_generator_is_replaced_and_the_job_completes(tiny_job, tmp
     assert faults["executor/generator_failures"] == 1
     assert faults["executor/generator_restarts"] == 1
     assert faults["executor/trainer_restarts"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # a warm-start (unless .cache has one) and two 150-step runs
+def test_the_arithmetic_job_on_vllm_reaches_the_hf_engines_accuracy_band(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    warm = ROOT / ".cache/arithmetic-warmstart"  # `make demo`'s, when there
+    if not (warm / "config.json").is_file():
+        warm = tmp_path / "warmstart"
+        subprocess.run(
+            [sys.executable, "-m", "examples.arithmetic.warmstart", "--out", str(warm)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+    ends = {}
+    for engine in ("hf", "vllm"):
+        overrides = [
+            f'model.path="{warm}"',
+            "seed=1",
+            f'output_dir="{tmp_path / engine}"',
+            "trainer.num_steps=150",
+            "eval.every_steps=150",
+            f'generation.engine.type="{engine}"',
+        ]
+        if engine == "vllm":
+            overrides += ["generation.engine.multiprocessing=false"]
+        s = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run().summary
+        assert s["steps"] == 150 and s["eval_end"] >= s["eval_start"] + 0.15, (engine, s)
+        ends[engine] = s["eval_end"]
+    assert abs(ends["vllm"] - ends["hf"]) <= 0.1, ends  # the same band (200 eval rows)

@@ -230,6 +230,26 @@ def wake_up(llm: Any) -> None:
     llm.wake_up()
 
 
+def engine_alive(llm: Any) -> bool:
+    """Whether the engine-core processes of a multi-process engine are all alive (always
+    True in-process). vLLM 0.32's offline client, asked to generate after its engine core
+    was killed, waits forever instead of raising: so look first."""
+    resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
+    if resources is None:
+        return True
+    if getattr(resources, "engine_dead", False):
+        return False
+    processes = getattr(getattr(resources, "engine_manager", None), "processes", None) or []
+    return all(proc.is_alive() for proc in processes)
+
+
+def is_engine_dead(err: BaseException) -> bool:
+    """Whether ``err`` says vLLM's engine core is gone (its process died)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(err, EngineDeadError)
+
+
 def shutdown(llm: Any) -> None:
     """Stop the engine (its engine-core process too, in multi-process mode)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)

@@ -163,6 +163,14 @@ class VllmGenerator(Generator):
         vllm_adapter.reload_weights(self.llm, self._with_aliases(list(self.mirror)))
         self.counts["restarts"] += 1
 
+    def _heal(self) -> None:
+        """Restart an engine whose engine-core process is gone (multi-process mode)."""
+        from loomrl.generation import vllm_adapter
+
+        if not vllm_adapter.engine_alive(self.llm):
+            logger.warning("vLLM's engine core is gone; restarting it from the verified mirror")
+            self.restart()
+
     def update_weights(self, update) -> int:
         return self.receiver.apply(update)
 
@@ -232,7 +240,17 @@ class VllmGenerator(Generator):
             return []
         if self.offloaded:
             self.restore()
-        results = self._generate_grouped(requests)
+        self._heal()
+        try:
+            results = self._generate_grouped(requests)
+        except Exception as err:
+            from loomrl.generation import vllm_adapter
+
+            if not vllm_adapter.is_engine_dead(err):
+                raise
+            logger.warning("vLLM's engine core died; restarting it from the verified mirror")
+            self.restart()  # the same call again: sampling is a function of the seeds
+            results = self._generate_grouped(requests)
         if applied is not None:
             results[0].weight_apply_s = applied.apply_s
             results[0].weight_metrics = applied.weight_metrics
