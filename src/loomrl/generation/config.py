@@ -7,10 +7,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from loomrl.config_base import Section
+from loomrl.generation.engine_config import EngineConfig, HFEngineConfig
 
 
 class GenerationConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine.")
+    engine: EngineConfig = Field(
+        default_factory=HFEngineConfig,
+        description="Generation engine: "
+        "[generation.engine] type = 'hf' or 'vllm' with its settings (docs/engines.md); engine = 'hf' too.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per turn at most.")

