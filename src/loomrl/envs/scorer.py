@@ -100,7 +100,8 @@ def group_payload(
     items = []
     for group in groups:
         prompts = group.prompts
-        if len(set(prompts)) > 1:
+        first = prompts[0] if prompts else None  # text, or a list of messages (unhashable)
+        if any(p is not first and p != first for p in prompts):
             return None
         items.append((prompts[0] if prompts else "", group.texts, group.row))
     return items, [group.size for group in groups]
