@@ -189,7 +189,8 @@ def exact_match_accuracy(model: Path, out: Path) -> float:
     return demo_run(out, EXACT_MATCH, 1, model=model)["eval_start"]
 
 
-@pytest.mark.slow  # ~10-25 min on 2 cores: trains a reward model (3000 steps), two RL runs
+@pytest.mark.slow
+@pytest.mark.heavy  # ~10-25 min on 2 cores: trains a reward model (3000 steps), two RL runs
 @pytest.mark.timeout(3600)
 def test_a_trained_reward_model_teaches_the_demo_as_exact_match_judges_it(tmp_path):
     """Measured once (2 shared cores): the reward model caught 97% of right and 93% of wrong
