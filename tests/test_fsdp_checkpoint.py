@@ -135,7 +135,10 @@ def _extend(run_dir, num_steps: int, parallel: dict) -> None:
     """Let a finished run go on to ``num_steps``, on another trainer layout."""
     config = json.loads((run_dir / "config.json").read_text())
     config["trainer"]["num_steps"] = num_steps
-    config["trainer"]["parallel"] = {**config["trainer"]["parallel"], **parallel}
+    old = config["trainer"]["parallel"]  # a tagged table: another type takes only its own keys
+    config["trainer"]["parallel"] = (
+        {**old, **parallel} if old["type"] == parallel["type"] else parallel
+    )
     (run_dir / "config.json").write_text(json.dumps(config))
 
 

@@ -185,6 +185,21 @@ def test_reload_groups_widen_a_change_to_its_whole_decoder_layer():
 
 @pytest.mark.slow  # two multi-process vLLM starts (16-34 s each on 2 cores)
 def test_a_killed_engine_core_process_is_restarted_with_the_verified_weights():
+    """In a fresh interpreter: after an in-process engine has run in this one (the other
+    tests), vLLM starts no engine-core process here (its multiprocessing setting sticks)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = "import test_vllm_engine as t; t.killed_engine_core_is_restarted()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def killed_engine_core_is_restarted() -> None:
     import os
     import signal
     import time
