@@ -58,6 +58,23 @@ class Generator(ABC):
         """Load ``(name, tensor)`` pairs into the engine's compute weights (what a weight
         update committed; vLLM's ``model.load_weights`` takes the same)."""
 
+    def _apply_for(
+        self, requests: list[GenerationRequest], apply_newest: bool
+    ) -> WeightsApplied | None:
+        """What ``generate`` applies first: the newest weights when asked to, or when a
+        request needs a version this generator does not hold yet (None: nothing applied)."""
+        needed = max((r.min_version for r in requests), default=0)
+        if apply_newest or needed > self.version or self.version < 0:
+            return self.apply_weights(needed)
+        return None
+
+    @staticmethod
+    def _report_apply(results: list[GenerationResult], applied: WeightsApplied | None) -> None:
+        """The pause of an apply done by ``generate``, on its first result."""
+        if applied is not None:
+            results[0].weight_apply_s = applied.apply_s
+            results[0].weight_metrics = applied.weight_metrics
+
     @endpoint
     def offload(self) -> None:
         """Release accelerator memory until ``restore`` (a no-op until the time-slicing

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 
-
-class _Engine(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from loomrl.config_base import Section as _Engine
 
 
 class HFEngineConfig(_Engine):

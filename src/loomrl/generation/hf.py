@@ -207,18 +207,11 @@ class HFGenerator(Generator):
     def generate(
         self, requests: list[GenerationRequest], apply_newest: bool = False
     ) -> list[GenerationResult]:
-        needed = max((r.min_version for r in requests), default=0)
-        applied = (
-            self.apply_weights(needed)
-            if apply_newest or needed > self.version or self.version < 0
-            else None
-        )
+        applied = self._apply_for(requests, apply_newest)
         if not requests:
             return []
         results = self._generate_grouped(requests)
-        if applied is not None:
-            results[0].weight_apply_s = applied.apply_s
-            results[0].weight_metrics = applied.weight_metrics
+        self._report_apply(results, applied)
         if self._traced is not None or self._static is not None:
             metrics = self._traced.metrics("generation") if self._traced is not None else {}
             if self._static is not None:

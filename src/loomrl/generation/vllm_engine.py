@@ -230,12 +230,7 @@ class VllmGenerator(Generator):
     def generate(
         self, requests: list[GenerationRequest], apply_newest: bool = False
     ) -> list[GenerationResult]:
-        needed = max((r.min_version for r in requests), default=0)
-        applied = (
-            self.apply_weights(needed)
-            if apply_newest or needed > self.version or self.version < 0
-            else None
-        )
+        applied = self._apply_for(requests, apply_newest)
         if not requests:
             return []
         if self.offloaded:
@@ -251,9 +246,7 @@ class VllmGenerator(Generator):
             logger.warning("vLLM's engine core died; restarting it from the verified mirror")
             self.restart()  # the same call again: sampling is a function of the seeds
             results = self._generate_grouped(requests)
-        if applied is not None:
-            results[0].weight_apply_s = applied.apply_s
-            results[0].weight_metrics = applied.weight_metrics
+        self._report_apply(results, applied)
         results[0].engine_metrics = self.metrics()
         return results
 
