@@ -311,37 +311,10 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _parallel_fits_job(self) -> JobConfig:
-        par = self.trainer.parallel
-        if par.type != "fsdp2":
-            return self
-        if self.runtime == "local":
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' needs one process per rank (a process has one default "
-                "torch.distributed group); runtime='local' runs executors as threads: use "
-                "runtime='process' (or 'ray')"
-            )
-        if self.weight_sync.forms_group:
-            raise ValueError(
-                f"trainer.parallel.type='fsdp2' with weight_sync.transport={self.weight_sync.kind!r} "
-                "(a torch_dist group): the ranks' process group is the default one, which the "
-                "weight-sync group would need too; use transport 'shm' or 'files'"
-            )
-        if self.model.lora is not None:
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' with model.lora: sharded LoRA training is not built "
-                "yet; drop [model.lora] or set parallel.type='single'"
-            )
-        if self.algorithm.kl_coef > 0:
-            raise ValueError(
-                f"trainer.parallel.type='fsdp2' with algorithm.kl_coef={self.algorithm.kl_coef}: the "
-                "sharded KL reference is not built yet; set kl_coef=0 or parallel.type='single'"
-            )
-        if self.scheduler.url is not None and self.scheduler.offload:
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' with scheduler.url and scheduler.offload: a sharded "
-                "trainer cannot be offloaded yet; set scheduler.offload=false or parallel.type='single'"
-            )
+    def _sections_fit_together(self) -> JobConfig:
+        from loomrl.config_rules import check_job
+
+        check_job(self)
         return self
 
     @model_validator(mode="after")
