@@ -240,6 +240,14 @@ class LoggingConfig(Section):
         description="Warn when more than half of a step's groups got the same reward for every "
         "completion (nothing to learn from them), at most once every this many steps.",
     )
+    logprob_mismatch_warning: float = Field(
+        0.05,
+        gt=0,
+        description="Warn when the trainer's and the generators' log-probs of the same tokens at "
+        "the same policy version differ by more than this on average (nats, "
+        "train/logprob_mismatch_same_version: the training-inference mismatch of engine, kernels "
+        "and precision), at most once every zero_variance_warning_every_steps steps.",
+    )
     trace: bool = Field(
         True,
         description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "

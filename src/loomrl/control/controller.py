@@ -279,7 +279,9 @@ class Controller:
         self.step_record.log_samples(self.version + 1, batch.groups)
         metrics = await self._train(batch)
         await self.gate.set_version(self.version)
-        metrics.update(self.step_record.build(self.version, facts, wait_s, t0, clock.session_s()))
+        metrics.update(
+            self.step_record.build(self.version, facts, wait_s, t0, clock.session_s(), metrics)
+        )
         metrics.update(self.accounting())
         release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
