@@ -158,10 +158,37 @@ def test_samples_are_a_function_of_their_seed_not_their_batch(engine):
         assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
 
 
-def test_offload_on_a_cpu_is_refused_not_pretended(engine):
-    gen, _, _ = engine
-    with pytest.raises(NotImplementedError, match="CUDA-only"):
-        gen.offload()
+def _free_mib(cuda: bool) -> float:
+    """Free device memory on CUDA; on a CPU minus this process's resident memory."""
+    if cuda:
+        return torch.cuda.mem_get_info()[0] / 2**20
+    with open("/proc/self/statm") as f:
+        return -int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_offload_on_a_cpu_stops_the_engine_and_restore_serves_the_newest_weights(engine):
+    # vLLM has no sleep mode on a CPU: offload stops the engine, so its memory is really
+    # free (never pretended), and restore starts it from the verified mirror, including an
+    # update that was committed while it was stopped.
+    # (On CUDA the same test checks sleep mode: device memory freed, the engine kept.)
+    gen, model, tok = engine
+    cuda = gen.device_type == "cuda"
+    before, offloads = _free_mib(cuda), gen.metrics()["generation/vllm_offloads"]
+    assert gen.offload() > 0 and (gen.llm is not None if cuda else gen.llm is None)
+    freed = _free_mib(cuda) - before
+    assert freed >= 0.8 * 0.25 * 1024, freed  # at least a 0.25 GiB key/value cache
+    gen.offload()  # offloaded already: nothing more to do
+    assert gen.metrics()["generation/vllm_offloads"] == offloads + 1
+    base = {k: t.clone() for k, t in gen.mirror.items()}
+    new = _perturbed(base, seed=13)
+    version = gen.version + 1
+    gen.update_weights(encode_update(base, new, version=version, base_version=gen.version))
+    assert gen.version == version  # in the mirror, not loaded yet
+    gen.restore()
+    assert gen.llm is not None and not gen.offloaded
+    assert _parity(gen, model, tok, new, ["12+3=", "77+7="]) <= PARITY_TOL
+    assert gen.metrics()["generation/vllm_offloads"] == offloads + 1
+    assert gen.metrics()["generation/vllm_restarts"] == gen.counts["restarts"]  # not a restart
 
 
 def test_reload_groups_widen_a_change_to_its_whole_decoder_layer():

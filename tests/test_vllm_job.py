@@ -105,3 +105,27 @@ def test_the_arithmetic_job_on_vllm_reaches_the_hf_engines_accuracy_band(tmp_pat
         assert s["steps"] == 150 and s["eval_end"] >= s["eval_start"] + 0.15, (engine, s)
         ends[engine] = s["eval_end"]
     assert abs(ends["vllm"] - ends["hf"]) <= 0.1, ends  # the same band (200 eval rows)
+
+
+def test_a_colocated_job_stops_the_vllm_engine_while_the_trainer_steps(tiny_job, tmp_path):
+    # One device for both (generation.colocate): on a CPU the engine is stopped for each of
+    # the trainer's turns and started again from the verified weights for the next
+    # generation, which must then hold the new version (the trainer's log-probs match).
+    cfg = _vllm_job(
+        tiny_job,
+        tmp_path,
+        trainer={"num_steps": 4},
+        algorithm={"max_staleness": 0},
+        weight_sync={"codec": "delta", "publish_dtype": "float32"},
+    )
+    cfg.generation.colocate = True
+    result = Job(cfg).run()
+    s = result.summary
+    assert s["steps"] == 4 and s["trained"] == 4 * 4 * 4
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    last = records[-1]
+    assert last["generation/vllm_offloads"] >= 3  # stopped for every trainer turn it saw
+    assert last["generation/vllm_restarts"] == 0  # a restore is not a failure
+    assert last["colocate/switches"] >= 2 * 4
+    mismatch = [r["train/logprob_mismatch_same_version"] for r in records]
+    assert max(mismatch) <= 1e-3, mismatch  # each restart served the newest weights

@@ -240,6 +240,14 @@ class LoggingConfig(Section):
         description="Warn when more than half of a step's groups got the same reward for every "
         "completion (nothing to learn from them), at most once every this many steps.",
     )
+    logprob_mismatch_warning: float = Field(
+        0.05,
+        gt=0,
+        description="Warn when the trainer's and the generators' log-probs of the same tokens at "
+        "the same policy version differ by more than this on average (nats, "
+        "train/logprob_mismatch_same_version: the training-inference mismatch of engine, kernels "
+        "and precision), at most once every zero_variance_warning_every_steps steps.",
+    )
     trace: bool = Field(
         True,
         description="Write trace.json: every process's spans (calls, endpoints, publishing, sandbox "
@@ -311,37 +319,10 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _parallel_fits_job(self) -> JobConfig:
-        par = self.trainer.parallel
-        if par.type != "fsdp2":
-            return self
-        if self.runtime == "local":
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' needs one process per rank (a process has one default "
-                "torch.distributed group); runtime='local' runs executors as threads: use "
-                "runtime='process' (or 'ray')"
-            )
-        if self.weight_sync.forms_group:
-            raise ValueError(
-                f"trainer.parallel.type='fsdp2' with weight_sync.transport={self.weight_sync.kind!r} "
-                "(a torch_dist group): the ranks' process group is the default one, which the "
-                "weight-sync group would need too; use transport 'shm' or 'files'"
-            )
-        if self.model.lora is not None:
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' with model.lora: sharded LoRA training is not built "
-                "yet; drop [model.lora] or set parallel.type='single'"
-            )
-        if self.algorithm.kl_coef > 0:
-            raise ValueError(
-                f"trainer.parallel.type='fsdp2' with algorithm.kl_coef={self.algorithm.kl_coef}: the "
-                "sharded KL reference is not built yet; set kl_coef=0 or parallel.type='single'"
-            )
-        if self.scheduler.url is not None and self.scheduler.offload:
-            raise ValueError(
-                "trainer.parallel.type='fsdp2' with scheduler.url and scheduler.offload: a sharded "
-                "trainer cannot be offloaded yet; set scheduler.offload=false or parallel.type='single'"
-            )
+    def _sections_fit_together(self) -> JobConfig:
+        from loomrl.config_rules import check_job
+
+        check_job(self)
         return self
 
     @model_validator(mode="after")

@@ -78,7 +78,8 @@ class Controller:
         self.generators = Replicas(generators)
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
-        self.leases = leases  # scheduler.url set: device phases run in leases (scheduler.jobside)
+        # device phases run in scheduler leases (scheduler.url) or colocated turns (device.colocate)
+        self.leases = leases
         # Executor failures, restarts and re-queues (loomrl.runtime.supervision); a restarted
         # generator gets a full weight update of the current version before any request.
         self.faults = faults or FaultStats()
@@ -169,7 +170,8 @@ class Controller:
 
     def on_device(self, phase: str, call: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         """``call()`` as a device phase, to await: in a scheduler lease when the job shares
-        its devices (``scheduler.url``), else ``call()`` itself."""
+        its devices (``scheduler.url``), in the trainer's or the generators' turn when they
+        share one (``generation.colocate``), else ``call()`` itself."""
         if self.leases is None:
             return call()
         return self.leases.run(phase, call)
@@ -277,19 +279,21 @@ class Controller:
         self.step_record.log_samples(self.version + 1, batch.groups)
         metrics = await self._train(batch)
         await self.gate.set_version(self.version)
-        metrics.update(self.step_record.build(self.version, facts, wait_s, t0, clock.session_s()))
+        metrics.update(
+            self.step_record.build(self.version, facts, wait_s, t0, clock.session_s(), metrics)
+        )
         metrics.update(self.accounting())
         release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
 
     async def _train(self, batch: Batch) -> dict[str, Any]:
         """The trainer's step on ``batch``, publishing the new version when it is due: in
-        the step's own call without a scheduler (one round trip, not two); with one,
-        training and weight sync stay device phases of their own. A publish that fails
+        the step's own call (one round trip, not two) unless the job's scheduler leases
+        keep training and weight sync as device phases of their own. A publish that fails
         after its step raises once the step is counted (a checkpoint then matches)."""
         step = self.version + 1
         publish = step % self.cfg.weight_sync.sync_every == 0 or step == self.cfg.trainer.num_steps
-        fused = publish and self.leases is None
+        fused = publish and getattr(self.leases, "publish_in_train_phase", True)
         try:
             metrics = await self.on_device(
                 "train", lambda: self.trainer.train_step(batch.groups, publish=fused)

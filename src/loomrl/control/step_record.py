@@ -22,7 +22,7 @@ from loomrl.control.watchdog import StallWatchdog
 from loomrl.envs.scorer import Scorer
 from loomrl.runtime.supervision import FaultStats
 from loomrl.telemetry.metrics import MetricsLogger
-from loomrl.telemetry.samples import ZeroVarianceWatch, step_samples
+from loomrl.telemetry.samples import MismatchWatch, ZeroVarianceWatch, step_samples
 
 _completion_tokens = operator.attrgetter("completion_tokens")
 
@@ -100,7 +100,9 @@ class StepRecord:
             scorer,
             faults,
         )
-        self.zero_variance = ZeroVarianceWatch(cfg.logging.zero_variance_warning_every_steps)
+        every = cfg.logging.zero_variance_warning_every_steps
+        self.zero_variance = ZeroVarianceWatch(every)
+        self.mismatch = MismatchWatch(cfg.logging.logprob_mismatch_warning, every)
         self.trained_tokens = 0
 
     def watch(
@@ -120,10 +122,17 @@ class StepRecord:
             self.metrics.log_samples(step_samples(groups, self.completions_per_step), step)
 
     def build(
-        self, step: int, facts: BatchFacts, wait_s: float, t0: float, elapsed: float
+        self,
+        step: int,
+        facts: BatchFacts,
+        wait_s: float,
+        t0: float,
+        elapsed: float,
+        trained: dict[str, Any],
     ) -> dict[str, Any]:
-        """The record of step ``step`` (its trainer metrics are added by the caller); ``t0``:
-        when the step began waiting for its batch, ``elapsed``: training seconds so far."""
+        """The record of step ``step`` besides ``trained`` (the trainer's metrics, which the
+        caller adds; read here for the mismatch warning); ``t0``: when the step began
+        waiting for its batch, ``elapsed``: training seconds so far."""
         self.trained_tokens += facts.completion_tokens
         n, staleness = facts.num_rollouts, facts.staleness
         return {
@@ -143,6 +152,7 @@ class StepRecord:
             **self.failed_metrics(),
             **self.scorer.reward_metrics(),
             "rollout/zero_variance_frac": self.zero_variance.observe(step, facts.rewards),
+            **self.mismatch.observe(step, trained),
             **self.faults.metrics(),
             **(self.extra_metrics() if self.extra_metrics else {}),
         }

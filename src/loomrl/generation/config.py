@@ -39,6 +39,15 @@ class GenerationConfig(Section):
         4, gt=0, description="Prompt groups batched into one generate call."
     )
     num_generators: int = Field(1, gt=0, description="Generator executors.")
+    colocate: bool = Field(
+        False,
+        description="The generators and the trainer share one device and take turns on it: the "
+        "generators' state is offloaded while the trainer steps, publishes or checkpoints, and the "
+        "trainer's while they generate (hf: weights to host memory; vllm: sleep mode on CUDA, "
+        "stop and restart from the verified weights on a CPU). Generation and training no longer "
+        "overlap, even with max_staleness > 0; the colocate/* metrics say what the turns cost "
+        "(docs/engines.md).",
+    )
     trace: bool | Literal["auto"] = Field(
         "auto",
         description="Forward passes from TorchScript traces, one per batch shape: bit-identical "

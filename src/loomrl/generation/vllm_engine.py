@@ -15,6 +15,7 @@ is counted (``generation/vllm_restarts``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import shutil
@@ -99,9 +100,10 @@ class VllmGenerator(Generator):
         mirror = published_state(model, DTYPES[publish_dtype])
         self.aliases = tied_aliases(model, mirror)
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
-        self.counts = {"restarts": 0, "reloads": 0, "reset_refusals": 0}
+        self.counts = {"restarts": 0, "reloads": 0, "reset_refusals": 0, "offloads": 0}
         self.last_reload_s = 0.0
         self.offloaded = False
+        self._reload_on_restore = False  # weights committed to the mirror while offloaded
         self.llm = self._start()
 
     def _start(self) -> Any:
@@ -131,6 +133,9 @@ class VllmGenerator(Generator):
         receiver just verified); restart from the mirror if vLLM fails part-way."""
         from loomrl.generation import vllm_adapter
 
+        if self.offloaded:  # asleep or stopped: ``restore`` loads the whole mirror
+            self._reload_on_restore = True
+            return
         names = reload_groups((name for name, _ in weights), self.mirror)
         t0 = time.perf_counter()
         try:
@@ -184,35 +189,45 @@ class VllmGenerator(Generator):
             "generation/vllm_restarts": float(self.counts["restarts"]),
             "generation/vllm_prefix_reset_refusals": float(self.counts["reset_refusals"]),
             "generation/vllm_reload_s": self.last_reload_s,
+            "generation/vllm_offloads": float(self.counts["offloads"]),
         }
 
     # -- time-slicing --------------------------------------------------------------------
 
     def offload(self) -> float:
-        """vLLM's sleep mode (level 1: weights to host memory, key/value cache dropped) on
-        CUDA; the seconds it took. vLLM has no sleep mode on a CPU: refused there, so no
-        scheduler believes memory was freed."""
+        """Free the engine's device memory until ``restore``; the seconds it took. On CUDA,
+        vLLM's sleep mode (level 1: weights to host memory, key/value cache dropped). vLLM
+        has no sleep mode on a CPU: there the engine is stopped (its weights and key/value
+        cache freed) and ``restore`` starts it again from the verified mirror, so memory
+        the scheduler or a colocated trainer counts on is really free."""
         from loomrl.generation import vllm_adapter
 
-        if self.device_type != "cuda":
-            raise NotImplementedError(
-                f"the vllm engine cannot offload on device {self.device_type!r}: vLLM's sleep "
-                "mode is CUDA-only (on a CPU use generation.engine = 'hf' with a scheduler that "
-                "offloads)"
-            )
         t0 = time.perf_counter()
         if not self.offloaded:
-            vllm_adapter.sleep(self.llm, level=1)
+            if self.device_type == "cuda":
+                vllm_adapter.sleep(self.llm, level=1)
+            else:
+                vllm_adapter.shutdown(self.llm)
+                self.llm = None
+                gc.collect()  # the engine's tensors go now, not at some later collection
             self.offloaded = True
+            self.counts["offloads"] += 1
         return time.perf_counter() - t0
 
     def restore(self) -> float:
+        """Undo ``offload``; weights committed meanwhile are loaded now. The seconds."""
         from loomrl.generation import vllm_adapter
 
         t0 = time.perf_counter()
         if self.offloaded:
-            vllm_adapter.wake_up(self.llm)
-            self.offloaded = False
+            if self.llm is None:  # stopped (CPU): a fresh engine, then the mirror's weights
+                self.llm = self._start()
+                self._reload_on_restore = True
+            else:
+                vllm_adapter.wake_up(self.llm)
+            if self._reload_on_restore:
+                vllm_adapter.reload_weights(self.llm, self._with_aliases(list(self.mirror)))
+            self._reload_on_restore = self.offloaded = False
         return time.perf_counter() - t0
 
     def close(self) -> None:

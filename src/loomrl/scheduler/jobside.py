@@ -57,6 +57,9 @@ class _ExecutorState:
 
 
 class JobLeases:
+    # training and weight sync stay phases of their own: another job may come between them
+    publish_in_train_phase = False
+
     def __init__(self, cfg: SchedulerConfig, job_name: str, handles: list[Any]) -> None:
         self.cfg = cfg
         self.client = SchedulerClient(

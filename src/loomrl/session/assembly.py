@@ -158,14 +158,19 @@ def supervise(
     )
 
 
-def job_leases(cfg: JobConfig, handles: list[Any]):
-    """With ``scheduler.url`` set, the job's device phases run in leases; otherwise None
-    (and nothing of ``loomrl.scheduler`` but its config is imported)."""
+def job_leases(cfg: JobConfig, trainer: Any, generators: list[Any]):
+    """What the job's device phases run in: scheduler leases with ``scheduler.url`` set,
+    turns on one device with ``generation.colocate``, otherwise None (and nothing of
+    ``loomrl.scheduler`` but its config is imported)."""
+    if cfg.generation.colocate:
+        from loomrl.device.colocate import ColocatedPhases
+
+        return ColocatedPhases(trainer, generators)
     if cfg.scheduler.url is None:
         return None
     from loomrl.scheduler.jobside import JobLeases
 
-    return JobLeases(cfg.scheduler, cfg.name, handles)
+    return JobLeases(cfg.scheduler, cfg.name, [trainer, *generators])
 
 
 def with_lease_metrics(

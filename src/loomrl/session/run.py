@@ -203,7 +203,7 @@ def _train(
             inputs.scorer.attach(executors.scorers, faults)
             stream = PromptStream(len(inputs.train_rows), cfg.seed, cfg.data.shuffle)
             resumed = restore(inputs, stream) if inputs.resume_from is not None else None
-            leases = job_leases(cfg, [executors.trainer, *executors.generators])
+            leases = job_leases(cfg, executors.trainer, executors.generators)
             controller = _make_controller(
                 cfg, inputs, executors, stream, resumed, leases, metrics, on_record, faults
             )

@@ -64,3 +64,36 @@ class ZeroVarianceWatch:
                 self.every_steps,
             )
         return fraction
+
+
+class MismatchWatch:
+    """Warns when a step's ``train/logprob_mismatch_same_version`` (mean |trainer -
+    behaviour| log-prob on tokens sampled at the trainer's own version) passes
+    ``threshold``, at most once every ``every_steps`` steps; counts the warnings."""
+
+    def __init__(self, threshold: float, every_steps: int) -> None:
+        self.threshold, self.every_steps = threshold, every_steps
+        self.last_warned: int | None = None
+        self.warnings = 0
+
+    def observe(self, step: int, train_metrics: dict) -> dict[str, float]:
+        """``train/logprob_mismatch_warnings`` so far, after looking at this step's."""
+        gap = train_metrics.get("train/logprob_mismatch_same_version")
+        due = self.last_warned is None or step - self.last_warned >= self.every_steps
+        if gap is not None and gap > self.threshold and due:
+            self.last_warned, self.warnings = step, self.warnings + 1
+            logger.warning(
+                "step %d: the trainer's and the generators' log-probs of the same tokens at the same "
+                "policy version differ by %.3g nats on average (max %.3g, KL %.3g; warning above %.3g): "
+                "the engine does not compute the trainer's policy. Look for a precision or kernel "
+                "difference (weight_sync.publish_dtype, generation.quantize, model.dtype, the engine), "
+                "or weights that did not arrive (said at most every %d steps; "
+                "logging.logprob_mismatch_warning sets the threshold)",
+                step,
+                gap,
+                train_metrics.get("train/logprob_mismatch_same_version_max", float("nan")),
+                train_metrics.get("train/logprob_mismatch_kl", float("nan")),
+                self.threshold,
+                self.every_steps,
+            )
+        return {"train/logprob_mismatch_warnings": float(self.warnings)}

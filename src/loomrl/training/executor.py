@@ -86,11 +86,22 @@ class TrainerExecutor(TrainerEndpoints):
         return metrics
 
     def publish(self, full: bool = False) -> dict[str, float]:
-        t0 = time.perf_counter()
-        metrics = self.publisher.publish(
-            synced_params(self.trainer.model), self.trainer.version, full=full
-        )
-        metrics["timing/publish_s"] = time.perf_counter() - t0
+        """Publish the current version. An offloaded trainer (colocated generators, or a
+        scheduler that took the device) brings its state back for it and sends it away
+        again: a fresh generator's full snapshot is published inside its generate phase."""
+        swap = getattr(self, "_swap", None)
+        away = swap is not None and swap.offloaded
+        if away:
+            swap.restore()
+        try:
+            t0 = time.perf_counter()
+            metrics = self.publisher.publish(
+                synced_params(self.trainer.model), self.trainer.version, full=full
+            )
+            metrics["timing/publish_s"] = time.perf_counter() - t0
+        finally:
+            if away:
+                self.offload()
         return metrics
 
     def state_dict(self) -> dict:

@@ -112,5 +112,17 @@ def add_micro_batch_stats(
         )
         same = batch.same_version.unsqueeze(1).float() * mask
         if same.sum() > 0:
-            diff = ((logp.detach() - batch.behaviour).abs() * same).sum() / same.sum()
-            acc.add("train/logprob_mismatch_same_version", float(diff), float(same.sum()))
+            add_mismatch_stats(acc, logp.detach() - batch.behaviour, same)
+
+
+def add_mismatch_stats(acc: _Accumulator, log_ratio: torch.Tensor, same: torch.Tensor) -> None:
+    """The training-inference mismatch on tokens sampled at the trainer's own version
+    (``same``: 1 there), where the log-probs differ only by engine, kernels and precision:
+    mean and max of |trainer - behaviour| and the k3 estimate of KL(behaviour || trainer),
+    ``E[r - 1 - log r]`` with ``r = exp(trainer - behaviour)`` over tokens the behaviour
+    policy sampled (unbiased, never negative)."""
+    gap = log_ratio.abs() * same
+    acc.add("train/logprob_mismatch_same_version", float(gap.sum() / same.sum()), float(same.sum()))
+    acc.max("train/logprob_mismatch_same_version_max", float(gap.max()))
+    k3 = (torch.expm1(log_ratio) - log_ratio) * same
+    acc.add("train/logprob_mismatch_kl", float(k3.sum() / same.sum()), float(same.sum()))
