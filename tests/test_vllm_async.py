@@ -165,6 +165,20 @@ def test_an_update_waits_for_the_calls_in_flight_and_the_next_calls_use_it(engin
     assert _parity(gen, model, tok, new, ["12+3=", "99+1="]) <= PARITY_TOL
 
 
+def test_the_gate_is_held_from_a_reload_until_the_version_moved(engines, monkeypatch):
+    gen, _, _, _ = engines
+    real, held_after_load = gen.receiver.load_weights, []
+
+    def load_then_look(weights) -> None:
+        real(weights)  # the receiver moves its version after this returns
+        held_after_load.append(gen.gate.held)
+
+    monkeypatch.setattr(gen.receiver, "load_weights", load_then_look)
+    state = {k: t.clone() for k, t in gen.mirror.items()}
+    gen.update_weights(encode_update(None, state, version=gen.version + 1, base_version=None))
+    assert held_after_load == [True] and not gen.gate.held
+
+
 @pytest.mark.slow  # an AsyncLLM restart (16-30 s on 2 cores)
 def test_a_failed_reload_restarts_the_async_engine_from_the_verified_weights(engines, monkeypatch):
     gen, _, model, tok = engines

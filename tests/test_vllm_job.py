@@ -139,3 +139,12 @@ def test_a_multi_turn_job_on_the_async_vllm_engine_sends_turns_as_they_come(tiny
     # overlapping in vLLM (25 here)
     assert records[-1]["generation/vllm_peak_requests"] > 4
     assert all(r["rollout/reward_mean"] >= 0.5 for r in records)  # every episode: 2 turns
+
+
+def test_the_async_vllm_engine_is_refused_on_the_process_runtime(tiny_job, tmp_path):
+    from loomrl.generation.executor import build_vllm_generator
+
+    engine = {**VLLM, "async_engine": True}
+    cfg = _vllm_job(tiny_job, tmp_path, runtime="process", generation={"engine": engine})
+    with pytest.raises(ValueError, match="async_engine=true cannot run on runtime='process'"):
+        build_vllm_generator(cfg, None)

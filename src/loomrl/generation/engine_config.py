@@ -62,8 +62,8 @@ class VllmEngineConfig(_Engine):
         description="Drive vLLM's AsyncLLM on an event loop of its own: generate calls overlap "
         "(each request goes to vLLM as it comes and vLLM batches them continuously), for "
         "multi-turn environments and several rollouts in flight on one engine. Weights still "
-        "change only between requests: a reload waits for the calls in flight. The local "
-        "runtime runs the calls concurrently; the process runtime one at a time.",
+        "change only between requests: a reload waits for the calls in flight. Needs "
+        "runtime='local' (its pool runs the calls concurrently; docs/engines.md).",
     )
 
 

@@ -43,6 +43,12 @@ def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
     gen = cfg.generation
     if cfg.model.lora is not None:
         raise ValueError("generation.engine.type='vllm' does not take model.lora yet; use 'hf'")
+    if gen.engine.async_engine and cfg.runtime == "process":
+        raise ValueError(
+            "generation.engine.async_engine=true cannot run on runtime='process': its "
+            "executors are daemonic processes, which may not start AsyncLLM's engine-core "
+            "process (and it runs an executor's calls one at a time); use runtime='local'"
+        )
     if gen.quantize != "none":
         raise ValueError(
             f"generation.quantize={gen.quantize!r} is the hf engine's; with the vllm engine use 'none'"

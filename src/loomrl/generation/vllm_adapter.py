@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -268,7 +269,10 @@ class AsyncLLMOnLoop:
     @property
     def resources(self) -> Any:
         """The engine-core client's (whether the engine-core process is alive)."""
-        return self.llm.engine_core.resources
+        llm = self.llm
+        if llm is None:  # shut down (a restart replaced it)
+            return SimpleNamespace(engine_dead=True)
+        return llm.engine_core.resources
 
     def shutdown(self) -> None:
         """Stop AsyncLLM (its engine-core process too), then the loop and its thread."""

@@ -73,6 +73,11 @@ class WeightGate:
     def readers(self) -> int:
         return self._readers
 
+    @property
+    def held(self) -> bool:
+        """Whether a writer holds the gate."""
+        return self._writer
+
 
 class AsyncVllmGenerator(VllmGenerator):
     """``VllmGenerator`` on ``AsyncLLM``, its ``generate`` concurrent (module docstring)."""
@@ -80,6 +85,7 @@ class AsyncVllmGenerator(VllmGenerator):
     def __init__(self, model: torch.nn.Module, tokenizer: Any, **kwargs: Any) -> None:
         self.gate = WeightGate()
         self._change_lock = threading.RLock()  # one engine change at a time
+        self._change_depth = 0  # nested _engine_change blocks (under _change_lock)
         self._gate_held = False  # by the change in progress (under _change_lock)
         super().__init__(model, tokenizer, **kwargs)
 
@@ -102,11 +108,12 @@ class AsyncVllmGenerator(VllmGenerator):
         """Hold the engine alone for the block (the gate is taken at the first
         ``_hold_gate``, so a change that turns out to change nothing never waits)."""
         with self._change_lock:
-            outer = not self._gate_held
+            self._change_depth += 1
             try:
                 yield
             finally:
-                if outer and self._gate_held:
+                self._change_depth -= 1
+                if self._change_depth == 0 and self._gate_held:  # the outermost block ends
                     self._gate_held = False
                     self.gate.release()
 
