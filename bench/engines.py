@@ -16,6 +16,7 @@ Run it in the vLLM venv (``make vllm-env``):
 
     .venv-vllm/bin/python bench/engines.py                      # CPU, the demo-sized model
     python bench/engines.py --device cuda --model tiny:qwen2?hidden_size=896&num_layers=24
+    .venv-vllm/bin/python bench/engines.py --engines vllm,vllm-async --calls 64   # AsyncLLM
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engines", default="hf,vllm,vllm-async")
-    p.add_argument("--calls", type=int, default=8, help="generate calls the requests make")
+    p.add_argument("--engines", default="hf,vllm", help="hf, vllm, vllm-async")
+    p.add_argument("--calls", type=int, default=1, help="generate calls the requests make")
     p.add_argument("--vllm-multiprocessing", action="store_true")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

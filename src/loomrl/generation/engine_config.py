@@ -55,7 +55,7 @@ class VllmEngineConfig(_Engine):
         description="Run vLLM's engine core in its own process (vLLM's default). False runs it "
         "in the generator's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): starts in seconds on a "
         "CPU, for tests. With async_engine the engine core has a process of its own either "
-        "way; False keeps vLLM's worker in it (16 s to start on 2 cores, against 31 s).",
+        "way; False keeps vLLM's worker in it (8-18 s to start on 2 cores, against 31 s).",
     )
     async_engine: bool = Field(
         False,

@@ -186,7 +186,7 @@ class AsyncLLMOnLoop:
     Any thread may call them, and calls from several threads overlap: each request goes to
     vLLM as it comes and vLLM batches what it holds continuously. AsyncLLM's engine core
     always runs in a process of its own (vLLM 0.32 has no in-process AsyncLLM; with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` its worker stays in that process): 16 s to start
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` its worker stays in that process): 8-18 s to start
     on a 2-core CPU, against 31 s with a worker process of its own."""
 
     def __init__(self, model_dir: str, kwargs: dict[str, Any]) -> None:
