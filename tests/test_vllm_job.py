@@ -139,6 +139,12 @@ def test_a_multi_turn_job_on_the_async_vllm_engine_sends_turns_as_they_come(tiny
     # overlapping in vLLM (25 here)
     assert records[-1]["generation/vllm_peak_requests"] > 4
     assert all(r["rollout/reward_mean"] >= 0.5 for r in records)  # every episode: 2 turns
+    mismatch = [  # tokens sampled at the trainer's version match its log-probs: one version each
+        r["train/logprob_mismatch_same_version"]
+        for r in records
+        if "train/logprob_mismatch_same_version" in r
+    ]
+    assert mismatch and max(mismatch) <= 1e-3, mismatch
 
 
 def test_the_async_vllm_engine_is_refused_on_the_process_runtime(tiny_job, tmp_path):
