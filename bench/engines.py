@@ -5,7 +5,10 @@ Each engine is loomrl's own (``HFGenerator`` with its device defaults: traced fo
 CPU, the static step with CUDA graphs on CUDA; ``VllmGenerator``), fed through the same
 ``WeightReceiver`` path a job uses: an update is decoded and verified into the mirror, then
 loaded into the engine. Tokens/s counts the tokens each engine returned (a sequence may end
-at EOS), over ``--repeats`` timed calls after one warm-up call. Update times are medians of
+at EOS), over ``--repeats`` timed calls after one warm-up call. ``vllm-async`` is the vLLM
+engine on AsyncLLM (``async_engine = true``). The requests are split into ``--calls``
+generate calls: made at once from threads to an engine whose ``generate`` is concurrent (as
+the local runtime makes them), one after another to the others. Update times are medians of
 ``--repeats`` updates: full (every tensor, raw) and delta (every tensor changed a little,
 xor-zstd), decode and verify included.
 
@@ -13,6 +16,7 @@ Run it in the vLLM venv (``make vllm-env``):
 
     .venv-vllm/bin/python bench/engines.py                      # CPU, the demo-sized model
     python bench/engines.py --device cuda --model tiny:qwen2?hidden_size=896&num_layers=24
+    .venv-vllm/bin/python bench/engines.py --engines vllm,vllm-async --calls 64   # AsyncLLM
 """
 
 from __future__ import annotations
@@ -44,11 +48,26 @@ def _requests(tok, args) -> list[GenerationRequest]:
     ]
 
 
-def _tokens_per_s(gen, requests, repeats: int) -> float:
-    gen.generate(requests)  # warm-up: traces, graphs, vLLM's first schedule
+def _generate(gen, requests, num_calls: int) -> list:
+    """All results, from ``num_calls`` generate calls: at once (threads) when the engine's
+    ``generate`` is concurrent, else one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loomrl.generation.base import Generator
+    from loomrl.runtime.endpoints import check_implements
+
+    chunks = [requests[i::num_calls] for i in range(num_calls)]
+    if num_calls == 1 or not check_implements(gen, Generator)["generate"]:
+        return [r for chunk in chunks for r in gen.generate(chunk)]
+    with ThreadPoolExecutor(num_calls) as pool:
+        return [r for results in pool.map(gen.generate, chunks) for r in results]
+
+
+def _tokens_per_s(gen, requests, repeats: int, num_calls: int) -> float:
+    _generate(gen, requests, num_calls)  # warm-up: traces, graphs, vLLM's first schedule
     tokens, t0 = 0, time.perf_counter()
     for _ in range(repeats):
-        for result in gen.generate(requests):
+        for result in _generate(gen, requests, num_calls):
             tokens += sum(len(c.token_ids) for c in result.completions)
     return tokens / (time.perf_counter() - t0)
 
@@ -85,10 +104,13 @@ def _engine(name: str, model, tok, args):
             static_cache=on_cuda,
             cuda_graphs=on_cuda,
         )
+    from loomrl.generation.vllm_async import AsyncVllmGenerator
     from loomrl.generation.vllm_engine import VllmGenerator
 
-    cfg = VllmEngineConfig(multiprocessing=args.vllm_multiprocessing)
-    return VllmGenerator(model, tok, engine=cfg, publish_dtype=args.publish_dtype)
+    on_async = name == "vllm-async"
+    cfg = VllmEngineConfig(multiprocessing=args.vllm_multiprocessing, async_engine=on_async)
+    engine = AsyncVllmGenerator if on_async else VllmGenerator
+    return engine(model, tok, engine=cfg, publish_dtype=args.publish_dtype)
 
 
 def main() -> None:
@@ -101,7 +123,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engines", default="hf,vllm")
+    p.add_argument("--engines", default="hf,vllm", help="hf, vllm, vllm-async")
+    p.add_argument("--calls", type=int, default=1, help="generate calls the requests make")
     p.add_argument("--vllm-multiprocessing", action="store_true")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -112,14 +135,15 @@ def main() -> None:
         state = published_state(model, getattr(torch, args.publish_dtype))
         gen = _engine(name, model, tok, args)
         gen.update_weights(encode_update(None, state, version=0, base_version=None))
-        tps = _tokens_per_s(gen, _requests(tok, args), args.repeats)
+        tps = _tokens_per_s(gen, _requests(tok, args), args.repeats, args.calls)
         full_s, delta_s = _update_times(gen, state, args.repeats)
         rows.append((name, tps, full_s, delta_s))
         getattr(gen, "close", lambda: None)()
     params = sum(t.numel() for t in state.values())
     print(
         f"\n{args.model} ({params / 1e6:.2f}M params, {dtype}, {args.device}); "
-        f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens\n"
+        f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens "
+        f"in {args.calls} generate calls\n"
     )
     print("| engine | tokens/s | vs first | full update s | delta update s |")
     print("|---|---|---|---|---|")

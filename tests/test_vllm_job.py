@@ -19,10 +19,11 @@ VLLM = {"type": "vllm", "multiprocessing": False, "cpu_kv_cache_gb": 0.25}
 
 
 def _vllm_job(tiny_job, tmp_path, **sections):
-    generation = {"max_new_tokens": 3, "prompts_per_request": 2, "engine": VLLM}
+    sections.setdefault(
+        "generation", {"max_new_tokens": 3, "prompts_per_request": 2, "engine": VLLM}
+    )
     return tiny_job(
         model={"path": MODEL},
-        generation=generation,
         output_dir=str(tmp_path / "run"),
         **sections,
     )
@@ -129,3 +130,51 @@ def test_a_colocated_job_stops_the_vllm_engine_while_the_trainer_steps(tiny_job,
     assert last["colocate/switches"] >= 2 * 4
     mismatch = [r["train/logprob_mismatch_same_version"] for r in records]
     assert max(mismatch) <= 1e-3, mismatch  # each restart served the newest weights
+
+
+def test_a_multi_turn_job_on_the_async_vllm_engine_sends_turns_as_they_come(tiny_job, tmp_path):
+    # Each episode's turns are generate calls of their own: on AsyncLLM the calls of the
+    # group's episodes overlap in vLLM (the local runtime runs them concurrently).
+    cfg = _vllm_job(
+        tiny_job,
+        tmp_path,
+        generation={
+            "max_new_tokens": 3,
+            "prompts_per_request": 2,
+            "engine": {**VLLM, "async_engine": True},
+        },
+        task={
+            "reward": None,
+            "environment": "test_env_job:GuessTwice",
+            "environment_args": {"bonus": 0.5},
+            "max_turns": 3,
+        },
+        trainer={"num_steps": 3},
+        weight_sync={"publish_dtype": "float32"},
+    )
+    result = Job(cfg).run()
+    s = result.summary
+    assert s["steps"] == 3 and not s.get("job_failed") and s["failed"] == 0
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert records[-1]["generation/vllm_reloads"] >= 2  # live updates between the calls
+    assert records[-1]["generation/vllm_restarts"] == 0
+    # a turn of a group is one call of 4 requests (its episodes): more at once is calls
+    # overlapping in vLLM (25 here)
+    assert records[-1]["generation/vllm_peak_requests"] > 4
+    assert all(r["rollout/reward_mean"] >= 0.5 for r in records)  # every episode: 2 turns
+    mismatch = [  # tokens sampled at the trainer's version match its log-probs: one version each
+        r["train/logprob_mismatch_same_version"]
+        for r in records
+        if "train/logprob_mismatch_same_version" in r
+    ]
+    assert mismatch and max(mismatch) <= 1e-3, mismatch
+
+
+def test_the_async_vllm_engine_is_refused_on_the_process_runtime(tiny_job, tmp_path):
+    from loomrl.generation.executor import build_vllm_generator
+
+    engine = {**VLLM, "async_engine": True}
+    cfg = _vllm_job(tiny_job, tmp_path, runtime="process", generation={"engine": engine})
+    with pytest.raises(ValueError, match="async_engine=true cannot run on runtime='process'"):
+        build_vllm_generator(cfg, None)

@@ -35,18 +35,27 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
 
 
 def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
-    """The vLLM engine (``loomrl.generation.vllm_engine``): vLLM is imported only here."""
+    """The vLLM engine (``loomrl.generation.vllm_engine``; on AsyncLLM with
+    ``async_engine``, ``loomrl.generation.vllm_async``): vLLM is imported only here."""
+    from loomrl.generation.vllm_async import AsyncVllmGenerator
     from loomrl.generation.vllm_engine import VllmGenerator
 
     gen = cfg.generation
     if cfg.model.lora is not None:
         raise ValueError("generation.engine.type='vllm' does not take model.lora yet; use 'hf'")
+    if gen.engine.async_engine and cfg.runtime == "process":
+        raise ValueError(
+            "generation.engine.async_engine=true cannot run on runtime='process': its "
+            "executors are daemonic processes, which may not start AsyncLLM's engine-core "
+            "process (and it runs an executor's calls one at a time); use runtime='local'"
+        )
     if gen.quantize != "none":
         raise ValueError(
             f"generation.quantize={gen.quantize!r} is the hf engine's; with the vllm engine use 'none'"
         )
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    return VllmGenerator(
+    engine = AsyncVllmGenerator if gen.engine.async_engine else VllmGenerator  # concurrent generate
+    return engine(
         model.to("cpu"),  # vLLM holds the weights on the device; the mirror stays in host memory
         tokenizer,
         engine=gen.engine,
