@@ -214,3 +214,19 @@ def test_a_killed_async_engine_core_is_restarted_with_the_verified_weights(engin
     time.sleep(2)  # dead, not reaped (vLLM's own process handle must see it)
     assert _parity(gen, model, tok, state, ["12+3="]) <= PARITY_TOL
     assert gen.metrics()["generation/vllm_restarts"] == restarts + 1
+
+
+@pytest.mark.slow  # an AsyncLLM start (16-30 s on 2 cores)
+def test_offload_on_a_cpu_stops_the_async_engine_and_restore_serves_the_newest_weights(engines):
+    # The colocated mode's turn on the async engine: stopped (no sleep mode on a CPU), an
+    # update committed meanwhile, then started again from the mirror at trainer parity.
+    gen, _, model, tok = engines
+    gen.offload()
+    assert gen.offloaded and gen.llm is None
+    base = {k: t.clone() for k, t in gen.mirror.items()}
+    new = _perturbed(base, seed=21)
+    version = gen.version + 1
+    gen.update_weights(encode_update(base, new, version=version, base_version=gen.version))
+    gen.restore()
+    assert not gen.offloaded and vllm_adapter.engine_alive(gen.llm)
+    assert _parity(gen, model, tok, new, ["12+3=", "77+7="]) <= PARITY_TOL
