@@ -184,14 +184,15 @@ done
 
 # -- 4. vLLM ----------------------------------------------------------------------------------
 # The engine's tests (parity with transformers after full and delta updates, no stale prefix
-# cache, refused corrupted updates, sleep and wake; a colocated job) and bench/engines.py
-# (tokens/s of HF and vLLM, update times).
+# cache, refused corrupted updates, sleep and wake, the AsyncLLM engine; a colocated job) and
+# bench/engines.py (tokens/s of HF and vLLM, update times).
 if python3 -c 'import vllm' >/dev/null 2>&1; then
   cap=$(budget "$CAP_BENCH" 10)
   section "vLLM: tests/test_vllm_engine.py (cap ${cap}s)"
   t0=$(date +%s)
   timeout -s INT -k 10 "$cap" python3 -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
-    --timeout=120 -rfE tests/test_vllm_engine.py tests/test_vllm_job.py::test_a_colocated_job_stops_the_vllm_engine_while_the_trainer_steps \
+    --timeout=120 -rfE tests/test_vllm_engine.py tests/test_vllm_async.py \
+    tests/test_vllm_job.py::test_a_colocated_job_stops_the_vllm_engine_while_the_trainer_steps \
     >"$L/vllm_tests.log" 2>&1
   rc=$?
   tail -n 5 "$L/vllm_tests.log"
