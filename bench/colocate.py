@@ -111,7 +111,7 @@ def job_config(args: argparse.Namespace, out: Path, colocate: bool):
         train,
         output_dir=str(out / ("colocated" if colocate else "plain")),
         runtime="local",
-        model={"path": model},
+        model={"path": model, "device": args.device},
         task={"reward": "examples.arithmetic.reward:digits"},  # partial credit: it learns
         generation={"colocate": colocate, "max_new_tokens": 4, "prompts_per_request": 8},
         algorithm={"group_size": 8, "groups_per_step": 8, "max_staleness": 0},
@@ -171,13 +171,14 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--device", default="auto", help="model.device: auto, cpu or cuda")
     p.add_argument("--json", type=Path, help="write the rows here too")
     args = p.parse_args()
     import torch
 
     from loomrl.models import load_model_and_tokenizer
 
-    cuda = torch.cuda.is_available()
+    cuda = args.device != "cpu" and torch.cuda.is_available()
     probe = job_config(args, Path(tempfile.mkdtemp(prefix="loomrl-coloc-")), False)
     model, _ = load_model_and_tokenizer(probe.model.path, seed=0)
     params = sum(t.numel() for t in model.parameters())

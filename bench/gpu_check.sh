@@ -13,7 +13,8 @@
 #      (bench/gpu/side_by_side.py): TRL's default precision and TRL with bf16 weights as the
 #      baselines, loomrl async on `local` and `process` with its CUDA defaults;
 #   3. the HF engine's variants (bench/hf_engine.py) and the weight lanes (bench/weight_sync.py)
-#      on the same model size;
+#      on the same model size, the trainer's step memory (bench/trainer_memory.py), colocated
+#      generation and training on one device (bench/colocate.py: CUDA memory, turn cost);
 #   4. vLLM, where it is installed ("skipped: vllm not installed" where not).
 # Writes $OUT/summary.md (the table), $OUT/full.log (the console) and per-step JSON; prints the
 # table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 540),
@@ -161,8 +162,8 @@ else
   TABLE="(no side-by-side: the build failed: $(tail -n 3 "$L/build.log" | tr '\n' ' ' | cut -c1-400))"
 fi
 
-# -- 3. the engine and the weight lanes on their own -----------------------------------------
-for BENCH in hf_engine weight_sync trainer_memory; do
+# -- 3. the engine, the weight lanes, the trainer's memory and colocation on their own ------
+for BENCH in hf_engine weight_sync trainer_memory colocate; do
   case $BENCH in hf_engine|trainer_memory) cap0=$(( CAP_BENCH + 20 )) ;; *) cap0=$CAP_BENCH ;; esac
   cap=$(budget "$cap0" 15)
   if [ ! -f "bench/$BENCH.py" ] || (( cap < 15 )); then row "bench/$BENCH.py" "skipped" "" "missing or ${cap}s left"; continue; fi
@@ -171,9 +172,10 @@ for BENCH in hf_engine weight_sync trainer_memory; do
   case $BENCH in
     weight_sync) ARGS=(--lane tensor --size "$([ "$SIZE" = dry ] && echo small || echo full)") ;;
     trainer_memory) ARGS=(--layers "$([ "$SIZE" = dry ] && echo 1 || echo 24)") ;;
+    colocate) ARGS=(--steps 4 $([ "$SIZE" = dry ] && echo --hidden 256 --layers 2)) ;;
     *) ARGS=(--size "$SIZE") ;;
   esac
-  [ "$BENCH" != trainer_memory ] && ARGS+=(--json "$OUT/$BENCH.json")
+  [ "$BENCH" != trainer_memory ] && ARGS+=(--json "$OUT/$BENCH.json")  # (colocate: its rows)
   timeout -s INT -k 10 "$cap" python3 "bench/$BENCH.py" "${ARGS[@]}" --device "$DEVICE" \
     >"$L/$BENCH.log" 2>&1
   rc=$?
