@@ -89,17 +89,10 @@ class AsyncVllmGenerator(VllmGenerator):
         self._gate_held = False  # by the change in progress (under _change_lock)
         super().__init__(model, tokenizer, **kwargs)
 
-    def _start(self) -> Any:
+    def _engine_factory(self):
         from loomrl.generation import vllm_adapter
 
-        return vllm_adapter.start_async_llm(
-            self.model_dir,
-            dtype=self.dtype,
-            seed=self.seed,
-            device_type=self.device_type,
-            engine=self.engine_cfg,
-            max_model_len=self.max_model_len,
-        )
+        return vllm_adapter.start_async_llm
 
     # -- engine changes: alone, between generate calls -----------------------------------
 

@@ -106,10 +106,14 @@ class VllmGenerator(Generator):
         self._reload_on_restore = False  # weights committed to the mirror while offloaded
         self.llm = self._start()
 
-    def _start(self) -> Any:
+    def _engine_factory(self):
+        """What starts this generator's engine (``vllm.LLM`` here; AsyncLLM in the async one)."""
         from loomrl.generation import vllm_adapter
 
-        return vllm_adapter.start_llm(
+        return vllm_adapter.start_llm
+
+    def _start(self) -> Any:
+        return self._engine_factory()(
             self.model_dir,
             dtype=self.dtype,
             seed=self.seed,
