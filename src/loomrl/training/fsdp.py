@@ -5,7 +5,8 @@ actor) each, in one ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), sta
 Each rank holds 1/N of the weights, gradients and AdamW state: the model is wrapped with
 ``torch.distributed.fsdp.fully_shard`` per transformer block, then at the root (with a
 ``MixedPrecisionPolicy`` under ``trainer.precision = "bf16_mixed"``), and the optimizer is
-built on the sharded parameters. A step:
+built on the sharded parameters. From a model folder the model starts on the meta device and
+each rank reads only its shards (``loomrl.training.fsdp_init``). A step:
 
 1. every rank gets the whole step's groups (the group handle sends all ranks the same
    arguments), computes every advantage and the global token count, and takes its share of
