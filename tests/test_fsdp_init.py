@@ -162,6 +162,32 @@ def test_a_model_the_meta_start_cannot_load_is_named_and_starts_whole(tmp_path):
     assert safetensors_files(str(tmp_path)) is None
 
 
+def test_a_folder_without_safetensors_and_a_tiny_spec_start_whole(tmp_path, caplog):
+    import torch
+    from safetensors.torch import load_file
+
+    from loomrl.config import ModelConfig
+    from loomrl.training.fsdp_init import start_sharded_model
+
+    _save_tiny_llama(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    torch.save(stored, tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    sharded = []
+    with caplog.at_level("WARNING", logger="loomrl.training.fsdp_init"):
+        model, _ = start_sharded_model(
+            ModelConfig(path=str(tmp_path), device="cpu"), torch.float32, sharded.append
+        )
+    assert "has no safetensors; every rank loads the whole model" in caplog.text
+    assert sharded == [model] and not model.lm_head.weight.is_meta
+    torch.testing.assert_close(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"])
+    caplog.clear()
+    model, _ = start_sharded_model(
+        ModelConfig(path="tiny:llama", device="cpu"), torch.float32, sharded.append
+    )
+    assert sharded[-1] is model and not caplog.text
+
+
 def _status_bytes(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):

@@ -40,10 +40,15 @@ def start_sharded_model(
     """``(model, tokenizer)``: the policy with weights in ``dtype`` on ``model_cfg.device``,
     sharded in place by ``shard`` (``fsdp.shard_model`` bound to the mesh): from the meta
     device where the model folder allows it (module docstring), else whole then sharded."""
-    files = safetensors_files(model_cfg.path)
-    if files is not None and model_cfg.lora is None:
-        model = build_meta_model(model_cfg.path, dtype)
-        blocker = meta_start_blocker(model, files)
+    if not model_cfg.path.startswith("tiny:"):  # (a tiny: model is built in code, whole)
+        files = safetensors_files(model_cfg.path)
+        if files is None:
+            blocker = "the folder has no safetensors"
+        elif model_cfg.lora is not None:
+            blocker = "model.lora (its adapter is applied to a whole model)"
+        else:
+            model = build_meta_model(model_cfg.path, dtype)
+            blocker = meta_start_blocker(model, files)
         if blocker is None:
             shard(model)
             model.to_empty(device=resolve_device(model_cfg.device))
