@@ -25,6 +25,11 @@ projection to 8 (``bench/trainer_sharding.py``; ~5 minutes on 2 cores):
 
     python bench/trainer_memory.py --sharded                 # ranks 1,2,4
     python bench/trainer_memory.py --sharded --ranks 1,2 --rows 8 --steps 2
+    python bench/trainer_memory.py --startup --ranks 2,4      # the start-up table alone
+
+It ends with each rank's start-up peak on the same model saved as a folder: the whole model
+loaded on every rank then sharded, against the meta-device start (``fsdp_init``; each rank
+reads its rows of the safetensors) and torch's broadcast-from-rank-0 recipe (~2 minutes).
 
 Cost: the 24-layer default needs ~16 GB of RAM for the 'before' variant on a CPU (fp32) and
 takes minutes a variant on 2 cores; ``--layers 2`` took 2-3 minutes a variant on a shared
@@ -186,6 +191,23 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+def _sharded(args) -> None:
+    """``--sharded`` (the step tables, then the start-up table) or ``--startup`` (that alone)."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trainer_sharding import main as sharded_main
+    from trainer_sharding import startup_main
+
+    ranks = [int(n) for n in args.ranks.split(",")]
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = Path(args.workdir or scratch)  # --workdir: the figures stay; a rerun reuses them
+        workdir.mkdir(parents=True, exist_ok=True)
+        if not args.startup:
+            sharded_main(ranks, args.rows, args.steps, workdir)
+        startup_main(ranks, workdir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -206,20 +228,14 @@ def main() -> None:
     parser.add_argument(
         "--workdir", help="--sharded: keep (and reuse) each configuration's figures here"
     )
+    parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="--sharded's start-up table alone: each rank's peak while the model starts",
+    )
     args = parser.parse_args()
-    if args.sharded:
-        import tempfile
-
-        sys.path.insert(0, str(ROOT / "bench"))
-        from trainer_sharding import main as sharded_main
-
-        ranks = [int(n) for n in args.ranks.split(",")]
-        if args.workdir:  # each configuration's figures stay there; a rerun reuses them
-            Path(args.workdir).mkdir(parents=True, exist_ok=True)
-            sharded_main(ranks, args.rows, args.steps, Path(args.workdir))
-            return
-        with tempfile.TemporaryDirectory() as workdir:
-            sharded_main(ranks, args.rows, args.steps, Path(workdir))
+    if args.sharded or args.startup:
+        _sharded(args)
         return
     if args.child:
         print(json.dumps(child(args.child, args.layers, args.device)))

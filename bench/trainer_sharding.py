@@ -316,3 +316,159 @@ def main(ranks: list[int], rows: int, steps: int, workdir: Path) -> None:
                 shares[n] = run_configuration(1, opts, workdir / f"share{n}.json")
                 print(f"single trainer on {rows // n} rows: done", flush=True)
     print(report(runs, shares, {"rows": rows}))
+
+
+# -- start-up: the whole model on every rank, against the meta-device start -----------------
+
+STARTUPS = {
+    "whole (load_policy, then shard)": "whole",
+    "meta, each rank reads its rows (shipped)": "meta",
+    "meta, rank 0 loads and broadcasts": "broadcast",
+}
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _broadcast_start(folder: str, shard):
+    """torch's other recipe: rank 0 alone reads the whole state, then
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor and every
+    rank keeps its shard."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from loomrl.models.loading import build_meta_model, safetensors_files
+    from loomrl.training.fsdp_init import init_non_persistent_buffers
+
+    model = build_meta_model(folder, torch.float32)
+    shard(model)
+    model.to_empty(device="cpu")
+    init_non_persistent_buffers(model)
+    state = {}
+    if dist.get_rank() == 0:
+        for file in sorted(set(safetensors_files(folder).values())):
+            state.update(load_file(file))
+        first: dict = {}  # a tied parameter's other names -> its stored one
+        alias = {
+            n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+        }
+        state = {n: state[alias.get(n, n)].float() for n in model.state_dict()}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    return model
+
+
+def _start(method: str, folder: str, shard):
+    import torch
+
+    from loomrl.config import ModelConfig
+    from loomrl.models.loading import load_policy
+    from loomrl.training.fsdp_init import start_sharded_model
+
+    model_cfg = ModelConfig(path=folder, device="cpu")
+    if method == "broadcast":
+        return _broadcast_start(folder, shard)
+    if method == "meta":
+        return start_sharded_model(model_cfg, torch.float32, shard)[0]
+    model = load_policy(model_cfg, dtype=torch.float32)[0]
+    shard(model)
+    return model
+
+
+def startup_rank(rank: int, world_size: int, rendezvous: str, opts: dict[str, Any], out: str):
+    """One rank: a warm-up start of a tiny model (imports, code pages), then the measured
+    start of the bench's model: ``VmHWM`` (reset through ``/proc/self/clear_refs``) minus the
+    resident set before it, and the shards it holds."""
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loomrl.training.fsdp import shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = partial(shard_model, mesh=mesh, precision="fp32", reshard=True)
+    warm = _start(opts["method"], opts["tiny"], shard)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    before, t0 = _status_bytes("VmRSS"), time.perf_counter()
+    model = _start(opts["method"], opts["folder"], shard)
+    report = {
+        "rank": rank,
+        "peak": _status_bytes("VmHWM") - before,
+        "held": _local_bytes(model.parameters()),
+        "start_s": time.perf_counter() - t0,
+    }
+    del warm
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, report)
+    if rank == 0:
+        Path(out).write_text(json.dumps(parts))
+    dist.destroy_process_group()
+
+
+def _save_models(workdir: Path) -> tuple[dict[str, Path], Path]:
+    """The bench's model saved as a folder in fp32 and in bf16 (as hub models are stored;
+    the trainer's fp32 master weights are then a cast copy), and a tiny one (the warm-up)."""
+    import torch
+
+    from loomrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    folders = {"fp32": workdir / "model_fp32", "bf16": workdir / "model_bf16"}
+    for dtype, folder in folders.items():
+        if not (folder / "config.json").exists():
+            _model().to(
+                getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+            ).save_pretrained(folder)
+            build_char_tokenizer().save_pretrained(folder)
+    tiny = workdir / "tiny"
+    if not (tiny / "config.json").exists():
+        model, tok = build_tiny_model("llama", hidden_size=32, num_layers=2, num_heads=2)
+        model.save_pretrained(tiny)
+        tok.save_pretrained(tiny)
+    return folders, tiny
+
+
+def startup_main(ranks: list[int], workdir: Path) -> None:
+    """Per-rank start-up peak of each start (``STARTUPS``) on each rank count above 1, from
+    the model stored in fp32 and in bf16."""
+    import torch.multiprocessing as mp
+
+    from loomrl.runtime.group import new_rendezvous
+
+    folders, tiny = _save_models(workdir)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fp32_bytes = sum(f.stat().st_size for f in folders["fp32"].glob("*.safetensors"))
+    lines = [
+        f"\nStart-up of each rank into fp32 master weights ({fp32_bytes / MIB:.0f} MiB whole): the "
+        "model above saved as a folder, its safetensors in fp32 or bf16; the peak resident set "
+        "during the start minus before it (VmHWM), after a warm-up start of a tiny model\n",
+        "| ranks | stored | start | peak per rank MiB: rank 0 / others (max) | x fp32 model "
+        "| shards held MiB | s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for n in [r for r in ranks if r > 1]:
+        for stored, folder in folders.items():
+            for label, method in STARTUPS.items():
+                out = workdir / f"startup_{method}_{stored}_{n}.json"
+                if not out.exists():
+                    opts = {"method": method, "folder": str(folder), "tiny": str(tiny)}
+                    args = (n, new_rendezvous("127.0.0.1"), opts, str(out))
+                    mp.spawn(startup_rank, args, nprocs=n)
+                parts = json.loads(out.read_text())
+                peak0, others = parts[0]["peak"], max(p["peak"] for p in parts[1:])
+                lines.append(
+                    f"| {n} | {stored} | {label} | {peak0 / MIB:.0f} / {others / MIB:.0f} | "
+                    f"{max(peak0, others) / fp32_bytes:.2f} | {parts[0]['held'] / MIB:.0f} | "
+                    f"{max(p['start_s'] for p in parts):.1f} |"
+                )
+    print("\n".join(lines))

@@ -171,8 +171,21 @@ def _steps(run_dir):
 
 
 def test_two_ranks_match_one_trainer_step_for_step(tiny_job, tmp_path):
+    """From a model folder: the ranks start from the meta device (``fsdp_init``), each
+    reading its rows of the safetensors; the single trainer loads the folder whole."""
+    from loomrl.models.tiny import build_tiny_model
+
+    folder = tmp_path / "model"
+    model, tok = build_tiny_model("llama", seed=0, **TINY)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     num_steps = 5
-    common = {**SYNC, "runtime": "process", "weight_sync": {"codec": "delta"}}
+    common = {
+        **SYNC,
+        "runtime": "process",
+        "weight_sync": {"codec": "delta"},
+        "model": {"path": str(folder)},
+    }
     trainer = {"num_steps": num_steps, "micro_batch_size": 4}
     single = Job(tiny_job(**common, trainer=trainer, output_dir=str(tmp_path / "single"))).run()
     sharded = Job(

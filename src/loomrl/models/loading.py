@@ -152,3 +152,41 @@ def load_policy(model_cfg: ModelConfig, *, seed: int = 0, dtype=None):
         lora = model_cfg.lora
         model = apply_lora(model, lora.r, lora.alpha, lora.target_modules)
     return model.to(device), tokenizer
+
+
+def safetensors_files(spec: str) -> dict[str, Path] | None:
+    """Each tensor name of a model folder's safetensors -> the file holding it (from
+    ``model.safetensors.index.json`` when the weights are split over files); None for a
+    ``tiny:`` spec or a folder without safetensors (``pytorch_model.bin``). Reads headers only."""
+    if spec.startswith("tiny:"):
+        return None
+    path = Path(spec)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def build_meta_model(spec: str, dtype):
+    """The model of folder ``spec`` built from its ``config.json`` on the meta device (no
+    storage: shapes and dtypes only, tied weights tied), in eval mode, with the folder's
+    generation config; its weights are to be loaded (``loomrl.training.fsdp_init``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {spec!r} is not a local Hugging Face model folder")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model.eval()

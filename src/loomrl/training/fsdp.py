@@ -5,7 +5,8 @@ actor) each, in one ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), sta
 Each rank holds 1/N of the weights, gradients and AdamW state: the model is wrapped with
 ``torch.distributed.fsdp.fully_shard`` per transformer block, then at the root (with a
 ``MixedPrecisionPolicy`` under ``trainer.precision = "bf16_mixed"``), and the optimizer is
-built on the sharded parameters. A step:
+built on the sharded parameters. From a model folder the model starts on the meta device and
+each rank reads only its shards (``loomrl.training.fsdp_init``). A step:
 
 1. every rank gets the whole step's groups (the group handle sends all ranks the same
    arguments), computes every advantage and the global token count, and takes its share of
@@ -51,6 +52,7 @@ from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import SHARDED_FORMAT
 from loomrl.training.dcp import load_trainer_state, save_sharded_checkpoint
 from loomrl.training.executor import TrainerExecutor, TrainerSetup
+from loomrl.training.fsdp_init import start_sharded_model
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
@@ -58,6 +60,8 @@ from loomrl.training.trainer import (
     token_logprobs,
 )
 from loomrl.types import Rollout
+from loomrl.weights.codec import CodecOptions
+from loomrl.weights.publisher import Publisher
 from loomrl.weights.transports import TransportSpec, open_transport
 
 logger = logging.getLogger(__name__)
@@ -243,7 +247,9 @@ class GatheredParams(Mapping):
 
 class ShardedTrainerExecutor(TrainerExecutor):
     """One rank of the sharded trainer. Rank 0 holds the weight sender and writes
-    checkpoints; every rank joins the gathers they need."""
+    checkpoints; every rank joins the gathers they need. Its model starts from the meta
+    device where the model folder allows it (``loomrl.training.fsdp_init``): no rank holds
+    the whole model."""
 
     def __init__(
         self,
@@ -255,7 +261,41 @@ class ShardedTrainerExecutor(TrainerExecutor):
         rendezvous: str,
     ) -> None:
         self.rank, self.world_size = rank, world_size
-        par = cfg.trainer.parallel
+        cfg = self._join_group(cfg, rendezvous)
+        # TrainerExecutor.__init__ without its load_policy (the whole model on every rank)
+        self.owned_transport = owned_transport
+        precision = prec.resolve_precision(cfg.trainer, resolve_device(cfg.model.device))
+        shard = partial(
+            shard_model,
+            mesh=self.mesh,
+            precision=precision,
+            reshard=cfg.trainer.parallel.reshard_after_forward,
+        )
+        model, self.tokenizer = start_sharded_model(
+            cfg.model, prec.master_dtype(precision), shard, seed=cfg.seed
+        )
+        self.trainer = ShardedTrainer(
+            model,
+            self.tokenizer,
+            cfg.algorithm,
+            cfg.trainer,
+            cfg.temperature,
+            rank=rank,
+            world_size=world_size,
+        )
+        ws = cfg.weight_sync
+        self.publisher = Publisher(
+            sender,
+            codec=ws.codec,
+            full_every=ws.full_every,
+            publish_dtype=ws.publish_dtype,
+            options=CodecOptions(level=ws.zstd_level),
+        )
+
+    def _join_group(self, cfg: TrainerSetup, rendezvous: str) -> TrainerSetup:
+        """Join the process group (NCCL with a GPU per rank on CUDA, else gloo) and build
+        ``self.mesh``; ``cfg`` with this rank's device."""
+        rank, world_size = self.rank, self.world_size
         if resolve_device(cfg.model.device).type == "cuda":  # a GPU per rank: cuda:<rank>
             visible = torch.cuda.device_count()  # (a Ray actor sees its own GPU only)
             if cfg.runtime == "process" and world_size > visible:
@@ -274,7 +314,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
             init_method=rendezvous,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=par.collective_timeout_s),
+            timeout=timedelta(seconds=cfg.trainer.parallel.collective_timeout_s),
         )
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -282,20 +322,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
         logger.info(
             "trainer rank %d of %d joined at %s (%s)", rank, world_size, rendezvous, backend
         )
-        super().__init__(cfg, sender, owned_transport=owned_transport)
-
-    def _build_trainer(self, cfg: TrainerSetup, model, device) -> Trainer:
-        precision = prec.resolve_precision(cfg.trainer, device)
-        shard_model(model, self.mesh, precision, cfg.trainer.parallel.reshard_after_forward)
-        return ShardedTrainer(
-            model,
-            self.tokenizer,
-            cfg.algorithm,
-            cfg.trainer,
-            cfg.temperature,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+        return cfg
 
     def publish(self, full: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
