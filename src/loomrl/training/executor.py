@@ -44,10 +44,7 @@ class TrainerExecutor(TrainerEndpoints):
     def __init__(self, cfg: TrainerSetup, sender, owned_transport: Transport | None = None) -> None:
         self.owned_transport = owned_transport  # built here for this executor: closed with it
         device = resolve_device(cfg.model.device)
-        # the trained weights in their master dtype (fp32 unless trainer.precision='bf16'),
-        # never rounded through the generators' compute dtype on the way
-        master = master_dtype(resolve_precision(cfg.trainer, device))
-        model, self.tokenizer = load_policy(cfg.model, seed=cfg.seed, dtype=master)
+        model, self.tokenizer = self._load_model(cfg, device)
         self.trainer = self._build_trainer(cfg, model, device)
         ws = cfg.weight_sync
         self.publisher = Publisher(
@@ -57,6 +54,13 @@ class TrainerExecutor(TrainerEndpoints):
             publish_dtype=ws.publish_dtype,
             options=CodecOptions(level=ws.zstd_level),
         )
+
+    def _load_model(self, cfg: TrainerSetup, device):
+        """The model and tokenizer: the trained weights in their master dtype (fp32 unless
+        trainer.precision='bf16'), never rounded through the generators' compute dtype on
+        the way. (A sharded rank starts its shards from the meta device instead.)"""
+        master = master_dtype(resolve_precision(cfg.trainer, device))
+        return load_policy(cfg.model, seed=cfg.seed, dtype=master)
 
     def _build_trainer(self, cfg: TrainerSetup, model, device) -> Trainer:
         """The ``Trainer`` of ``model`` (a sharded executor shards the model first)."""

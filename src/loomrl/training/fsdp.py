@@ -60,8 +60,6 @@ from loomrl.training.trainer import (
     token_logprobs,
 )
 from loomrl.types import Rollout
-from loomrl.weights.codec import CodecOptions
-from loomrl.weights.publisher import Publisher
 from loomrl.weights.transports import TransportSpec, open_transport
 
 logger = logging.getLogger(__name__)
@@ -262,34 +260,29 @@ class ShardedTrainerExecutor(TrainerExecutor):
     ) -> None:
         self.rank, self.world_size = rank, world_size
         cfg = self._join_group(cfg, rendezvous)
-        # TrainerExecutor.__init__ without its load_policy (the whole model on every rank)
-        self.owned_transport = owned_transport
-        precision = prec.resolve_precision(cfg.trainer, resolve_device(cfg.model.device))
+        super().__init__(cfg, sender, owned_transport)
+
+    def _load_model(self, cfg: TrainerSetup, device):
+        """This rank's shards: from the meta device where the model folder allows it
+        (``loomrl.training.fsdp_init``), else the whole model loaded, then sharded."""
+        precision = prec.resolve_precision(cfg.trainer, device)
         shard = partial(
             shard_model,
             mesh=self.mesh,
             precision=precision,
             reshard=cfg.trainer.parallel.reshard_after_forward,
         )
-        model, self.tokenizer = start_sharded_model(
-            cfg.model, prec.master_dtype(precision), shard, seed=cfg.seed
-        )
-        self.trainer = ShardedTrainer(
+        return start_sharded_model(cfg.model, prec.master_dtype(precision), shard, seed=cfg.seed)
+
+    def _build_trainer(self, cfg: TrainerSetup, model, device) -> Trainer:
+        return ShardedTrainer(
             model,
             self.tokenizer,
             cfg.algorithm,
             cfg.trainer,
             cfg.temperature,
-            rank=rank,
-            world_size=world_size,
-        )
-        ws = cfg.weight_sync
-        self.publisher = Publisher(
-            sender,
-            codec=ws.codec,
-            full_every=ws.full_every,
-            publish_dtype=ws.publish_dtype,
-            options=CodecOptions(level=ws.zstd_level),
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     def _join_group(self, cfg: TrainerSetup, rendezvous: str) -> TrainerSetup:
