@@ -341,7 +341,7 @@ RL_STEPS = 300
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # ~10-25 min on 2 cores: trains a judge (3000 steps), one RL run (+ the reference)
+@pytest.mark.heavy  # ~8-12 min on 2 cores: trains a judge (3000 steps), one RL run (+ the reference)
 @pytest.mark.timeout(3600)
 def test_a_trained_judge_teaches_the_demo_as_well_as_exact_match(tmp_path, exact_match_reference):
     """The issue's bar: the demo scored by a judge trained here reaches exact match's
@@ -358,7 +358,7 @@ def test_a_trained_judge_teaches_the_demo_as_well_as_exact_match(tmp_path, exact
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # ~10-25 min on 2 cores: trains a reward model (3000 steps), one RL run (+ the reference)
+@pytest.mark.heavy  # ~6-15 min on 2 cores: trains a reward model (3000 steps), one RL run (+ the reference)
 @pytest.mark.timeout(3600)
 def test_a_trained_reward_model_teaches_the_demo(tmp_path, exact_match_reference):
     """Measured once (2 shared cores): the reward model caught 97% of right and 93% of wrong
