@@ -1,14 +1,21 @@
-"""Learning check for model-based scoring (issue 39): the arithmetic demo scored by a tiny
-reward model, trained here to reproduce exact match, against the same run scored by the
-exact-match function from the same warm-start (held-out accuracy by exact match for both).
+"""Learning checks for model-based scoring (issue 39): the arithmetic demo scored by a tiny
+scorer trained here to reproduce exact match, against the same run scored by the exact-match
+function from the same warm-start (held-out accuracy by exact match for both, 300 steps).
+Every scorer trains on the training split only, every label by exact match.
 
-The reward model is a ``LlamaForSequenceClassification`` started from the demo's warm-start
-backbone (the character model that half knows addition) with a fresh one-logit head, trained
-with a logistic loss on training prompts with their right answer (label 1) and with wrong
-ones (label 0): the right answer with one digit changed, and answers the backbone samples
-itself labelled by exact match; plus the backbone's next-token loss on right answers. It is
-saved as a Hugging Face folder and scores the RL job through ``[task.scorer] type = "model"``
-in place of ``task.reward``.
+The judge (``[task.scorer] type = "judge"``, ``examples/arithmetic/judge.py``) is the
+demo's warm-start trained with the demo's supervised loop to read ``'047|12+34='`` and write
+the sum and a verdict (``'046N'``), on right answers, near misses and the warm-start's own
+samples. It reaches exact match's band (measured: 26.5% -> 81.5% by the judge, 82.5% by
+exact match); the test asserts the band.
+
+The reward model (``type = "model"``) is a ``LlamaForSequenceClassification`` started from
+the demo's warm-start backbone with a fresh one-logit head, trained with a logistic loss on
+training prompts with their right answer (label 1) and with wrong ones (label 0): the right
+answer with one digit changed, and answers the backbone samples itself labelled by exact
+match; plus the backbone's next-token loss on right answers. It teaches, short of the band
+(59.5%): RL finds the ~7% of answers it misjudges. Both are saved as Hugging Face folders
+and score the RL job in place of ``task.reward``. See docs/scoring.md.
 """
 
 from __future__ import annotations
@@ -189,27 +196,183 @@ def exact_match_accuracy(model: Path, out: Path) -> float:
     return demo_run(out, EXACT_MATCH, 1, model=model)["eval_start"]
 
 
-@pytest.mark.slow
-@pytest.mark.heavy  # ~10-25 min on 2 cores: trains a reward model (3000 steps), two RL runs
-@pytest.mark.timeout(3600)
-def test_a_trained_reward_model_teaches_the_demo_as_exact_match_judges_it(tmp_path):
-    """Measured once (2 shared cores): the reward model caught 97% of right and 93% of wrong
-    answers; 300 steps from 26.5% reached 82.5% held out with exact match and 59.5% with the
-    reward model. So RL learns from the model, but short of exact match's band (issue 39
-    asks for the band): the policy finds the answers the model misjudges. What this asserts
-    is what held; the band is the bar for a better reward model."""
+NEAR_MISS_STEPS = (-110, -100, -90, -10, -9, -1, 1, 9, 10, 90, 100, 110)  # carries gone wrong
+
+
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer of a kind a policy that half knows addition writes: one or two digits
+    changed, a carry dropped or added (off by 1, 9, 10, 90, 100 or 110), two digits
+    swapped, a digit too few or too many (never the answer itself)."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return wrong_answer(answer, rng)
+    if kind == 1:
+        return wrong_answer(wrong_answer(answer, rng), rng)  # may restore it: checked below
+    if kind == 2:
+        value = int(answer) + rng.choice(NEAR_MISS_STEPS)
+        return f"{value:0{len(answer)}d}" if 0 <= value < 10 ** len(answer) else answer[::-1]
+    if kind == 3:
+        return rng.choice([answer[:-1], answer[1:], answer + rng.choice("0123456789")])
+    return answer[1] + answer[0] + answer[2:]
+
+
+def near_misses(answer: str, rng: random.Random, k: int) -> list[str]:
+    """``k`` near misses of ``answer`` (any that came out right are drawn again)."""
+    out: list[str] = []
+    while len(out) < k:
+        out += [w for w in [near_miss(answer, rng)] if w != answer]
+    return out
+
+
+def policy_samples(model_dir: Path, rows: list[dict], temperature: float, seed: int) -> list:
+    """(prompt, completion) pairs that the causal LM at ``model_dir`` samples for ``rows``
+    as the demo's generator does (up to 4 tokens, stopping at EOS, special tokens dropped)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok([r["prompt"] for r in rows], return_tensors="pt").input_ids  # one length: 6
+    with torch.no_grad():
+        out = policy.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            max_new_tokens=4,
+            pad_token_id=tok.pad_token_id,
+        )
+    texts = tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    return [(r["prompt"], t) for r, t in zip(rows, texts)]
+
+
+JUDGE_TEMPERATURES = (0.7, 1.0, 1.5)  # the warm-start's own samples, cooler and hotter
+
+
+def judge_training_rows(rows: list[dict], seed: int, per_temperature: int = 4096) -> list:
+    """The judge's examples, from training rows only, every label by exact match: each row
+    twice with its right answer and twice with a near miss, and the warm-start's samples
+    at ``JUDGE_TEMPERATURES`` (mostly wrong: 26% of its greedy answers are right)."""
+    from examples.arithmetic.judge import judge_example
+
+    rng = random.Random(seed)
+    answers = {r["prompt"]: r["answer"] for r in rows}
+    examples = []
+    for row in rows:
+        completions = [row["answer"]] * 2 + near_misses(row["answer"], rng, 2)
+        examples += [judge_example(row["prompt"], c, row["answer"]) for c in completions]
+    for k, temperature in enumerate(JUDGE_TEMPERATURES):
+        picked = rng.sample(rows, per_temperature)
+        for prompt, completion in policy_samples(WARMSTART, picked, temperature, seed + k):
+            examples.append(judge_example(prompt, completion, answers[prompt]))
+    return examples
+
+
+def train_judge(out: Path, steps: tuple[int, int] = (2000, 1000), seed: int = 0) -> dict:
+    """A judge trained from the warm-start on ``judge_training_rows`` (supervised, the
+    demo warm-start's loop: ``steps[0]`` steps at lr 2e-3, then ``steps[1]`` at 5e-4 to
+    settle), saved to ``out``; returns its agreement with exact match (``judge_agreement``)."""
+    from loomrl.training.sft import supervised_warmstart
+
+    rows = judge_training_rows(read_rows(ROOT / "examples/arithmetic/train.jsonl"), seed)
+    for model, n, lr in ((WARMSTART, steps[0], 2e-3), (out, steps[1], 5e-4)):
+        supervised_warmstart(
+            str(model), rows, out, steps=n, batch_size=64, lr=lr, seed=seed, weight_decay=0.1
+        )
+    return judge_agreement(out)
+
+
+def judge_scorer(path: Path) -> dict:
+    """The ``[task.scorer]`` table of the arithmetic judge at ``path``."""
+    from examples.arithmetic.judge import TEMPLATE
+
+    return {
+        "type": "judge",
+        "path": str(path),
+        "prompt_template": TEMPLATE,
+        "parser": "examples.arithmetic.judge:verdict",
+        "max_new_tokens": 5,
+        "device": "cpu",
+    }
+
+
+def judge_agreement(judge: Path, seed: int = 1) -> dict:
+    """How often the judge agrees with exact match on held-out eval prompts: their right
+    answers, near misses of them, and the warm-start's samples (unparsed counts as wrong)."""
+    from loomrl.scoring.config import JudgeScorerConfig
+    from loomrl.scoring.judge import JudgeScorer
+
+    rng = random.Random(seed)
+    rows = read_rows(ROOT / "examples/arithmetic/eval.jsonl")
+    answers = {r["prompt"]: r["answer"] for r in rows}
+    scorer = JudgeScorer(JudgeScorerConfig.model_validate(judge_scorer(judge)))
+    sampled = policy_samples(WARMSTART, rows * 4, 1.0, seed)
+    kinds = {
+        "right": [(r["prompt"], r["answer"]) for r in rows],
+        "near_miss": [
+            (r["prompt"], near_miss_of)
+            for r in rows
+            for near_miss_of in near_misses(r["answer"], rng, 2)
+        ],
+        "sampled_right": [(p, c) for p, c in sampled if c.strip() == answers[p]],
+        "sampled_wrong": [(p, c) for p, c in sampled if c.strip() != answers[p]],
+    }
+    agree = {}
+    for kind, pairs in kinds.items():
+        values = [v for _, v, _ in scorer.score([(p, c, {}) for p, c in pairs])[0]]
+        want = 1.0 if kind.endswith("right") else 0.0
+        agree[kind] = sum(v == want for v in values) / max(len(pairs), 1)
+    return agree
+
+
+@pytest.fixture(scope="module")
+def exact_match_reference(tmp_path_factory) -> tuple[float, float]:
+    """The demo run scored by exact match, 300 steps: held-out accuracy at start and end."""
     if not (WARMSTART / "config.json").is_file():
         pytest.skip("needs the demo warm-start: python -m examples.arithmetic.warmstart")
+    out = tmp_path_factory.mktemp("exact")
+    start = demo_run(out / "run", EXACT_MATCH, RL_STEPS)["eval_start"]
+    return start, exact_match_accuracy(out / "run" / "final", out / "eval")
+
+
+RL_STEPS = 300
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # ~8-12 min on 2 cores: trains a judge (3000 steps), one RL run (+ the reference)
+@pytest.mark.timeout(3600)
+def test_a_trained_judge_teaches_the_demo_as_well_as_exact_match(tmp_path, exact_match_reference):
+    """The issue's bar: the demo scored by a judge trained here reaches exact match's
+    held-out accuracy band (within 5 points) from the same warm-start and seed."""
+    judge = tmp_path / "judge"
+    agree = train_judge(judge)
+    assert min(agree.values()) >= 0.97, agree
+    run = demo_run(tmp_path / "judge-run", {"scorer": judge_scorer(judge)}, RL_STEPS)
+    assert run["steps"] == RL_STEPS and run["failed"] <= 0.01 * run["generated"], run
+    start, end_exact = exact_match_reference
+    end_judge = exact_match_accuracy(tmp_path / "judge-run" / "final", tmp_path / "eval-judge")
+    assert end_exact > start + 0.3  # the reference is a real gain
+    assert end_judge >= end_exact - 0.05, (start, end_exact, end_judge, agree)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # ~6-15 min on 2 cores: trains a reward model (3000 steps), one RL run (+ the reference)
+@pytest.mark.timeout(3600)
+def test_a_trained_reward_model_teaches_the_demo(tmp_path, exact_match_reference):
+    """Measured once (2 shared cores): the reward model caught 97% of right and 93% of wrong
+    answers; 300 steps from 26.5% reached 82.5% held out with exact match and 59.5% with the
+    reward model. So RL learns from the model, but short of exact match's band: the policy
+    finds the answers the model misjudges (the judge above, which works the sum out before
+    its verdict, reaches the band). What this asserts is what held."""
     rm = tmp_path / "rm"
     trained = train_exact_match_reward_model(rm)
     assert trained["right_scored_right"] >= 0.9 and trained["wrong_scored_wrong"] >= 0.9, trained
-    steps = 300
-    exact = demo_run(tmp_path / "exact", EXACT_MATCH, steps)
     scored = {"scorer": {"type": "model", "path": str(rm), "device": "cpu"}}
-    by_model = demo_run(tmp_path / "rm-run", scored, steps)
-    assert by_model["steps"] == steps and by_model["failed"] == 0
-    start = exact["eval_start"]
-    end_exact = exact_match_accuracy(tmp_path / "exact" / "final", tmp_path / "eval-exact")
+    by_model = demo_run(tmp_path / "rm-run", scored, RL_STEPS)
+    assert by_model["steps"] == RL_STEPS and by_model["failed"] == 0
+    start, end_exact = exact_match_reference
     end_model = exact_match_accuracy(tmp_path / "rm-run" / "final", tmp_path / "eval-rm")
     assert end_exact > start + 0.3  # the reference is a real gain
     assert end_model > start + 0.2, (start, end_exact, end_model)  # and the model teaches too
