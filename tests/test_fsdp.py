@@ -98,6 +98,7 @@ def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str,
     }
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "held": held}, out)
+    dist.barrier()  # no rank tears the group down while another may still use it
     dist.destroy_process_group()
 
 

@@ -71,6 +71,7 @@ def _save_then_resume(rank: int, world_size: int, rendezvous: str, root: str, ou
             },
             out,
         )
+    dist.barrier()  # no rank tears the group down while another may still use it
     dist.destroy_process_group()
 
 

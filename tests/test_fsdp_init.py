@@ -99,6 +99,7 @@ def _meta_and_whole_rank(
         )
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears the group down while another may still use it
     dist.destroy_process_group()
 
 
@@ -234,6 +235,7 @@ def _peak_rank(rank: int, world_size: int, rendezvous: str, folders: list, out: 
     dist.all_gather_object(parts, peaks)
     if rank == 0:
         Path(out).write_text(json.dumps(parts))
+    dist.barrier()  # no rank tears the group down while another may still use it
     dist.destroy_process_group()
 
 
