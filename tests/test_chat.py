@@ -151,7 +151,7 @@ def test_a_conversational_dataset_trains_through_the_template_with_one_bos(
 
 
 def test_a_stop_string_cuts_the_completion_and_its_tokens():
-    from loomrl.generation.hf import cut_at_stop
+    from loomrl.generation.base import cut_at_stop
 
     tok = build_char_tokenizer()
     ids = [

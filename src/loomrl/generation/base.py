@@ -10,10 +10,17 @@ or ``generate(..., apply_newest=True)`` to save a round trip).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from loomrl.runtime.endpoints import endpoint
-from loomrl.types import GenerationRequest, GenerationResult, WeightsApplied
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams, WeightsApplied
+
+# (prompts, seeds, sampling) -> (token ids, log-probs, finish reasons), one row a sample
+SampleFn = Callable[
+    [list[list[int]], list[int], SamplingParams],
+    tuple[list[list[int]], list[list[float]], list[str]],
+]
 
 
 class Generator(ABC):
@@ -85,3 +92,68 @@ class Generator(ABC):
     def restore(self) -> None:
         """Reacquire what ``offload`` released (a no-op until the scheduler uses it)."""
         return None
+
+
+def sample_grouped(
+    requests: list[GenerationRequest],
+    sample: SampleFn,
+    tokenizer: Any,
+    stop: list[str],
+    version: int,
+) -> list[GenerationResult]:
+    """Every engine's ``generate`` body: requests with the same sampling params are sampled
+    as one batch by ``sample``, a request's sample k from seed ``seed * 1_000_003 + k``;
+    texts are detokenized here, as vLLM does, in one call a batch (not on the controller's
+    loop) and cut at ``stop``; each request's samples (consecutive) become one result of
+    columns at ``version``, no object per completion."""
+    by_params: dict[tuple, list[int]] = {}
+    for i, req in enumerate(requests):
+        s = req.sampling
+        by_params.setdefault((s.temperature, s.top_p, s.max_new_tokens, s.greedy), []).append(i)
+    results: list[GenerationResult | None] = [None] * len(requests)
+    for indices in by_params.values():
+        prompts = [requests[i].prompt_ids for i in indices for _ in range(requests[i].num_samples)]
+        seeds = [
+            requests[i].seed * 1_000_003 + k
+            for i in indices
+            for k in range(requests[i].num_samples)
+        ]
+        ids, logprobs, finish = sample(prompts, seeds, requests[indices[0]].sampling)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if stop:
+            cut_at_stop(tokenizer, stop, ids, logprobs, finish, texts)
+        start = 0
+        for i in indices:
+            end = start + requests[i].num_samples
+            results[i] = GenerationResult.from_columns(
+                ids[start:end], logprobs[start:end], finish[start:end], texts[start:end], version
+            )
+            start = end
+    return results  # type: ignore[return-value]
+
+
+def cut_at_stop(
+    tokenizer: Any,
+    stop: list[str],
+    ids: list[list[int]],
+    logprobs: list[list[float]],
+    finish: list[str],
+    texts: list[str],
+) -> None:
+    """Cut each completion whose text holds a stop string, in place: its text before the
+    first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
+    so training sees what was sampled up to the stop (vLLM's rule: the stop string is
+    trained on, not shown to the reward); finish reason 'stop'. The sampling loop stops a
+    sequence once it looks and sees a stop string (``_holds_stop``); the tokens sampled past
+    the stop before it looked are dropped here."""
+    for row, text in enumerate(texts):
+        found = [at for at in (text.find(s) for s in stop) if at >= 0]
+        if not found:
+            continue
+        texts[row], finish[row] = text[: min(found)], "stop"
+        lo, hi = 1, len(ids[row])  # the shortest prefix that decodes to text holding a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            prefix = tokenizer.decode(ids[row][:mid], skip_special_tokens=True)
+            lo, hi = (lo, mid) if any(s in prefix for s in stop) else (mid + 1, hi)
+        ids[row], logprobs[row] = ids[row][:lo], logprobs[row][:lo]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from loomrl.device import module_device
-from loomrl.generation.base import Generator
+from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.static_decode import StaticDecoder, static_decode_unsupported
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
@@ -220,38 +220,7 @@ class HFGenerator(Generator):
         return results
 
     def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Requests with the same sampling params are sampled as one batch."""
-        by_params: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            s = req.sampling
-            by_params.setdefault((s.temperature, s.top_p, s.max_new_tokens, s.greedy), []).append(i)
-        results: list[GenerationResult | None] = [None] * len(requests)
-        for indices in by_params.values():
-            sampling = requests[indices[0]].sampling
-            prompts, seeds = [], []
-            for i in indices:
-                for k in range(requests[i].num_samples):
-                    prompts.append(requests[i].prompt_ids)
-                    seeds.append(requests[i].seed * 1_000_003 + k)
-            ids, logprobs, finish = self._sample(prompts, seeds, sampling)
-            # Detokenized here, as vLLM does, in one call per batch: not on the controller's loop.
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            if self.stop:
-                cut_at_stop(self.tokenizer, self.stop, ids, logprobs, finish, texts)
-            start = 0
-            for i in (
-                indices
-            ):  # (each request's samples are consecutive): columns, no object per completion
-                end = start + requests[i].num_samples
-                results[i] = GenerationResult.from_columns(
-                    ids[start:end],
-                    logprobs[start:end],
-                    finish[start:end],
-                    texts[start:end],
-                    self.version,
-                )
-                start = end
-        return results  # type: ignore[return-value]
+        return sample_grouped(requests, self._sample, self.tokenizer, self.stop, self.version)
 
     @torch.no_grad()
     def _sample(
@@ -447,30 +416,3 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     elif isinstance(configured, (list, tuple)):
         ids.update(int(i) for i in configured)
     return ids
-
-
-def cut_at_stop(
-    tokenizer: Any,
-    stop: list[str],
-    ids: list[list[int]],
-    logprobs: list[list[float]],
-    finish: list[str],
-    texts: list[str],
-) -> None:
-    """Cut each completion whose text holds a stop string, in place: its text before the
-    first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
-    so training sees what was sampled up to the stop (vLLM's rule: the stop string is
-    trained on, not shown to the reward); finish reason 'stop'. The sampling loop stops a
-    sequence once it looks and sees a stop string (``_holds_stop``); the tokens sampled past
-    the stop before it looked are dropped here."""
-    for row, text in enumerate(texts):
-        found = [at for at in (text.find(s) for s in stop) if at >= 0]
-        if not found:
-            continue
-        texts[row], finish[row] = text[: min(found)], "stop"
-        lo, hi = 1, len(ids[row])  # the shortest prefix that decodes to text holding a stop string
-        while lo < hi:
-            mid = (lo + hi) // 2
-            prefix = tokenizer.decode(ids[row][:mid], skip_special_tokens=True)
-            lo, hi = (lo, mid) if any(s in prefix for s in stop) else (mid + 1, hi)
-        ids[row], logprobs[row] = ids[row][:lo], logprobs[row][:lo]

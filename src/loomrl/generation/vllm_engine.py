@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from loomrl.generation.base import Generator
+from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.engine_config import VllmEngineConfig
-from loomrl.generation.hf import cut_at_stop, eos_token_ids
-from loomrl.types import GenerationRequest, GenerationResult, WeightsApplied
+from loomrl.generation.hf import eos_token_ids
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams, WeightsApplied
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
 from loomrl.weights.receiver import WeightReceiver
@@ -270,48 +270,23 @@ class VllmGenerator(Generator):
         return results
 
     def _generate_grouped(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Requests with the same sampling params are sampled in one vLLM call; a request's
-        sample k draws from seed ``seed * 1_000_003 + k`` (the HF engine's seeds)."""
+        return sample_grouped(requests, self._sample, self.tokenizer, self.stop, self.version)
+
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """One vLLM call for a batch of one sampling's prompts, the prefix cache salted by
+        the policy version."""
         from loomrl.generation import vllm_adapter
 
-        by_params: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            s = req.sampling
-            by_params.setdefault((s.temperature, s.top_p, s.max_new_tokens, s.greedy), []).append(i)
-        results: list[GenerationResult | None] = [None] * len(requests)
-        for indices in by_params.values():
-            sampling = requests[indices[0]].sampling
-            prompts = [
-                requests[i].prompt_ids for i in indices for _ in range(requests[i].num_samples)
-            ]
-            seeds = [
-                requests[i].seed * 1_000_003 + k
-                for i in indices
-                for k in range(requests[i].num_samples)
-            ]
-            ids, logprobs, finish = vllm_adapter.sample(
-                self.llm,
-                prompts,
-                seeds,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_new_tokens=sampling.max_new_tokens,
-                greedy=sampling.greedy,
-                stop_token_ids=self.eos_ids,
-                cache_salt=f"loomrl-v{self.version}",
-            )
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            if self.stop:
-                cut_at_stop(self.tokenizer, self.stop, ids, logprobs, finish, texts)
-            start = 0
-            for i in indices:
-                end = start + requests[i].num_samples
-                results[i] = GenerationResult.from_columns(
-                    ids[start:end],
-                    logprobs[start:end],
-                    finish[start:end],
-                    texts[start:end],
-                    self.version,
-                )
-                start = end
-        return results  # type: ignore[return-value]
+        return vllm_adapter.sample(
+            self.llm,
+            prompts,
+            seeds,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens,
+            greedy=sampling.greedy,
+            stop_token_ids=self.eos_ids,
+            cache_salt=f"loomrl-v{self.version}",
+        )
