@@ -293,7 +293,7 @@ class Controller:
         after its step raises once the step is counted (a checkpoint then matches)."""
         step = self.version + 1
         publish = step % self.cfg.weight_sync.sync_every == 0 or step == self.cfg.trainer.num_steps
-        fused = publish and getattr(self.leases, "publish_in_train_phase", True)
+        fused = publish and (self.leases is None or self.leases.publish_in_train_phase)
         try:
             metrics = await self.on_device(
                 "train", lambda: self.trainer.train_step(batch.groups, publish=fused)
