@@ -12,7 +12,8 @@ from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.generation.hf import HFGenerator, published_state
 from loomrl.job import Job
 from loomrl.models import load_model_and_tokenizer
-from loomrl.models.quantize import CpuInt8Linear, quantize_int8, quantize_linears
+from loomrl.models.quantize import CpuInt8Linear, check_quantize, quantize_int8, quantize_linears
+from loomrl.models.quantize_int4 import CpuInt4Linear, dequantize_int4, quantize_int4
 from loomrl.telemetry.metrics import read_metrics
 from loomrl.training.trainer import Trainer, build_token_batch, token_logprobs
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -42,11 +43,11 @@ def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
     return {k: v + 0.05 * torch.randn(v.shape, generator=rng) for k, v in state.items()}
 
 
-def _fresh_quantized(model, state: dict[str, torch.Tensor]):
+def _fresh_quantized(model, state: dict[str, torch.Tensor], kind: str):
     """A copy of ``model`` holding ``state``, then quantized: what the generator should run."""
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(state, strict=False)
-    quantize_linears(fresh, "int8")
+    quantize_linears(fresh, kind)
     return fresh.eval()
 
 
@@ -55,8 +56,13 @@ def trainer_model():
     return load_model_and_tokenizer(TINY_MODEL, seed=1)
 
 
-def _generator(model, tok) -> HFGenerator:
-    return HFGenerator(copy.deepcopy(model), tok, publish_dtype="float32", quantize="int8")
+def _generator(model, tok, kind: str) -> HFGenerator:
+    return HFGenerator(copy.deepcopy(model), tok, publish_dtype="float32", quantize=kind)
+
+
+def _codes(layer: torch.nn.Module) -> torch.Tensor:
+    """A quantized layer's weight codes as the kernel holds them."""
+    return layer.packed if isinstance(layer, CpuInt4Linear) else layer.inner.weight().int_repr()
 
 
 def test_quantize_int8_rounds_per_output_channel():
@@ -67,10 +73,39 @@ def test_quantize_int8_rounds_per_output_channel():
     assert (q.float() * scales[:, None] - w).abs().max() <= scales.max() / 2
 
 
-def test_quantized_generator_follows_every_update(trainer_model):
+def test_quantize_int4_rounds_within_each_group():
+    w = torch.arange(64, dtype=torch.float32).reshape(1, 64) / 10  # groups 0..3.1, 3.2..6.3
+    w[0, 5] = 3.0  # inside the first group's range, not on one of its 16 levels
+    codes, sz = quantize_int4(w, group=32)
+    assert codes.dtype == torch.int32 and sz.shape == (2, 1, 2)  # [groups, out, (scale, zero)]
+    assert codes[0, 0] == 0 and codes[0, 31] == 15 and codes[0, 32] == 0 and codes[0, 63] == 15
+    assert torch.equal(sz[:, 0, 0], torch.tensor([3.1 / 15, 3.1 / 15]).bfloat16().float())
+    back = dequantize_int4(codes, sz, group=32)
+    assert (back - w).abs().max() <= sz[:, 0, 0].max() / 2 + 1e-6
+    assert back[0, 5] != w[0, 5]  # rounded to a level
+
+
+def test_the_int4_kernel_computes_with_the_dequantized_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=True)
+    layer = CpuInt4Linear(linear)
+    assert layer.group == 128 and layer.weight_bytes() < linear.weight.numel()  # 4 bits a weight
+    x = torch.randn(5, 256)
+    codes, sz = quantize_int4(linear.weight, group=128)
+    # bf16 activations (the kernel's fast path), fp32 accumulation, a bf16 product
+    want = x.bfloat16().float() @ dequantize_int4(codes, sz, group=128).t()
+    got = layer(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.bfloat16().float() + linear.bias, atol=2e-3, rtol=1e-2)
+    assert (got - linear(x)).abs().max() > 2e-2  # it is quantized
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_generator_follows_every_update(trainer_model, kind):
     model, tok = trainer_model
-    gen = _generator(model, tok)
-    layers = [m for m in gen.model.modules() if isinstance(m, CpuInt8Linear)]
+    gen = _generator(model, tok, kind)
+    layer_type = CpuInt4Linear if kind == "int4" else CpuInt8Linear
+    layers = [m for m in gen.model.modules() if isinstance(m, layer_type)]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down per layer; not the head
     assert isinstance(gen.model.get_output_embeddings(), torch.nn.Linear)
     state = published_state(model, torch.float32)
@@ -79,25 +114,26 @@ def test_quantized_generator_follows_every_update(trainer_model):
             state = _perturbed(state, version)
         gen.update_weights(encode_update(None, state, version=version, base_version=None))
         got = _logprobs(gen.model, tok)
-        want = _logprobs(_fresh_quantized(model, state), tok)
+        want = _logprobs(_fresh_quantized(model, state, kind), tok)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         full = copy.deepcopy(model)
         full.load_state_dict(state, strict=False)
         assert (got - _logprobs(full, tok)).abs().max() > 1e-5  # it is quantized, not fp32
 
 
-def test_a_delta_update_to_a_quantized_generator_equals_a_full_one(trainer_model):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_delta_update_to_a_quantized_generator_equals_a_full_one(trainer_model, kind):
     model, tok = trainer_model
     v0 = published_state(model, torch.float32)
     v1 = _perturbed(v0, 7)
-    by_delta, by_full = _generator(model, tok), _generator(model, tok)
+    by_delta, by_full = _generator(model, tok, kind), _generator(model, tok, kind)
     by_delta.update_weights(encode_update(None, v0, version=0, base_version=None))
     by_delta.update_weights(encode_update(v0, v1, version=1, base_version=0))
     by_full.update_weights(encode_update(None, v1, version=1, base_version=None))
     assert torch.equal(_logprobs(by_delta.model, tok), _logprobs(by_full.model, tok))
     layers = zip(by_delta.quantized.modules.values(), by_full.quantized.modules.values())
     for a, b in layers:
-        assert torch.equal(a.inner.weight().int_repr(), b.inner.weight().int_repr())
+        assert torch.equal(_codes(a), _codes(b))
     sp = SamplingParams(max_new_tokens=5, temperature=0.8)
     req = [GenerationRequest(tok("12+3=").input_ids, 3, sp, seed=4)]
     a, b = by_delta.generate(req)[0], by_full.generate(req)[0]
@@ -111,6 +147,12 @@ def test_fp8_on_the_cpu_is_a_clear_error(trainer_model, tiny_job):
         HFGenerator(copy.deepcopy(model), tok, quantize="fp8")
     with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):  # at start
         Job(tiny_job(generation={"quantize": "fp8"}, model={"device": "cpu"})).run()
+
+
+def test_int4_off_the_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="quantize='int4' runs on the CPU only"):
+        check_quantize("int4", torch.device("cuda"))
+    check_quantize("int4", torch.device("cpu"))  # no error there
 
 
 def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
@@ -136,9 +178,11 @@ def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
     assert metrics["train/importance_ratio_max"] > 2.0
 
 
-@pytest.mark.parametrize("runtime", ["local", "process"])
-def test_an_int8_job_runs_end_to_end(tiny_job, runtime):
-    cfg = tiny_job(generation={"quantize": "int8"}, trainer={"num_steps": 2}, runtime=runtime)
+@pytest.mark.parametrize(
+    ("kind", "runtime"), [("int8", "local"), ("int8", "process"), ("int4", "local")]
+)
+def test_a_quantized_job_runs_end_to_end(tiny_job, kind, runtime):
+    cfg = tiny_job(generation={"quantize": kind}, trainer={"num_steps": 2}, runtime=runtime)
     result = Job(cfg).run()
     assert result.summary["trained"] == 2 * 4 * 4
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]

@@ -66,12 +66,13 @@ class GenerationConfig(Section):
         "window or non-sdpa/eager attention models, and after a capture fails (docs/engines.md).",
     )
 
-    quantize: Literal["none", "int8", "fp8"] = Field(
+    quantize: Literal["none", "int8", "fp8", "int4"] = Field(
         "none",
         description="Weight precision of the generators' Linear layers (not the output head, not "
         "the embeddings): 'int8' per-output-channel int8 (CPU: torch's dynamic int8 matmuls; CUDA: "
         "weight-only), 'fp8' e4m3 with per-channel scales through torch._scaled_mm (CUDA only: a "
-        "start error elsewhere). The generator keeps the published weights unquantized and "
+        "start error elsewhere), 'int4' weight-only, a scale and zero point per 128 inputs (CPU "
+        "only: torch's int4 CPU kernel). The generator keeps the published weights unquantized and "
         "re-quantizes what each update changes; the behaviour log-probs are the quantized model's, "
         "so the loss's importance ratio ('aipo', 'tis') corrects the mismatch (docs/engines.md).",
     )

@@ -28,9 +28,11 @@ from typing import Literal
 
 import torch
 
+from loomrl.models.quantize_int4 import CpuInt4Linear, fits_int4
+
 logger = logging.getLogger(__name__)
 
-QuantizeKind = Literal["none", "int8", "fp8"]
+QuantizeKind = Literal["none", "int8", "fp8", "int4"]
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_ALIGN = 16  # torch._scaled_mm needs both weight dimensions divisible by this
@@ -161,8 +163,15 @@ class QuantizedLinears:
 
 def check_quantize(kind: str, device: torch.device) -> None:
     """A clear error for a precision the device cannot run."""
-    if kind not in ("none", "int8", "fp8"):
-        raise ValueError(f"generation.quantize must be 'none', 'int8' or 'fp8', got {kind!r}")
+    if kind not in ("none", "int8", "fp8", "int4"):
+        raise ValueError(
+            f"generation.quantize must be 'none', 'int8', 'fp8' or 'int4', got {kind!r}"
+        )
+    if kind == "int4" and device.type != "cpu":
+        raise ValueError(
+            f"generation.quantize='int4' runs on the CPU only (torch's int4 weight-only CPU "
+            f"kernel); the generator's model is on {device.type!r}: use 'fp8' or 'int8' there"
+        )
     if kind == "fp8" and device.type != "cuda":
         raise ValueError(
             f"generation.quantize='fp8' needs a CUDA device (fp8 matmuls through torch._scaled_mm); "
@@ -184,6 +193,12 @@ def _skipped(model: torch.nn.Module) -> set[int]:
     return skip
 
 
+def _quantized_module(linear: torch.nn.Linear, kind: str, device: torch.device) -> torch.nn.Module:
+    if kind == "int4":
+        return CpuInt4Linear(linear)
+    return CpuInt8Linear(linear) if device.type == "cpu" else DeviceQuantLinear(linear, kind)
+
+
 def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
     """Replace the model's Linear layers (but the head) by quantized ones, in place, from
     their current weights. fp8 skips a Linear whose dimensions ``_scaled_mm`` cannot take."""
@@ -196,9 +211,10 @@ def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
         if kind == "fp8" and (linear.in_features % FP8_ALIGN or linear.out_features % FP8_ALIGN):
             logger.info("%s stays unquantized: fp8 needs dimensions divisible by 16", path)
             continue
-        quantized = (
-            CpuInt8Linear(linear) if device.type == "cpu" else DeviceQuantLinear(linear, kind)
-        )
+        if kind == "int4" and not fits_int4(linear):
+            logger.info("%s stays unquantized: int4 needs whole groups of inputs", path)
+            continue
+        quantized = _quantized_module(linear, kind, device)
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path), child, quantized)
         replaced[path] = quantized
