@@ -44,6 +44,8 @@ RATIO_METRICS = {
     "ratio_max": "train/importance_ratio_max",
     "truncated_frac": "train/importance_ratio_truncated_frac",
     "mismatch": "train/logprob_mismatch_same_version",
+    "offpolicy_gap": "train/offpolicy_logprob_gap",
+    "offpolicy_kl": "train/offpolicy_kl",
 }
 
 

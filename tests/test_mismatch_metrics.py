@@ -13,7 +13,7 @@ import torch
 from loomrl.job import Job
 from loomrl.telemetry.metrics import read_metrics
 from loomrl.telemetry.samples import MismatchWatch
-from loomrl.training.step_stats import _Accumulator, add_mismatch_stats
+from loomrl.training.step_stats import _Accumulator, add_mismatch_stats, add_offpolicy_stats
 
 
 def test_mean_max_and_kl_are_those_of_the_same_version_tokens_only():
@@ -28,6 +28,18 @@ def test_mean_max_and_kl_are_those_of_the_same_version_tokens_only():
     k3 = sum(math.expm1(x) - x for x in kept) / 4  # E_mu[r - 1 - log r]
     assert out["train/logprob_mismatch_kl"] == pytest.approx(k3, rel=1e-5)
     assert out["train/logprob_mismatch_kl"] > 0
+
+
+def test_the_offpolicy_gap_counts_every_target_token_and_ignores_padding():
+    log_ratio = torch.tensor([[0.1, -0.2, 5.0], [0.0, 0.3, 90.0]])  # 90.0: a padded position
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    acc = _Accumulator()
+    add_offpolicy_stats(acc, log_ratio, mask)
+    out = acc.finish()
+    kept = [0.1, -0.2, 5.0, 0.0, 0.3]  # the other version's 5.0 counts here
+    assert out["train/offpolicy_logprob_gap"] == pytest.approx(5.6 / 5)
+    k3 = sum(math.expm1(x) - x for x in kept) / 5
+    assert out["train/offpolicy_kl"] == pytest.approx(k3, rel=1e-5)
 
 
 def test_the_kl_estimate_approaches_the_true_kl_between_two_distributions():
@@ -72,5 +84,7 @@ def test_a_job_reports_the_mismatch_and_warns_past_its_threshold(tiny_job, tmp_p
         mean = r["train/logprob_mismatch_same_version"]
         assert 0 < mean <= r["train/logprob_mismatch_same_version_max"] < 0.1
         assert r["train/logprob_mismatch_kl"] >= 0
+        # max_staleness 0: every token is of the trainer's version, so both gaps are one
+        assert r["train/offpolicy_logprob_gap"] == pytest.approx(mean, rel=1e-4)
     assert records[-1]["train/logprob_mismatch_warnings"] >= 1
     assert any("differ by" in rec.getMessage() for rec in caplog.records)

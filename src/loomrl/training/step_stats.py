@@ -113,6 +113,7 @@ def add_micro_batch_stats(
         same = batch.same_version.unsqueeze(1).float() * mask
         if same.sum() > 0:
             add_mismatch_stats(acc, logp.detach() - batch.behaviour, same)
+        add_offpolicy_stats(acc, logp.detach() - batch.behaviour, mask)
 
 
 def add_mismatch_stats(acc: _Accumulator, log_ratio: torch.Tensor, same: torch.Tensor) -> None:
@@ -126,3 +127,18 @@ def add_mismatch_stats(acc: _Accumulator, log_ratio: torch.Tensor, same: torch.T
     acc.max("train/logprob_mismatch_same_version_max", float(gap.max()))
     k3 = (torch.expm1(log_ratio) - log_ratio) * same
     acc.add("train/logprob_mismatch_kl", float(k3.sum() / same.sum()), float(same.sum()))
+
+
+def add_offpolicy_stats(acc: _Accumulator, log_ratio: torch.Tensor, mask: torch.Tensor) -> None:
+    """How far the policy that sampled is from the one that trains, on every target token:
+    staleness and the engine/precision gap together (``add_mismatch_stats`` has the second
+    alone). Mean |trainer - behaviour| log-prob and the k3 estimate of KL(behaviour ||
+    trainer); one host sync for both."""
+    n = float(mask.sum())
+    if n == 0:
+        return
+    log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
+    sums = torch.stack([log_ratio.abs().sum(), (torch.expm1(log_ratio) - log_ratio).sum()])
+    gap, k3 = sums.tolist()
+    acc.add("train/offpolicy_logprob_gap", gap / n, n)
+    acc.add("train/offpolicy_kl", k3 / n, n)
