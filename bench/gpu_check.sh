@@ -14,7 +14,8 @@
 #      baselines, loomrl async on `local` and `process` with its CUDA defaults;
 #   3. the HF engine's variants (bench/hf_engine.py) and the weight lanes (bench/weight_sync.py)
 #      on the same model size, the trainer's step memory (bench/trainer_memory.py), colocated
-#      generation and training on one device (bench/colocate.py: CUDA memory, turn cost);
+#      generation and training on one device (bench/colocate.py: CUDA memory, turn cost),
+#      quantized generation (bench/quantized.py: none, int8 and fp8 tokens/s and memory);
 #   4. vLLM, where it is installed ("skipped: vllm not installed" where not).
 # Writes $OUT/summary.md (the table), $OUT/full.log (the console) and per-step JSON; prints the
 # table last. Knobs (environment): GPU_LIMIT (the whole script's seconds, default 540),
@@ -163,7 +164,7 @@ else
 fi
 
 # -- 3. the engine, the weight lanes, the trainer's memory and colocation on their own ------
-for BENCH in hf_engine weight_sync trainer_memory colocate; do
+for BENCH in hf_engine weight_sync trainer_memory colocate quantized; do
   case $BENCH in hf_engine|trainer_memory) cap0=$(( CAP_BENCH + 20 )) ;; *) cap0=$CAP_BENCH ;; esac
   cap=$(budget "$cap0" 15)
   if [ ! -f "bench/$BENCH.py" ] || (( cap < 15 )); then row "bench/$BENCH.py" "skipped" "" "missing or ${cap}s left"; continue; fi
@@ -173,6 +174,7 @@ for BENCH in hf_engine weight_sync trainer_memory colocate; do
     weight_sync) ARGS=(--lane tensor --size "$([ "$SIZE" = dry ] && echo small || echo full)") ;;
     trainer_memory) ARGS=(--layers "$([ "$SIZE" = dry ] && echo 1 || echo 24)") ;;
     colocate) ARGS=(--steps 4 $([ "$SIZE" = dry ] && echo --hidden 256 --layers 2)) ;;
+    quantized) ARGS=(--repeats 1 $([ "$SIZE" = dry ] && echo --models demo || echo --new-tokens 64)) ;;
     *) ARGS=(--size "$SIZE") ;;
   esac
   [ "$BENCH" != trainer_memory ] && ARGS+=(--json "$OUT/$BENCH.json")  # (colocate: its rows)

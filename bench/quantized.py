@@ -1,5 +1,5 @@
 """Quantized generation (``generation.quantize``): tokens/s, generator memory and the
-behaviour log-prob mismatch for ``none`` vs ``int8`` (and ``fp8`` on CUDA), in one run.
+behaviour log-prob mismatch for ``none`` vs ``int8`` and ``int4`` (``fp8`` on CUDA), in one run.
 
 Models: ``demo``, the arithmetic demo's tiny Llama (the warm-started checkpoint when
 ``--demo`` points at one, else ``tiny:llama`` with random weights), on prompts from
@@ -8,8 +8,8 @@ Models: ``demo``, the arithmetic demo's tiny Llama (the warm-started checkpoint 
 random prompts. Each (model, precision) runs in its own process, so the memory figures are
 that process's alone:
 
-- ``engine MB``: the generator model's weight bytes (parameters, buffers, packed int8 weights
-  and scales); the receiver's unquantized mirror (published bf16) is not in it;
+- ``engine MB``: the generator model's weight bytes (parameters, buffers, packed int8/int4
+  weights and scales); the receiver's unquantized mirror (published bf16) is not in it;
 - ``RSS +MB``: the process's resident memory after building the generator and generating,
   less before the model was built (model, mirror, quantized copy, activations);
 - ``|dlogp|``, ``ratio max``, ``>delta``: the behaviour log-probs against the fp32 model the
@@ -186,7 +186,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--demo", default=str(ROOT / ".cache/arithmetic-warmstart"))
     p.add_argument("--models", nargs="+", default=["demo", "138m"])
-    p.add_argument("--precisions", nargs="+", default=["none", "int8"])
+    p.add_argument(
+        "--precisions", nargs="+", help="default: none int8 int4 on a CPU, none int8 fp8 on CUDA"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompts", type=int, default=16, help="demo prompts a call")
@@ -198,6 +200,9 @@ def main() -> None:
     p.add_argument("--one", help=argparse.SUPPRESS)  # a precision: run one row in this process
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.precisions:
+        args.precisions = ["none", "int8", "fp8" if args.device == "cuda" else "int4"]
+        sys.argv += ["--precisions", *args.precisions]
     if args.one:
         print(json.dumps(run_one(args)))
         return

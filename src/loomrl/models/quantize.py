@@ -19,6 +19,7 @@ Kernels (docs/engines.md, "Quantized generation"):
   dequantizes the rows it multiplies, so it is not faster than bf16.
 - ``fp8`` (CUDA only): e4m3 weights with per-row scales and per-token activation scales,
   multiplied by ``torch._scaled_mm`` (rowwise scaling: sm89/sm90 and later).
+- ``int4`` (CPU only): group-wise weight-only int4, ``loomrl.models.quantize_int4``.
 """
 
 from __future__ import annotations
