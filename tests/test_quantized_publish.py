@@ -20,7 +20,7 @@ from loomrl.weights.params import synced_params
 from loomrl.weights.publisher import Publisher, Subscriber
 from loomrl.weights.quantized import QuantizedPublish, scale_name
 from loomrl.weights.transports.inproc import InprocTransport
-from loomrl.weights.update import state_digest
+from loomrl.weights.update import WeightUpdate, apply_update, encode_update, state_digest
 
 from conftest import TINY_MODEL
 
@@ -136,6 +136,55 @@ def test_a_full_quantized_publish_is_about_half_the_bytes_of_bf16(trainer_model)
     # int8 codes and one fp32 scale a row of 32 or 64 inputs: 1/2 + 2/in of the bf16 bytes
     assert 0.5 < sizes[True] / sizes[False] < 0.57
     assert sizes[True, "rest"] == sizes[False, "rest"]  # everything else stays bf16
+
+
+def test_fp8_codes_go_through_the_delta_codec_bit_for_bit(trainer_model):
+    model, _ = trainer_model
+    master = copy.deepcopy(model)
+    selected = QuantizedPublish.of_model(master, "fp8")  # the tiny model: dims of 32 and 64
+    v0 = selected.cast(synced_params(master), torch.bfloat16)
+    _step(master, 3, 1e-3)
+    v1 = selected.cast(synced_params(master), torch.bfloat16)
+    codes = [n for n in selected.names if v0[n].dtype == torch.float8_e4m3fn]
+    assert len(codes) == 2 * 7 and all(v1[scale_name(n)].dtype == torch.float32 for n in codes)
+    delta = encode_update(v0, v1, version=1, base_version=0)
+    modes = {e.mode for e in delta.tensors if e.name in selected.names}
+    assert modes - {"same"}, modes  # some codes changed, and went through the XOR codec
+    mirror = {k: v.clone() for k, v in v0.items()}
+    apply_update(mirror, WeightUpdate.from_bytes(delta.to_bytes()))
+    assert state_digest(mirror) == state_digest(v1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_cuda_generator_loads_published_codes_as_they_are(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from loomrl.models.quantize import quantizer
+
+    model, tok = load_model_and_tokenizer(
+        "tiny:llama?hidden_size=64&num_layers=2&num_heads=4&intermediate_size=128", seed=1
+    )
+    transport = InprocTransport()
+    selected = QuantizedPublish.of_model(model, kind)
+    publisher = Publisher(transport.sender(), codec="delta", quantized=selected)
+    gen = HFGenerator(
+        copy.deepcopy(model).to("cuda", torch.bfloat16),
+        tok,
+        subscriber=Subscriber(transport.receiver()),
+        quantize=kind,
+        publish_quantized=True,
+    )
+    for version in range(3):
+        _step(model, version, 1e-3 if version else 0.0)
+        publisher.publish(synced_params(model), version)
+        gen.apply_weights(version)
+        masters = synced_params(model)
+        for path, layer in gen.quantized.modules.items():
+            codes, scales = quantizer(kind)(masters[f"{path}.weight"])
+            assert torch.equal(layer.qweight.cpu().view(torch.uint8), codes.view(torch.uint8))
+            assert torch.equal(layer.scales.cpu().view(-1), scales)
+        assert torch.isfinite(_logprobs(gen.model, tok)).all()
 
 
 @pytest.mark.parametrize(
