@@ -204,11 +204,22 @@ def test_the_config_rejects_jobs_that_cannot_publish_quantized(tiny_job, section
         tiny_job(weight_sync=weight_sync, **sections)
 
 
-def test_a_quantized_publishing_job_runs(tiny_job):
+@pytest.mark.parametrize(
+    "runtime, parallel",
+    [
+        ("local", "single"),
+        pytest.param("process", "single", marks=pytest.mark.slow),  # ~20 s here
+        # a sharded trainer publishes from gathered parameters, read once each in order
+        pytest.param("process", "fsdp2", marks=[pytest.mark.slow, pytest.mark.timeout(240)]),
+    ],
+)
+def test_a_quantized_publishing_job_runs(tiny_job, runtime, parallel):
+    shards = {"type": parallel} | ({"dp_shard": 2} if parallel == "fsdp2" else {})
     cfg = tiny_job(
         generation={"quantize": "int8"},
         weight_sync={"publish_quantized": True, "codec": "delta"},
-        trainer={"num_steps": 2},
+        trainer={"num_steps": 2, "parallel": shards},
+        runtime=runtime,
     )
     result = Job(cfg).run()
     assert result.summary["trained"] == 2 * 4 * 4
