@@ -182,21 +182,23 @@ class HFGenerator(Generator):
             return
         from loomrl.weights.quantized import is_codes, scale_name, weight_name
 
-        params, published_codes = dict(self.model.named_parameters()), {}
+        quantized, params = self.quantized, dict(self.model.named_parameters())
+        published_codes = {}  # quantized weights published as codes + scales (publish_quantized)
         with torch.no_grad():
             for name, tensor in weights:
-                if (weight := weight_name(name)) is not None and weight not in params:
-                    published_codes[weight] = None  # scales of published codes
-                elif self.quantized is not None and self.quantized.owns(name):
+                weight = weight_name(name) if quantized is not None else None  # of scales
+                if weight is not None and quantized.owns(weight):
+                    published_codes[weight] = None
+                elif quantized is not None and quantized.owns(name):
                     if name.endswith(".weight") and is_codes(tensor):
                         published_codes[name] = None
                     else:
-                        self.quantized.load(name, tensor)  # re-quantized from the mirror
+                        quantized.load(name, tensor)  # re-quantized from the mirror
                 else:
                     params[name].copy_(tensor)
-        for name in published_codes:  # codes and scales as published (publish_quantized)
+        for name in published_codes:  # loaded as they are, once both are in the mirror
             codes, scales = self.mirror[name], self.mirror[scale_name(name)]
-            self.quantized.load_quantized(name.removesuffix(".weight"), codes, scales)
+            quantized.load_quantized(name.removesuffix(".weight"), codes, scales)
 
     def update_weights(self, update) -> int:
         return self.receiver.apply(update)
