@@ -143,9 +143,8 @@ class HFGenerator(Generator):
             )
         selected = QuantizedPublish.of_model(self.model, kind) if publish_quantized else None
         if selected is not None:  # codes and scales in the mirror, as the trainer publishes them
-            self.mirror.update(
-                selected.cast({n: self.mirror[n] for n in selected.names}, torch.float32)
-            )
+            weights = {n: self.mirror[n] for n in selected.names}  # all quantized: no dtype used
+            self.mirror.update(selected.cast(weights, torch.float32))
         quantized = quantize_linears(self.model, kind)
         with torch.no_grad():
             for name in filter(quantized.owns, self.mirror):
