@@ -1,6 +1,6 @@
 """What spans sections of a job config and is checked when ``JobConfig`` is built (each
-rule raises ``ValueError`` naming the keys to change): the sharded trainer's needs and
-the colocated mode's. ``JobConfig`` calls ``check_job``; the rules read only config."""
+rule raises ``ValueError`` naming the keys to change): the sharded trainer's needs, the
+colocated mode's and quantized publishing's. ``JobConfig`` calls ``check_job``; the rules read only config."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ JobConfig = Any  # loomrl.config.JobConfig (which imports this module)
 def check_job(cfg: JobConfig) -> None:
     parallel_fits_job(cfg)
     colocate_fits_job(cfg)
+    quantized_publish_fits_job(cfg)
 
 
 def parallel_fits_job(cfg: JobConfig) -> None:
@@ -64,4 +65,32 @@ def colocate_fits_job(cfg: JobConfig) -> None:
         raise ValueError(
             "generation.colocate=true with weight_sync.prefetch=true: a prefetch thread reads the "
             "generator's weights while they are offloaded; set prefetch=false"
+        )
+
+
+def quantized_publish_fits_job(cfg: JobConfig) -> None:
+    """``weight_sync.publish_quantized``: the trainer sends codes and scales, which only the
+    hf engine's quantized Linear layers take."""
+    if not cfg.weight_sync.publish_quantized:
+        return
+    gen = cfg.generation
+    if gen.quantize == "none":
+        raise ValueError(
+            "weight_sync.publish_quantized=true with generation.quantize='none': there is nothing "
+            "to publish quantized; set generation.quantize='int8' or 'fp8', or publish_quantized=false"
+        )
+    if gen.engine.type != "hf":
+        raise ValueError(
+            f"weight_sync.publish_quantized=true with generation.engine.type={gen.engine.type!r}: "
+            "only the hf engine loads published codes and scales; set publish_quantized=false"
+        )
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "weight_sync.publish_quantized=true with model.lora: a LoRA job publishes its adapter "
+            "only, which is not quantized; set publish_quantized=false"
+        )
+    if cfg.weight_sync.kind == "tensor":
+        raise ValueError(
+            "weight_sync.publish_quantized=true with weight_sync.transport type 'tensor': the tensor "
+            "lane publishes one dtype; use a byte lane ('inproc', 'shm', 'files', 'torch_dist')"
         )

@@ -31,6 +31,7 @@ def build_generator(cfg: JobConfig, receiver) -> Generator:
         cuda_graphs=cuda_graphs,
         stop=gen.stop,
         quantize=gen.quantize,
+        publish_quantized=ws.publish_quantized,
     )
 
 

@@ -65,6 +65,8 @@ class HFGenerator(Generator):
 
     ``quantize`` ('int8', 'fp8'; ``loomrl.models.quantize``): the Linear layers hold quantized
     weights, re-quantized from the unquantized mirror after every update; no tracing then.
+    With ``publish_quantized`` the trainer publishes their codes and scales
+    (``loomrl.weights.quantized``): the mirror holds those, and the layers load them as they are.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class HFGenerator(Generator):
         eos_check_every: int | None = None,
         stop: list[str] | None = None,
         quantize: str = "none",
+        publish_quantized: bool = False,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -97,7 +100,7 @@ class HFGenerator(Generator):
         self.device = module_device(model)
         mirror = published_state(model, DTYPES[publish_dtype])
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
-        self.quantized = self._quantize(quantize)
+        self.quantized = self._quantize(quantize, publish_quantized)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
         self.trace = (
             trace and self.quantized is None
@@ -123,23 +126,33 @@ class HFGenerator(Generator):
             return None
         return StaticDecoder(self.model, cuda_graphs=cuda_graphs and self.device.type == "cuda")
 
-    def _quantize(self, kind: str):
+    def _quantize(self, kind: str, publish_quantized: bool = False):
         """The model's Linear layers quantized from the mirror (``generation.quantize``), or
         None for full precision. The mirror stays unquantized: updates apply to it, and
-        ``load_weights`` re-quantizes the layers each one changed."""
+        ``load_weights`` re-quantizes the layers each one changed; with ``publish_quantized``
+        the mirror holds codes and scales instead, as the trainer publishes them."""
         if kind == "none":
             return None
         from loomrl.models.quantize import quantize_linears
         from loomrl.weights.lora import is_peft_model
+        from loomrl.weights.quantized import QuantizedPublish, scale_name
 
         if is_peft_model(self.model):
             raise ValueError(
                 f"generation.quantize={kind!r} does not take a LoRA model (model.lora); use 'none'"
             )
+        selected = QuantizedPublish.of_model(self.model, kind) if publish_quantized else None
+        if selected is not None:  # codes and scales in the mirror, as the trainer publishes them
+            weights = {n: self.mirror[n] for n in selected.names}  # all quantized: no dtype used
+            self.mirror.update(selected.cast(weights, torch.float32))
         quantized = quantize_linears(self.model, kind)
         with torch.no_grad():
             for name in filter(quantized.owns, self.mirror):
-                quantized.load(name, self.mirror[name])
+                if selected is not None and name in selected.names:
+                    codes, scales = self.mirror[name], self.mirror[scale_name(name)]
+                    quantized.load_quantized(name.removesuffix(".weight"), codes, scales)
+                else:
+                    quantized.load(name, self.mirror[name])
         return quantized
 
     # -- weights -------------------------------------------------------------------------
@@ -166,13 +179,25 @@ class HFGenerator(Generator):
         if is_peft_model(self.model):
             load_adapter_state(self.model, dict(weights))
             return
-        params = dict(self.model.named_parameters())
+        from loomrl.weights.quantized import is_codes, scale_name, weight_name
+
+        quantized, params = self.quantized, dict(self.model.named_parameters())
+        published_codes = {}  # quantized weights published as codes + scales (publish_quantized)
         with torch.no_grad():
             for name, tensor in weights:
-                if self.quantized is not None and self.quantized.owns(name):
-                    self.quantized.load(name, tensor)  # re-quantized from the mirror
+                weight = weight_name(name) if quantized is not None else None  # of scales
+                if weight is not None and quantized.owns(weight):
+                    published_codes[weight] = None
+                elif quantized is not None and quantized.owns(name):
+                    if name.endswith(".weight") and is_codes(tensor):
+                        published_codes[name] = None
+                    else:
+                        quantized.load(name, tensor)  # re-quantized from the mirror
                 else:
                     params[name].copy_(tensor)
+        for name in published_codes:  # loaded as they are, once both are in the mirror
+            codes, scales = self.mirror[name], self.mirror[scale_name(name)]
+            quantized.load_quantized(name.removesuffix(".weight"), codes, scales)
 
     def update_weights(self, update) -> int:
         return self.receiver.apply(update)

@@ -80,6 +80,12 @@ class CpuInt8Linear(torch.nn.Module):
         qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zero, 0)
         self.inner.set_weight_bias(qweight, self._bias)
 
+    def load_quantized(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Take int8 codes [out, in] and fp32 scales [out] as they are (published quantized)."""
+        zero = torch.zeros(codes.shape[0], dtype=torch.long)
+        qweight = torch._make_per_channel_quantized_tensor(codes, scales.double(), zero, 0)
+        self.inner.set_weight_bias(qweight, self._bias)
+
     def load_bias(self, bias: torch.Tensor) -> None:
         self._bias = bias.detach().float().clone()
         self.inner.set_weight_bias(self.inner.weight(), self._bias)
@@ -111,6 +117,11 @@ class DeviceQuantLinear(torch.nn.Module):
             weight.to(self.qweight.device)
         )
         self.qweight.copy_(q)
+        self.scales.copy_(scales.view(1, -1))
+
+    def load_quantized(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Take codes [out, in] (int8 or e4m3) and fp32 scales [out] as they are, in place."""
+        self.qweight.copy_(codes)
         self.scales.copy_(scales.view(1, -1))
 
     def load_bias(self, bias: torch.Tensor) -> None:
@@ -157,6 +168,11 @@ class QuantizedLinears:
         target = self.modules[module]
         with torch.no_grad():
             target.load_weight(tensor) if leaf == "weight" else target.load_bias(tensor)
+
+    def load_quantized(self, module: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Load one Linear's published codes and scales without re-quantizing."""
+        with torch.no_grad():
+            self.modules[module].load_quantized(codes, scales)
 
     def weight_bytes(self) -> int:
         return sum(m.weight_bytes() for m in self.modules.values())
@@ -221,3 +237,21 @@ def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
         replaced[path] = quantized
     logger.info("generator quantized %d Linear layers to %s", len(replaced), kind)
     return QuantizedLinears(replaced)
+
+
+def quantizer(kind: str):
+    """The function that quantizes one weight for ``kind``: ``quantize_int8`` or ``quantize_fp8``."""
+    return quantize_fp8 if kind == "fp8" else quantize_int8
+
+
+def quantized_linear_paths(model: torch.nn.Module, kind: str) -> list[str]:
+    """The module paths ``quantize_linears(model, kind)`` replaces, without replacing them
+    (a trainer that publishes quantized weights selects them with this)."""
+    skip = _skipped(model)
+    return [
+        path
+        for path, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and id(m) not in skip
+        and not (kind == "fp8" and (m.in_features % FP8_ALIGN or m.out_features % FP8_ALIGN))
+    ]

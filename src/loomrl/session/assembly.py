@@ -69,6 +69,7 @@ def trainer_setup(cfg: JobConfig) -> TrainerSetup:
         temperature=cfg.generation.temperature,
         trace=cfg.uses_traces(cfg.trainer.trace),
         runtime=cfg.runtime,
+        quantize=cfg.generation.quantize,
     )
 
 

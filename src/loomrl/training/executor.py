@@ -22,6 +22,7 @@ from loomrl.weights.codec import CodecOptions
 from loomrl.weights.config import WeightSyncConfig
 from loomrl.weights.params import synced_params
 from loomrl.weights.publisher import Publisher
+from loomrl.weights.quantized import QuantizedPublish
 from loomrl.weights.transports import Transport, TransportSpec, open_transport
 
 
@@ -38,6 +39,7 @@ class TrainerSetup:
     temperature: float  # generation.temperature: the behaviour policy's log-probs are at it
     trace: bool  # trainer.trace resolved for the runtime
     runtime: str  # 'local', 'process' or 'ray'
+    quantize: str = "none"  # generation.quantize: what weight_sync.publish_quantized publishes
 
 
 class TrainerExecutor(TrainerEndpoints):
@@ -53,6 +55,11 @@ class TrainerExecutor(TrainerEndpoints):
             full_every=ws.full_every,
             publish_dtype=ws.publish_dtype,
             options=CodecOptions(level=ws.zstd_level),
+            quantized=(
+                QuantizedPublish.of_model(self.trainer.model, cfg.quantize)
+                if ws.publish_quantized
+                else None
+            ),
         )
 
     def _load_model(self, cfg: TrainerSetup, device):

@@ -152,6 +152,13 @@ class WeightSyncConfig(Section):
     publish_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of published weights (trainer keeps fp32 masters)."
     )
+    publish_quantized: bool = Field(
+        False,
+        description="With generation.quantize 'int8' or 'fp8' (hf engine): the trainer publishes "
+        "the weights the generators quantize as codes plus per-channel fp32 scales, computed from "
+        "its fp32 masters (about half the bytes of bf16; deltas stay lossless, on the codes); "
+        "false: it publishes publish_dtype and each generator quantizes from that (docs/weights.md).",
+    )
     full_every: int = Field(
         50, gt=0, description="With deltas: a full snapshot every this many versions."
     )

@@ -4,7 +4,8 @@ The trainer keeps fp32 master weights and publishes them cast to ``publish_dtype
 generator keeps a mirror in that dtype (the base that deltas apply to, bit-exactly) and may
 compute in fp32. With ``codec="delta"`` the publisher sends a lossless delta against the
 previous version and a full snapshot every ``full_every`` versions (and whenever a delta
-cannot be sent).
+cannot be sent). With ``quantized`` (``loomrl.weights.quantized``) the weights a quantized
+generator quantizes are published as codes and scales computed from the fp32 masters instead.
 
 The subscriber decodes and verifies an update without touching the mirror, then commits
 it. With ``prefetch=True`` a background thread receives and verifies while the generator
@@ -22,6 +23,7 @@ import torch
 
 from loomrl.weights.codec import CodecOptions
 from loomrl.weights.manifest import bits_view
+from loomrl.weights.quantized import QuantizedPublish
 from loomrl.weights.transports.base import Receiver, Sender, TransportError
 from loomrl.weights.update import (
     PreparedUpdate,
@@ -57,6 +59,7 @@ class Publisher:
         full_every: int = 50,
         publish_dtype: str = "bfloat16",
         options: CodecOptions | None = None,
+        quantized: QuantizedPublish | None = None,
     ) -> None:
         if codec not in ("full", "delta"):
             raise ValueError(f"codec must be 'full' or 'delta', got {codec!r}")
@@ -71,6 +74,7 @@ class Publisher:
         self.full_every = full_every
         self.dtype = DTYPES[publish_dtype]
         self.options = options or CodecOptions()
+        self.quantized = quantized  # weights published as codes + scales (None: none)
         self._last: dict[str, torch.Tensor] | None = None
         self._last_version: int | None = None
         self._last_digest: str | None = None
@@ -79,6 +83,8 @@ class Publisher:
         self.num_fulls = 0
 
     def _cast(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.quantized is not None:
+            return self.quantized.cast(state, self.dtype)
         return {
             k: v.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
             for k, v in state.items()
@@ -114,6 +120,11 @@ class Publisher:
         """Cast, encode and send ``state`` as ``version`` (``full``: as a full snapshot,
         whatever the codec); returns ``weight_sync/*`` metrics."""
         if getattr(self.sender, "carries_tensors", False):
+            if self.quantized is not None:
+                raise ValueError(
+                    "publishing quantized weights needs a byte lane (inproc, shm, files, "
+                    "torch_dist); the tensor lane publishes one dtype"
+                )
             return self._publish_tensors(state, version)
         t0 = time.perf_counter()
         new = self._cast(state)
