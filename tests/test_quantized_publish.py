@@ -191,6 +191,7 @@ def test_cuda_generator_loads_published_codes_as_they_are(kind):
     "sections, match",
     [
         ({}, "generation.quantize='none'"),
+        ({"generation": {"quantize": "int4"}}, "quantize='int4'"),
         ({"generation": {"quantize": "int8", "engine": "vllm"}}, "engine.type='vllm'"),
         ({"generation": {"quantize": "int8"}, "model": {"lora": {"r": 4}}}, "model.lora"),
         ({"generation": {"quantize": "int8"}, "weight_sync_transport": "tensor"}, "tensor lane"),

@@ -79,6 +79,12 @@ def quantized_publish_fits_job(cfg: JobConfig) -> None:
             "weight_sync.publish_quantized=true with generation.quantize='none': there is nothing "
             "to publish quantized; set generation.quantize='int8' or 'fp8', or publish_quantized=false"
         )
+    if gen.quantize == "int4":
+        raise ValueError(
+            "weight_sync.publish_quantized=true with generation.quantize='int4': the trainer "
+            "publishes int8 or fp8 codes; an int4 generator quantizes what it receives: set "
+            "publish_quantized=false"
+        )
     if gen.engine.type != "hf":
         raise ValueError(
             f"weight_sync.publish_quantized=true with generation.engine.type={gen.engine.type!r}: "
