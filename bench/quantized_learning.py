@@ -21,6 +21,12 @@ after another, seed-major.
     python bench/quantized_learning.py --steps 300 --json docs/data/quantized_learning.json
     python bench/quantized_learning.py --warmstart 0=.cache/arithmetic-warmstart --steps 300
     python bench/quantized_learning.py --job-seeds 10,11 --losses aipo   # job-seed spread
+    python bench/quantized_learning.py --max-staleness 2 --precisions none,int4   # both gaps
+    python bench/quantized_learning.py --table docs/data/quantized_learning.json  # print only
+
+The ``|dlogp| all`` and ``KL all`` columns are the gap on every token (staleness and
+precision together: ``train/offpolicy_logprob_gap``, ``train/offpolicy_kl``), which puts a
+precision's gap on the same scale as a staleness's.
 
 A warm-start folder is built (``python -m examples.arithmetic.warmstart``) where missing.
 """
@@ -94,6 +100,7 @@ def run_cell(
         "job_seed": job_seed,
         "loss": loss,
         "precision": precision,
+        "max_staleness": args.max_staleness,
         "steps": summary["steps"],
         "start": summary["eval_start"],
         "end": summary["eval_end"],
@@ -107,8 +114,16 @@ def run_cell(
 
 
 def _key(cell: dict) -> tuple:
-    """A cell's (warm-start seed, job seed, loss): the cells one precision row compares."""
-    return cell["warmstart_seed"], cell.get("job_seed", cell["warmstart_seed"]), cell["loss"]
+    """A cell's (warm-start seed, job seed, loss, staleness, steps): what one precision row
+    compares against."""
+    job_seed = cell.get("job_seed", cell["warmstart_seed"])
+    return (
+        cell["warmstart_seed"],
+        job_seed,
+        cell["loss"],
+        cell.get("max_staleness", 0),
+        cell["steps"],
+    )
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -121,8 +136,8 @@ def print_table(cells: list[dict]) -> None:
 
     base = {_key(c): c["end"] for c in cells if c["precision"] == "none"}
     table = Table(title="held-out accuracy by precision and loss (same steps every cell)")
-    cols = ("seed", "job seed", "loss", "precision", "start", "end", "vs none", "ratio mean")
-    for col in (*cols, "ratio max", ">delta", "|dlogp| same version", "samples/s"):
+    cols = ("seed", "job seed", "loss", "precision", "staleness", "start", "end", "vs none")
+    for col in (*cols, "ratio max", ">delta", "|dlogp| same version", "|dlogp| all", "KL all"):
         table.add_column(col, justify="right")
     for c in cells:
         ref = base.get(_key(c))
@@ -131,14 +146,15 @@ def print_table(cells: list[dict]) -> None:
             str(c.get("job_seed", c["warmstart_seed"])),
             c["loss"],
             c["precision"],
+            str(c.get("max_staleness", 0)),
             f"{c['start']:.1%}",
             f"{c['end']:.1%}",
             "-" if ref is None else f"{100 * (c['end'] - ref):+.1f} pts",
-            _fmt(c["ratio_mean"], ".4f"),
             _fmt(c["ratio_max"], ".3f"),
             _fmt(c["truncated_frac"], ".2e"),
             _fmt(c["mismatch"], ".4f"),
-            f"{c['samples_per_s']:.0f}",
+            _fmt(c.get("offpolicy_gap"), ".4f"),
+            _fmt(c.get("offpolicy_kl"), ".5f"),
         )
     Console(width=160).print(table)
 
@@ -173,7 +189,16 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="extra dotted job override")
     parser.add_argument("--work", type=Path, default=ROOT / "runs/bench-quantized-learning")
     parser.add_argument("--json", type=Path, help="also write the cells as JSON here")
+    parser.add_argument(
+        "--table",
+        type=Path,
+        nargs="+",
+        help="print the table of cells saved by --json; run nothing",
+    )
     args = parser.parse_args()
+    if args.table:
+        print_table([cell for path in args.table for cell in json.loads(path.read_text())])
+        return
     precisions = [p for p in args.precisions.split(",") if p]
     losses = [loss for loss in args.losses.split(",") if loss]
     args.work.mkdir(parents=True, exist_ok=True)
