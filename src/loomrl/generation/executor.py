@@ -7,7 +7,7 @@ from loomrl.config import JobConfig
 from loomrl.device import module_device
 from loomrl.generation.base import Generator
 from loomrl.generation.hf import HFGenerator
-from loomrl.models.loading import load_policy
+from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.weights.publisher import Subscriber
 from loomrl.weights.transports import TransportSpec, open_transport
 
@@ -50,9 +50,7 @@ def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
             "process (and it runs an executor's calls one at a time); use runtime='local'"
         )
     if gen.quantize != "none":
-        raise ValueError(
-            f"generation.quantize={gen.quantize!r} is the hf engine's; with the vllm engine use 'none'"
-        )
+        check_vllm_quantize(cfg)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     engine = AsyncVllmGenerator if gen.engine.async_engine else VllmGenerator  # concurrent generate
     return engine(
@@ -63,7 +61,55 @@ def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
         publish_dtype=cfg.weight_sync.publish_dtype,
         stop=gen.stop,
         seed=cfg.seed,
+        quantize=gen.quantize,
     )
+
+
+def check_vllm_quantize(cfg: JobConfig) -> None:
+    """Refuse, before vLLM starts, a ``generation.quantize`` it cannot run here (vLLM is
+    imported only to ask which device it computes on, for a quantization it may run)."""
+    import torch
+
+    quantize = cfg.generation.quantize
+    dtype = str(resolve_dtype(cfg.model)).removeprefix("torch.")
+    refusal = vllm_quantize_refusal(quantize, dtype, device_type="cpu")
+    if refusal is None:
+        from loomrl.generation import vllm_adapter
+
+        if vllm_adapter.platform_device_type() == "cuda":
+            capability = torch.cuda.get_device_capability()
+            refusal = vllm_quantize_refusal(quantize, dtype, "cuda", capability)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def vllm_quantize_refusal(
+    quantize: str, dtype: str, device_type: str, capability: tuple[int, int] | None = None
+) -> str | None:
+    """Why the vllm engine cannot run ``generation.quantize=quantize`` with weights in
+    ``dtype`` on ``device_type`` (a CUDA device's ``capability``), or None when it can.
+    Written against vLLM 0.32's online methods (``vllm_adapter.VLLM_QUANTIZATION``)."""
+    if quantize == "int8":
+        return (
+            "generation.quantize='int8' has no vLLM counterpart for dense Linear layers: "
+            "vLLM 0.32's online int8 ('int8_per_channel_weight_only') quantizes MoE experts "
+            "only, and its torchao int8 needs the torchao package, which loomrl's vllm extra does "
+            "not install; use 'fp8' (vLLM's online fp8_per_channel) or "
+            "generation.engine.type='hf' for int8"
+        )
+    if quantize == "fp8" and dtype not in ("bfloat16", "float16"):
+        return (
+            f"generation.quantize='fp8' with the vllm engine needs model.dtype='bfloat16' "
+            f"(vLLM's online fp8 quantizes bfloat16/float16 weights only), got {dtype} "
+            "(model.dtype='auto' is float32 on a CPU)"
+        )
+    if quantize == "fp8" and device_type == "cuda" and capability and capability < (8, 9):
+        return (
+            f"generation.quantize='fp8' with the vllm engine needs a CUDA device of compute "
+            f"capability >= 8.9 (fp8 matmuls: Ada, Hopper or newer), got "
+            f"{capability[0]}.{capability[1]}"
+        )
+    return None
 
 
 def start_generator(cfg: JobConfig, transport: TransportSpec, rank: int) -> Generator:

