@@ -12,13 +12,14 @@ pytest.importorskip("vllm", reason="vllm not installed (make vllm-env; make test
 
 from loomrl.generation import vllm_adapter  # noqa: E402
 from loomrl.generation.engine_config import VllmEngineConfig  # noqa: E402
+from loomrl.generation.vllm_async import AsyncVllmGenerator  # noqa: E402
 from loomrl.generation.vllm_engine import VllmGenerator  # noqa: E402
 from loomrl.models import load_model_and_tokenizer  # noqa: E402
 from loomrl.types import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.weights import encode_update  # noqa: E402
 from loomrl.weights.params import published_state  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # Head size 32 (vLLM's CPU attention takes no smaller); bf16: vLLM's online fp8 takes
 # bfloat16/float16 weights only.
@@ -35,13 +36,12 @@ def _perturbed(state: dict, seed: int, scale: float = 0.05) -> dict:
     }
 
 
-def _engine(state: dict, quantize: str = "fp8") -> VllmGenerator:
+def _engine(state: dict, quantize: str = "fp8", cls=VllmGenerator, **engine) -> VllmGenerator:
     """A fresh engine started from a checkpoint of ``state`` (quantized as vLLM loads it)."""
     model, tok = load_model_and_tokenizer(MODEL, seed=1, dtype=torch.bfloat16)
     model.load_state_dict(state, strict=False)
-    return VllmGenerator(
-        model, tok, engine=VllmEngineConfig(**ENGINE), publish_dtype="bfloat16", quantize=quantize
-    )
+    config = VllmEngineConfig(**ENGINE, **engine)
+    return cls(model, tok, engine=config, publish_dtype="bfloat16", quantize=quantize)
 
 
 def _sample(gen: VllmGenerator) -> tuple[list, list]:
@@ -66,8 +66,8 @@ def _linear_dtypes(gen: VllmGenerator) -> set[str]:
 @pytest.fixture(scope="module")
 def runs():
     """One fp8 engine taken v0 -> full v1 -> delta v2, one started fresh from v1 and given
-    a full v2, and an unquantized one started from v1: their samples at each step, and the
-    states (one engine at a time)."""
+    a full v2, an unquantized one started from v1, and an fp8 AsyncLLM engine taken as the
+    first: their samples at each step, and the states (one engine at a time)."""
     model, _ = load_model_and_tokenizer(MODEL, seed=1, dtype=torch.bfloat16)
     v0 = published_state(model, torch.bfloat16)
     v1 = _perturbed(v0, seed=11)
@@ -82,7 +82,7 @@ def runs():
         gen.update_weights(encode_update(v1, v2, version=2, base_version=1))
         out["delta_v2"] = _sample(gen)
         out["dtypes_after_updates"] = _linear_dtypes(gen)
-        out["reloads"] = gen.metrics()["generation/vllm_reloads"]
+        out["reloads_restarts"] = (gen.counts["reloads"], gen.counts["restarts"])
     finally:
         gen.close()
 
@@ -99,25 +99,37 @@ def runs():
         out["unquantized_v1"] = _sample(gen)
     finally:
         gen.close()
+
+    gen = _engine(v0, cls=AsyncVllmGenerator, async_engine=True)  # AsyncLLM: its own process
+    try:
+        gen.update_weights(encode_update(None, v1, version=1, base_version=None))
+        out["async_v1"] = _sample(gen)
+        gen.update_weights(encode_update(v1, v2, version=2, base_version=1))
+        out["async_delta_v2"] = _sample(gen)
+    finally:
+        gen.close()
     return out
+
+
+def _max_gap(a: tuple, b: tuple) -> float:
+    """The largest log-prob difference of two runs that sampled the same tokens."""
+    assert a[0] == b[0]
+    return max(abs(x - y) for lx, ly in zip(a[1], b[1]) for x, y in zip(lx, ly))
 
 
 def test_quantized_weights_follow_an_update_as_a_fresh_quantized_engine_has_them(runs):
     assert runs["dtypes_after_updates"] == {"float8_e4m3fn"}  # still quantized
-    assert runs["reloads"] == 2
-    ids, logprobs = runs["updated_v1"]
-    fresh_ids, fresh_logprobs = runs["fresh_v1"]
-    assert ids == fresh_ids
-    diff = max(abs(a - b) for x, y in zip(logprobs, fresh_logprobs) for a, b in zip(x, y))
-    assert diff <= 1e-5, diff
+    assert runs["reloads_restarts"] == (2, 0)  # reloaded in place, never restarted
+    assert _max_gap(runs["updated_v1"], runs["fresh_v1"]) <= 1e-5
+
+
+def test_the_async_engine_keeps_its_quantization_through_updates_as_the_sync_one(runs):
+    assert _max_gap(runs["async_v1"], runs["updated_v1"]) <= 1e-5
+    assert _max_gap(runs["async_delta_v2"], runs["delta_v2"]) <= 1e-5
 
 
 def test_a_delta_update_to_a_quantized_engine_equals_a_full_one(runs):
-    ids, logprobs = runs["delta_v2"]
-    full_ids, full_logprobs = runs["full_v2"]
-    assert ids == full_ids
-    diff = max(abs(a - b) for x, y in zip(logprobs, full_logprobs) for a, b in zip(x, y))
-    assert diff <= 1e-5, diff
+    assert _max_gap(runs["delta_v2"], runs["full_v2"]) <= 1e-5
     assert runs["delta_v2"] != runs["updated_v1"]  # the delta changed the samples
 
 
