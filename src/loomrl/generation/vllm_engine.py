@@ -99,6 +99,12 @@ class VllmGenerator(Generator):
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.seed = seed
         self.quantize = quantize  # vLLM's online quantization of the Linear layers
+        if quantize != "none" and self.device_type == "cpu":  # jobs refuse it (executor.py)
+            logger.warning(
+                "quantize=%r on vLLM's CPU backend: torch's emulated fp8 matmuls, hundreds of "
+                "times slower than bf16 (for tests of the update path)",
+                quantize,
+            )
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         if self.engine_cfg.max_model_len is not None:
             self.max_model_len = self.engine_cfg.max_model_len
