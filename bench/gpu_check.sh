@@ -213,13 +213,14 @@ if python3 -c 'import vllm' >/dev/null 2>&1; then
   row "bench/engines.py (HF vs vLLM)" "exit $rc" "$(( $(date +%s) - t0 ))" "$(grep '^| vllm' "$L/engines.log" | tail -1)"
   # generation.quantize='fp8' on vLLM (its online fp8_per_channel): weights follow full and
   # delta updates through the layerwise reload, log-probs the fp8 model's; three eager
-  # in-process engines (the AsyncLLM one left to make test-vllm), with what the budget has left.
+  # in-process engines (the AsyncLLM one and the two jobs left to make test-vllm), with what
+  # the budget has left.
   cap=$(budget 75 5)
   if (( cap >= 30 )); then
     section "vLLM: tests/test_vllm_quant.py, fp8 (cap ${cap}s)"
     t0=$(date +%s)
     timeout -s INT -k 10 "$cap" python3 -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
-      --timeout=120 -rfE -k "not async" tests/test_vllm_quant.py >"$L/vllm_quant.log" 2>&1
+      --timeout=120 -rfE -k "not async and not job_trains" tests/test_vllm_quant.py >"$L/vllm_quant.log" 2>&1
     rc=$?
     tail -n 5 "$L/vllm_quant.log"
     cp "$L/vllm_quant.log" "$OUT/vllm_quant.log" 2>/dev/null
