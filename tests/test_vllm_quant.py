@@ -67,9 +67,9 @@ def _linear_dtypes(gen: VllmGenerator) -> set[str]:
 
 @pytest.fixture(scope="module")
 def runs():
-    """One fp8 engine taken v0 -> full v1 -> delta v2, one started fresh from v1 and given
-    a full v2, and an unquantized one started from v1: their samples at each step, and the
-    states (one engine at a time)."""
+    """One fp8 engine taken v0 -> full v1 -> delta v2 -> offload and restore, one started
+    fresh from v1 and given a full v2, and an unquantized one started from v1: their
+    samples at each step, and the states (one engine at a time)."""
     model, _ = load_model_and_tokenizer(MODEL, seed=1, dtype=torch.bfloat16)
     v0 = published_state(model, torch.bfloat16)
     v1 = _perturbed(v0, seed=11)
@@ -85,6 +85,10 @@ def runs():
         out["delta_v2"] = _sample(gen)
         out["dtypes_after_updates"] = _linear_dtypes(gen)
         out["reloads_restarts"] = (gen.counts["reloads"], gen.counts["restarts"])
+        gen.offload()  # CPU: the engine stops; CUDA: it sleeps
+        gen.restore()  # CPU: a fresh fp8 engine, the mirror reloaded; CUDA: it wakes
+        out["restored_v2"] = _sample(gen)
+        out["dtypes_restored"] = _linear_dtypes(gen)
     finally:
         gen.close()
 
@@ -129,6 +133,11 @@ def test_quantized_weights_follow_an_update_as_a_fresh_quantized_engine_has_them
     assert runs["dtypes_after_updates"] == {"float8_e4m3fn"}  # still quantized
     assert runs["reloads_restarts"] == (2, 0)  # reloaded in place, never restarted
     assert _max_gap(runs["updated_v1"], runs["fresh_v1"]) <= 1e-5
+
+
+def test_an_offloaded_and_restored_engine_is_quantized_as_before(runs):
+    assert runs["dtypes_restored"] == {"float8_e4m3fn"}
+    assert _max_gap(runs["restored_v2"], runs["delta_v2"]) <= 1e-5
 
 
 def test_the_async_engine_keeps_its_quantization_through_updates_as_the_sync_one(runs, async_runs):
