@@ -33,3 +33,15 @@ def test_the_vllm_generator_refuses_at_start(tiny_job, tmp_path, quantize, match
     cfg = tiny_job(model={"dtype": "float32"}, generation={"quantize": quantize, "engine": engine})
     with pytest.raises(ValueError, match=match):
         build_vllm_generator(cfg, None)  # before the model loads or vLLM imports
+
+
+def test_fp8_maps_to_vllms_online_fp8_per_channel_and_none_to_no_quantization():
+    from loomrl.generation.engine_config import VllmEngineConfig
+    from loomrl.generation.vllm_adapter import _engine_kwargs
+
+    settings = dict(dtype="bfloat16", seed=0, device_type="cuda", engine=VllmEngineConfig())
+    kwargs = _engine_kwargs(max_model_len=None, quantize="fp8", **settings)
+    assert kwargs["quantization"] == "fp8_per_channel"
+    assert "quantization" not in _engine_kwargs(max_model_len=None, quantize="none", **settings)
+    with pytest.raises(ValueError, match="generation.quantize='int8' has no vLLM online"):
+        _engine_kwargs(max_model_len=None, quantize="int8", **settings)
