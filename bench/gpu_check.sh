@@ -188,8 +188,8 @@ done
 
 # -- 4. vLLM ----------------------------------------------------------------------------------
 # The engine's tests (parity with transformers after full and delta updates, no stale prefix
-# cache, refused corrupted updates, sleep and wake, the AsyncLLM engine; a colocated job) and
-# bench/engines.py (tokens/s of HF and vLLM, update times).
+# cache, refused corrupted updates, sleep and wake, the AsyncLLM engine; a colocated job),
+# bench/engines.py (tokens/s of HF and vLLM, update times) and vLLM's fp8 (test_vllm_quant.py).
 if python3 -c 'import vllm' >/dev/null 2>&1; then
   cap=$(budget "$CAP_BENCH" 10)
   section "vLLM: tests/test_vllm_engine.py (cap ${cap}s)"
@@ -213,6 +213,24 @@ if python3 -c 'import vllm' >/dev/null 2>&1; then
   grep '^|' "$L/engines.log"
   cp "$L/engines.log" "$OUT/engines.log" 2>/dev/null
   row "bench/engines.py (HF vs vLLM)" "exit $rc" "$(( $(date +%s) - t0 ))" "$(grep '^| vllm' "$L/engines.log" | tail -1)"
+  # generation.quantize='fp8' on vLLM (its online fp8_per_channel): weights follow full and
+  # delta updates through the layerwise reload, log-probs the fp8 model's; three eager
+  # in-process engines (the AsyncLLM one and the two jobs left to make test-vllm), with what
+  # the budget has left.
+  cap=$(budget 75 5)
+  if (( cap >= 30 )); then
+    section "vLLM: tests/test_vllm_quant.py, fp8 (cap ${cap}s)"
+    t0=$(date +%s)
+    timeout -s INT -k 10 "$cap" python3 -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
+      --timeout=120 -rfE -k "not async and not job_trains" tests/test_vllm_quant.py >"$L/vllm_quant.log" 2>&1
+    rc=$?
+    tail -n 5 "$L/vllm_quant.log"
+    cp "$L/vllm_quant.log" "$OUT/vllm_quant.log" 2>/dev/null
+    row "vLLM fp8 tests (tests/test_vllm_quant.py)" "exit $rc" "$(( $(date +%s) - t0 ))" \
+      "$(grep -E 'passed|failed' "$L/vllm_quant.log" | tail -1)"
+  else
+    row "vLLM fp8 tests (tests/test_vllm_quant.py)" "skipped" "" "${cap}s left in the script's budget"
+  fi
 else
   row "vLLM engine" "skipped: vllm not installed" "" ""
 fi

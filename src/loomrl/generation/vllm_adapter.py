@@ -19,6 +19,14 @@ What this wraps, and why so:
   either engine; calls from several threads overlap and vLLM batches them continuously.
 - Prefix-cache entries never outlive the weights that computed them: each request's cache
   is salted by the policy version, and the cache is reset after every reload.
+- ``generation.quantize = "fp8"`` is vLLM's own online quantization, ``quantization=
+  "fp8_per_channel"`` (``VLLM_QUANTIZATION``): the engine loads the bf16/fp16 checkpoint and
+  quantizes each Linear layer (e4m3 weights with per-output-channel scales, activations
+  quantized per token at run time; not the embeddings or the output head). A reload in
+  checkpoint format goes through vLLM's layerwise reload
+  (``model_executor/model_loader/reload/layerwise.py``): each layer is rebuilt from the bf16
+  tensors it is sent and quantized again by its ``process_weights_after_loading``, the result
+  copied into the layer's existing fp8 storage; layers sent nothing keep theirs.
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "loomrl.generation.vllm_adapter.LoomrlWorkerExtension"
 RESET_RETRIES = 50  # reset_prefix_cache is refused while a request holds blocks
 RESET_RETRY_S = 0.01
+
+# ``generation.quantize`` -> vLLM's ``quantization`` (its online methods, vLLM 0.32:
+# ``vllm/config/quantization.py`` ``_ONLINE_SHORTHANDS``). vLLM's own "fp8" takes only
+# fp8 checkpoints now; its online int8 ("int8_per_channel_weight_only") quantizes MoE
+# experts only, so 'int8' has no entry (refused at start: ``executor.vllm_quantize_refusal``).
+VLLM_QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}
 
 
 class WeightPayloadError(RuntimeError):
@@ -102,6 +116,12 @@ class LoomrlWorkerExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
+    def loomrl_param_dtypes(self) -> dict[str, str]:
+        """``{name: dtype}`` of the model's parameters as vLLM holds them (tests: an fp8
+        engine still holds fp8 Linear weights after a reload)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters()}
+
 
 @contextmanager
 def _caller_state_kept():
@@ -134,8 +154,10 @@ def _engine_kwargs(
     device_type: str,
     engine: Any,  # loomrl.generation.engine_config.VllmEngineConfig
     max_model_len: int | None,
+    quantize: str = "none",
 ) -> dict[str, Any]:
-    """The engine arguments ``vllm.LLM`` and ``AsyncEngineArgs`` both take."""
+    """The engine arguments ``vllm.LLM`` and ``AsyncEngineArgs`` both take (``quantize``:
+    ``generation.quantize``, as ``VLLM_QUANTIZATION`` maps it)."""
     kwargs: dict[str, Any] = dict(
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -148,6 +170,13 @@ def _engine_kwargs(
     )
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if quantize not in VLLM_QUANTIZATION:
+        raise ValueError(
+            f"generation.quantize={quantize!r} has no vLLM online quantization here; "
+            f"the vllm engine takes {sorted(VLLM_QUANTIZATION)}"
+        )
+    if VLLM_QUANTIZATION[quantize] is not None:
+        kwargs["quantization"] = VLLM_QUANTIZATION[quantize]
     if device_type == "cpu":  # an explicit size: otherwise a share of the machine's memory
         kwargs["kv_cache_memory_bytes"] = int(engine.cpu_kv_cache_gb * 2**30)
     else:
@@ -158,7 +187,7 @@ def _engine_kwargs(
 
 def start_llm(model_dir: str, *, engine: Any, **settings: Any) -> Any:
     """A ``vllm.LLM`` serving the model folder ``model_dir`` (``settings``: dtype, seed,
-    device_type, max_model_len, as ``_engine_kwargs`` takes them)."""
+    device_type, max_model_len, quantize, as ``_engine_kwargs`` takes them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine.multiprocessing else "0"
     from vllm import LLM
 
@@ -341,11 +370,17 @@ def sample(
 
 
 def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Reload ``weights`` into every worker in place (verified by digest there), then reset
-    the prefix cache; returns how many reset attempts were refused (blocks still held)."""
+    """Reload ``weights`` into every worker in place (verified by digest there; in
+    checkpoint format, so a quantized engine quantizes them again), then reset the prefix
+    cache; returns how many reset attempts were refused (blocks still held)."""
     data, digest = pack_weights(weights)
     llm.collective_rpc("loomrl_reload_weights", args=(data, digest))
     return reset_prefix_cache(llm)
+
+
+def param_dtypes(llm: Any) -> dict[str, str]:
+    """``{name: dtype}`` of the model's parameters in the (first) worker."""
+    return llm.collective_rpc("loomrl_param_dtypes")[0]
 
 
 def reset_prefix_cache(llm: Any) -> int:

@@ -11,6 +11,11 @@ tensors that changed; this engine reloads them into vLLM (every vLLM call is in
 ``loomrl.generation.vllm_adapter``). A reload that fails leaves vLLM unable to generate,
 so the engine is then restarted from the mirror (the last verified weights) and the restart
 is counted (``generation/vllm_restarts``).
+
+``quantize`` ('fp8': ``generation.quantize``) starts vLLM with its own online quantization
+(``vllm_adapter.VLLM_QUANTIZATION``). The mirror stays unquantized; every reload sends its
+bf16 tensors in checkpoint format, and vLLM's layerwise reload quantizes each layer it
+rebuilds again, so the engine stays quantized and follows every update.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def reload_groups(changed: Iterable[str], names: Iterable[str]) -> list[str]:
 
 
 class VllmGenerator(Generator):
-    """Generation with vLLM on the model's device; weights from a ``WeightReceiver``."""
+    """Generation with vLLM on the model's device; weights from a ``WeightReceiver``;
+    ``quantize``: 'none' or 'fp8' (vLLM's online fp8, kept through every reload)."""
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class VllmGenerator(Generator):
         publish_dtype: str = "bfloat16",
         stop: list[str] | None = None,
         seed: int = 0,
+        quantize: str = "none",
     ) -> None:
         from loomrl.generation import vllm_adapter
 
@@ -91,6 +98,13 @@ class VllmGenerator(Generator):
         self.device_type = vllm_adapter.platform_device_type()  # where vLLM runs
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.seed = seed
+        self.quantize = quantize  # vLLM's online quantization of the Linear layers
+        if quantize != "none" and self.device_type == "cpu":  # jobs refuse it (executor.py)
+            logger.warning(
+                "quantize=%r on vLLM's CPU backend: torch's emulated fp8 matmuls, hundreds of "
+                "times slower than bf16 (for tests of the update path)",
+                quantize,
+            )
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         if self.engine_cfg.max_model_len is not None:
             self.max_model_len = self.engine_cfg.max_model_len
@@ -120,6 +134,7 @@ class VllmGenerator(Generator):
             device_type=self.device_type,
             engine=self.engine_cfg,
             max_model_len=self.max_model_len,
+            quantize=self.quantize,
         )
 
     # -- weights -------------------------------------------------------------------------
