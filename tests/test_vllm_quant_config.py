@@ -26,7 +26,12 @@ def test_fp8_needs_bf16_or_fp16_weights_and_an_fp8_capable_cuda_device():
 
 
 @pytest.mark.parametrize(
-    ("quantize", "match"), [("int8", "no vLLM counterpart"), ("fp8", "model.dtype='bfloat16'")]
+    ("quantize", "match"),
+    [
+        ("int8", "no vLLM counterpart"),
+        ("int4", "no online int4"),
+        ("fp8", "model.dtype='bfloat16'"),
+    ],
 )
 def test_the_vllm_generator_refuses_at_start(tiny_job, tmp_path, quantize, match):
     engine = {"type": "vllm", "multiprocessing": False}

@@ -72,7 +72,9 @@ class GenerationConfig(Section):
         "the embeddings): 'int8' per-output-channel int8 (CPU: torch's dynamic int8 matmuls; CUDA: "
         "weight-only), 'fp8' e4m3 with per-channel scales through torch._scaled_mm (CUDA only: a "
         "start error elsewhere), 'int4' weight-only, a scale and zero point per 128 inputs (CPU "
-        "only: torch's int4 CPU kernel). The generator keeps the published weights unquantized and "
+        "only: torch's int4 CPU kernel). With the vllm engine: 'fp8' only, vLLM's own online "
+        "fp8_per_channel on CUDA (sm89+, model.dtype bf16/fp16), kept through its layerwise "
+        "reload on every update; the rest is a start error there. The generator keeps the published weights unquantized and "
         "re-quantizes what each update changes; the behaviour log-probs are the quantized model's, "
         "so the loss's importance ratio ('aipo', 'tis') corrects the mismatch (docs/engines.md).",
     )

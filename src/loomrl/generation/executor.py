@@ -102,6 +102,13 @@ def vllm_quantize_refusal(
             "not install; use 'fp8' (vLLM's online fp8_per_channel) or "
             "generation.engine.type='hf' for int8"
         )
+    if quantize == "int4":
+        return (
+            "generation.quantize='int4' is the hf engine's (torch's int4 CPU kernel); vLLM 0.32 "
+            "has no online int4 for a bf16 checkpoint (its int4 needs a GPTQ/AWQ-quantized "
+            "checkpoint, whose weights an update could not keep): use 'fp8' or "
+            "generation.engine.type='hf'"
+        )
     if quantize != "fp8":
         return None
     if dtype not in ("bfloat16", "float16"):
