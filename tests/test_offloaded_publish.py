@@ -1,0 +1,210 @@
+"""Publishing from an offloaded trainer (``generation.colocate``, a scheduler that took the
+device): the update is the one the trainer would publish on its device, bit for bit, while
+the gradients, the AdamW state and the KL reference stay away, and the trainer is still
+offloaded after it, and comes back bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loomrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from loomrl.device.offload import Swappable, is_placeholder
+from loomrl.training.executor import TrainerExecutor, TrainerSetup
+from loomrl.weights.config import WeightSyncConfig
+from loomrl.weights.transports.base import Sender, TransferStats
+from loomrl.weights.transports.tensor import TensorSender
+from tests.test_device_offload import groups, snapshot
+
+MODEL = "tiny:llama?hidden_size=64&num_layers=2&num_heads=2&intermediate_size=128"
+
+
+class Recorder(Sender):
+    """A byte lane that keeps every update and calls ``during`` as it sends one (inside the
+    publish, while the trainer's state is wherever the publish left it)."""
+
+    def __init__(self) -> None:
+        self.stats, self.updates, self.during = TransferStats(), [], None
+
+    def _put(self, update) -> None:
+        if self.during is not None:
+            self.during(update)
+        self.updates.append(update)
+
+
+class TensorRecorder(Recorder, TensorSender):
+    """The tensor lane's sender (packs device tensors), recording the same way."""
+
+
+def executor(sender: Sender, device: str = "cpu") -> TrainerExecutor:
+    setup = TrainerSetup(
+        model=ModelConfig(path=MODEL, device=device),
+        trainer=TrainerConfig(lr=1e-3),
+        algorithm=AlgorithmConfig(kl_coef=0.05),  # a KL reference, offloaded with the rest
+        weight_sync=WeightSyncConfig(codec="delta"),
+        seed=0,
+        temperature=1.0,
+        trace=False,
+        runtime="local",
+    )
+    return TrainerExecutor(setup, sender)
+
+
+def full_state(ex: TrainerExecutor) -> dict[str, torch.Tensor]:
+    """Model, gradients, AdamW state and KL reference, cloned."""
+    out = snapshot(ex.trainer)
+    out.update({f"r/{n}": p.detach().clone() for n, p in ex.trainer.reference.named_parameters()})
+    return out
+
+
+def assert_equal_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].cpu(), b[k].cpu()), k
+
+
+def same_update(a, b) -> None:
+    assert (a.version, a.base_version, a.digest) == (b.version, b.base_version, b.digest)
+    if hasattr(a, "payload"):  # a byte lane's update
+        assert a.header() == b.header() and bytes(a.payload) == bytes(b.payload)
+    else:  # the tensor lane's flat buffer
+        assert torch.equal(a.flat.cpu(), b.flat.cpu())
+
+
+def observe_away(ex: TrainerExecutor, seen: list) -> None:
+    """While the update is sent: what of the trainer is on hand."""
+    t = ex.trainer
+    seen.append(
+        {
+            "optimizer_away": all(
+                is_placeholder(v) for s in t.optimizer.state.values() for v in s.values()
+            ),
+            "grads_away": all(p.grad is None for p in t.model.parameters()),
+            "reference_away": all(p.numel() == 0 for p in t.reference.parameters()),
+            "params_here": all(p.numel() > 0 for p in t.model.parameters()),
+            "kinds_held": {e.kind for e in getattr(ex._swap._state, "entries", [])},
+        }
+    )
+
+
+def twins(lane: type[Recorder], device: str = "cpu"):
+    """Two executors trained alike to version 2, version 1 published (the delta base)."""
+    pair = [executor(lane(), device), executor(lane(), device)]
+    for ex in pair:
+        ex.train_step(groups(0), publish=True)
+        ex.train_step(groups(1))
+        assert any(p.grad is not None for p in ex.trainer.model.parameters())
+    return pair
+
+
+def check_publish_while_offloaded(moved, kept, full: bool) -> None:
+    before = full_state(moved)
+    moved.offload()
+    seen: list = []
+    moved.publisher.sender.during = lambda update: observe_away(moved, seen)
+    got = moved.publish(full=full)
+    moved.publisher.sender.during = None
+    assert len(seen) == 1
+    during = seen[0]  # the publish read the parameters and nothing else came back
+    assert during["params_here"], during
+    assert during["optimizer_away"] and during["grads_away"], during
+    assert during["reference_away"], during
+    assert {"grad", "optim"} <= during["kinds_held"], during
+    want = kept.publish(full=full)
+    same_update(moved.publisher.sender.updates[-1], kept.publisher.sender.updates[-1])
+    assert got["weight_sync/bytes_sent"] == want["weight_sync/bytes_sent"]
+    assert got.get("weight_sync/changed_fraction") == want.get("weight_sync/changed_fraction")
+    model = kept.trainer.model  # its parameters and buffers were read, nothing else
+    assert got["weight_sync/offloaded_read_bytes"] == sum(
+        t.nbytes for t in (*model.parameters(), *model.buffers())
+    )
+    # still offloaded after it; the publisher's new snapshot too (on a CPU)
+    assert moved._swap.offloaded and all(p.numel() == 0 for p in moved.trainer.model.parameters())
+    if moved.trainer.device.type == "cpu" and moved.publisher._last is not None:
+        assert all(is_placeholder(v) for v in moved.publisher._last.values())
+    moved.restore()
+    assert_equal_states(full_state(moved), before)
+
+
+@pytest.mark.parametrize("lane", [Recorder, TensorRecorder], ids=["bytes", "tensor"])
+def test_an_offloaded_publish_sends_the_same_bytes_and_leaves_the_optimizer_away(lane):
+    moved, kept = twins(lane)
+    check_publish_while_offloaded(moved, kept, full=False)  # a delta on a byte lane
+    for ex in (moved, kept):
+        ex.train_step(groups(2))
+    check_publish_while_offloaded(moved, kept, full=True)
+    assert moved.publisher.sender.updates[-1].is_full
+    if lane is Recorder:
+        assert not moved.publisher.sender.updates[-2].is_full  # the first one was a delta
+    # the restored trainer trains on exactly as the one that never left
+    m1, m2 = moved.train_step(groups(3), publish=True), kept.train_step(groups(3), publish=True)
+    assert m1["train/loss"] == m2["train/loss"] and m1["train/grad_norm"] == m2["train/grad_norm"]
+    same_update(moved.publisher.sender.updates[-1], kept.publisher.sender.updates[-1])
+
+
+def test_repeated_offloaded_publishes_keep_one_snapshot_offloaded():
+    moved, kept = twins(Recorder)
+    moved.offload()
+    for version in range(2):  # the same version twice: an all-same delta, then a full one
+        same = [ex.publish(full=version == 1) for ex in (moved, kept)]
+        assert same[0]["weight_sync/bytes_sent"] == same[1]["weight_sync/bytes_sent"]
+        same_update(moved.publisher.sender.updates[-1], kept.publisher.sender.updates[-1])
+        swap = moved._snapshot_swap
+        assert swap.offloaded and swap.tensor_dicts[0] is moved.publisher._last
+    moved.restore()
+    assert not moved._snapshot_swap.offloaded
+    for name, value in kept.publisher._last.items():
+        assert torch.equal(moved.publisher._last[name], value), name
+
+
+def test_lend_gives_back_only_the_modules_asked_for(tmp_path):
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()])
+    (other(model(torch.randn(3, 8))).square().sum()).backward()
+    optimizer.step()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    swap = Swappable([model, other], optimizer, directory=str(tmp_path))
+    with swap.lend(model) as lent:
+        assert lent == 0  # not offloaded: nothing to lend
+    swap.offload()
+    with swap.lend(model) as lent:
+        assert lent == sum(t.nbytes for t in want.values())
+        for n, p in model.named_parameters():
+            assert torch.equal(p, want[n]), n
+        assert all(p.numel() == 0 and p.grad is None for p in other.parameters())
+        assert all(is_placeholder(v) for s in optimizer.state.values() for v in s.values())
+    assert all(p.numel() == 0 for p in model.parameters()) and swap.offloaded
+    swap.restore()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[n]) and p.grad is not None, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lane", [Recorder, TensorRecorder], ids=["bytes", "tensor"])
+def test_an_offloaded_cuda_trainer_publishes_without_its_optimizer_on_the_device(lane):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    moved, kept = twins(lane, "cuda")
+    params_bytes = sum(p.nbytes for p in kept.trainer.model.parameters())
+    moved.offload()
+    away = torch.cuda.memory_allocated()
+    during: list[int] = []
+    moved.publisher.sender.during = lambda update: during.append(torch.cuda.memory_allocated())
+    moved.publish(full=True)
+    kept.publish(full=True)
+    same_update(moved.publisher.sender.updates[-1], kept.publisher.sender.updates[-1])
+    if lane is Recorder:  # read on the host: nothing came to the device
+        assert during[0] - away < 1 << 20, (during, away)
+    else:  # the parameters and the packed buffer, not the AdamW moments (2x the parameters)
+        assert during[0] - away <= 1.5 * params_bytes + (4 << 20), (during, away, params_bytes)
+    assert torch.cuda.memory_allocated() - away < 1 << 20  # and they left again
+    before_restore = moved._swap._state.bytes_moved
+    assert before_restore > 3 * params_bytes
+    moved.restore()
+    for ex in (moved, kept):
+        ex.train_step(groups(2))
+    for (name, p), q in zip(
+        moved.trainer.model.named_parameters(), kept.trainer.model.parameters()
+    ):
+        assert torch.equal(p, q), name
