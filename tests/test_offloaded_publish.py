@@ -208,3 +208,25 @@ def test_an_offloaded_cuda_trainer_publishes_without_its_optimizer_on_the_device
         moved.trainer.model.named_parameters(), kept.trainer.model.parameters()
     ):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.slow
+def test_a_colocated_job_refreshes_a_restarted_generator_from_the_offloaded_trainer(
+    tiny_job, tmp_path
+):
+    # The fresh generator's full snapshot is published inside its generate phase, while the
+    # trainer is offloaded: the job completes with every rollout accounted for.
+    from loomrl.job import Job
+    from loomrl.telemetry.metrics import read_metrics
+    from tests.test_faults import _assert_complete_and_accounted, _fault_job, _kill_at
+
+    cfg = _fault_job(tiny_job, tmp_path, "process")
+    cfg.generation.colocate = True
+    on_record, killed = _kill_at(3, "process", "generator0")
+    result = Job(cfg).run(on_record=on_record)
+    assert killed
+    faults = _assert_complete_and_accounted(result, cfg)
+    assert faults["executor/generator_restarts"] == 1 and faults["executor/trainer_failures"] == 0
+    train_records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert train_records[-1]["weight_sync/num_fulls"] == 2  # the first, and the fresh one's
+    assert train_records[-1]["colocate/switches"] >= 2 * cfg.trainer.num_steps
