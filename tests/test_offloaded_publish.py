@@ -36,16 +36,17 @@ class TensorRecorder(Recorder, TensorSender):
     """The tensor lane's sender (packs device tensors), recording the same way."""
 
 
-def executor(sender: Sender, device: str = "cpu") -> TrainerExecutor:
+def executor(sender: Sender, device: str = "cpu", quantize: str = "none") -> TrainerExecutor:
     setup = TrainerSetup(
         model=ModelConfig(path=MODEL, device=device),
         trainer=TrainerConfig(lr=1e-3),
         algorithm=AlgorithmConfig(kl_coef=0.05),  # a KL reference, offloaded with the rest
-        weight_sync=WeightSyncConfig(codec="delta"),
+        weight_sync=WeightSyncConfig(codec="delta", publish_quantized=quantize != "none"),
         seed=0,
         temperature=1.0,
         trace=False,
         runtime="local",
+        quantize=quantize,  # int8 codes and scales computed from the masters where they are
     )
     return TrainerExecutor(setup, sender)
 
@@ -87,9 +88,9 @@ def observe_away(ex: TrainerExecutor, seen: list) -> None:
     )
 
 
-def twins(lane: type[Recorder], device: str = "cpu"):
+def twins(lane: type[Recorder], device: str = "cpu", quantize: str = "none"):
     """Two executors trained alike to version 2, version 1 published (the delta base)."""
-    pair = [executor(lane(), device), executor(lane(), device)]
+    pair = [executor(lane(), device, quantize), executor(lane(), device, quantize)]
     for ex in pair:
         ex.train_step(groups(0), publish=True)
         ex.train_step(groups(1))
@@ -126,9 +127,13 @@ def check_publish_while_offloaded(moved, kept, full: bool) -> None:
     assert_equal_states(full_state(moved), before)
 
 
-@pytest.mark.parametrize("lane", [Recorder, TensorRecorder], ids=["bytes", "tensor"])
-def test_an_offloaded_publish_sends_the_same_bytes_and_leaves_the_optimizer_away(lane):
-    moved, kept = twins(lane)
+@pytest.mark.parametrize(
+    "lane, quantize",
+    [(Recorder, "none"), (TensorRecorder, "none"), (Recorder, "int8")],
+    ids=["bytes", "tensor", "bytes-int8"],
+)
+def test_an_offloaded_publish_sends_the_same_bytes_and_leaves_the_optimizer_away(lane, quantize):
+    moved, kept = twins(lane, quantize=quantize)
     check_publish_while_offloaded(moved, kept, full=False)  # a delta on a byte lane
     for ex in (moved, kept):
         ex.train_step(groups(2))
@@ -181,33 +186,42 @@ def test_lend_gives_back_only_the_modules_asked_for(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lane", [Recorder, TensorRecorder], ids=["bytes", "tensor"])
-def test_an_offloaded_cuda_trainer_publishes_without_its_optimizer_on_the_device(lane):
+@pytest.mark.parametrize(
+    "lane, quantize",
+    [(Recorder, "none"), (TensorRecorder, "none"), (Recorder, "int8"), (Recorder, "fp8")],
+    ids=["bytes", "tensor", "bytes-int8", "bytes-fp8"],
+)
+def test_an_offloaded_cuda_trainer_publishes_without_its_optimizer_on_the_device(lane, quantize):
+    # A byte lane casts (and quantizes) the host copies on the CPU where the device publish
+    # does it on CUDA: the bytes must be the same. One executor, its publisher rewound for
+    # the device publish (CUDA training need not be bit-reproducible between two twins).
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    moved, kept = twins(lane, "cuda")
-    params_bytes = sum(p.nbytes for p in kept.trainer.model.parameters())
-    moved.offload()
+    ex = executor(lane(), "cuda", quantize)
+    ex.train_step(groups(0), publish=True)
+    ex.train_step(groups(1))
+    pub = ex.publisher
+    rewind = {k: getattr(pub, k) for k in ("_last", "_last_version", "_last_digest", "_since_full")}
+    params_bytes = sum(p.nbytes for p in ex.trainer.model.parameters())
+    before = full_state(ex)
+    ex.offload()
     away = torch.cuda.memory_allocated()
     during: list[int] = []
-    moved.publisher.sender.during = lambda update: during.append(torch.cuda.memory_allocated())
-    moved.publish(full=True)
-    kept.publish(full=True)
-    same_update(moved.publisher.sender.updates[-1], kept.publisher.sender.updates[-1])
+    pub.sender.during = lambda update: during.append(torch.cuda.memory_allocated())
+    ex.publish()  # a delta on a byte lane
+    pub.sender.during = None
     if lane is Recorder:  # read on the host: nothing came to the device
         assert during[0] - away < 1 << 20, (during, away)
     else:  # the parameters and the packed buffer, not the AdamW moments (2x the parameters)
         assert during[0] - away <= 1.5 * params_bytes + (4 << 20), (during, away, params_bytes)
     assert torch.cuda.memory_allocated() - away < 1 << 20  # and they left again
-    before_restore = moved._swap._state.bytes_moved
-    assert before_restore > 3 * params_bytes
-    moved.restore()
-    for ex in (moved, kept):
-        ex.train_step(groups(2))
-    for (name, p), q in zip(
-        moved.trainer.model.named_parameters(), kept.trainer.model.parameters()
-    ):
-        assert torch.equal(p, q), name
+    assert ex._swap._state.bytes_moved > 3 * params_bytes
+    ex.restore()
+    assert_equal_states(full_state(ex), before)
+    for k, v in rewind.items():
+        setattr(pub, k, v)
+    ex.publish()  # the same publish, from the device
+    same_update(pub.sender.updates[-2], pub.sender.updates[-1])
 
 
 @pytest.mark.slow
