@@ -265,28 +265,24 @@ def restore(state: OffloadedState) -> float:
 
 
 @contextmanager
-def lend(state: OffloadedState, modules: Modules, *, to_device: bool = False) -> Iterator[int]:
+def lend(state: OffloadedState, modules: Modules) -> Iterator[int]:
     """For a read of ``modules``' parameters and buffers (some of what ``state`` holds), give
-    them their offloaded data back while everything else stays away, and take it again on
-    exit; yields the bytes lent. The module reads like its restored self, but only where it
-    was on a CPU or with ``to_device``; otherwise from the host:
+    them their offloaded data back, on the host, while everything else stays away, and take
+    it again on exit; yields the bytes lent. Nothing comes to the device:
 
-    - CPU: the tensors themselves, in their shared mappings. Reading them maps only their
-      pages back into the process (a restore maps every page of every mapping); on exit the
-      mappings' pages are dropped again (all of ``state`` is away, so nothing resident is).
-    - CUDA: the pinned host copies (a parameter's ``.data`` on the host meanwhile), so a
-      reader that works on the host (a publish to a byte lane, which casts on the host
-      anyway) needs no device memory; ``to_device``: device copies of these tensors only,
-      freed on exit (a reader that needs device tensors: the CUDA IPC lane).
+    - CPU: the tensors themselves, in their shared mappings. Reading them maps only the
+      pages read back into the process (a restore maps every page of every mapping); on
+      exit the mappings' pages are dropped again (all of ``state`` is away: nothing in them
+      is in use).
+    - CUDA: the pinned host copies (a parameter's ``.data`` is on the host meanwhile); a
+      reader that needs some of them on the device copies those (a publish to the tensor
+      lane copies the published tensors, not the module's every buffer or frozen weight).
 
-    Read only: what is written to a lent tensor is lost on a device copy."""
+    Read only: a lent tensor is the offloaded copy itself, and ``restore`` brings it back."""
     owners = {id(t) for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())}
     entries = [e for e in state.entries if e.kind in ("param", "buffer") and id(e.owner) in owners]
     for e in entries:
-        data = e.tensor if e.host is None else e.host
-        _attach(e, data.to(e.device, non_blocking=True) if to_device else data)
-    if to_device and any(e.host is not None for e in entries):
-        torch.cuda.synchronize()
+        _attach(e, e.tensor if e.host is None else e.host)
     try:
         yield sum(e.owner.nbytes for e in entries)
     finally:
@@ -297,8 +293,6 @@ def lend(state: OffloadedState, modules: Modules, *, to_device: bool = False) ->
         }
         for area in areas.values():
             area.madvise(mmap.MADV_DONTNEED)
-        if to_device and any(e.host is not None for e in entries):
-            torch.cuda.empty_cache()
 
 
 class Swappable:
@@ -339,12 +333,12 @@ class Swappable:
         return restore(state)
 
     @contextmanager
-    def lend(self, modules: Modules, *, to_device: bool = False) -> Iterator[int]:
+    def lend(self, modules: Modules) -> Iterator[int]:
         """``lend`` (above) while offloaded: only ``modules``' parameters and buffers come
-        back, and only for the ``with`` block; yields the bytes lent (0 when not offloaded,
-        where the module is on its device already)."""
+        back, on the host, and only for the ``with`` block; yields the bytes lent (0 when
+        not offloaded: the module is on its device already)."""
         if self._state is None:
             yield 0
             return
-        with lend(self._state, modules, to_device=to_device) as lent_bytes:
+        with lend(self._state, modules) as lent_bytes:
             yield lent_bytes

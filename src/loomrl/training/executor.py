@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from loomrl.config import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
 from loomrl.models.loading import load_policy, resolve_dtype
@@ -113,29 +115,33 @@ class TrainerExecutor(TrainerEndpoints):
 
     def _publish_offloaded(self, full: bool) -> dict[str, float]:
         """A publish while offloaded (a restarted generator's full snapshot inside its
-        generate phase; a publish between a scheduler's leases) reads the model's parameters
-        and the publisher's last snapshot (the delta base), nothing else: the gradients, the
-        AdamW moments (twice the parameters in fp32) and the KL reference stay away, so it
-        takes none of the memory the offload freed for the other side. A byte lane (inproc,
-        shm, files, torch_dist) casts and encodes on the host anyway, so the parameters are
-        read where they wait, on the host (pinned copies on CUDA, shared memory on a CPU),
-        and the device sees nothing; the tensor lane packs and digests on the device (CUDA
-        IPC), so the parameters alone come back for it and leave after
-        (``Swappable.lend``). The bytes are those of the same publish on the device (host
-        and device round to the published dtype alike). The new snapshot is offloaded in
-        turn: the trainer is as offloaded after it as before."""
+        generate phase; a publish between a scheduler's leases) reads the published
+        parameters and the publisher's last snapshot (the delta base), nothing else: the
+        gradients, the AdamW moments (twice the parameters in fp32) and the KL reference
+        stay away, so it takes none of the memory the offload freed for the other side.
+        The parameters are read where they wait, on the host (``Swappable.lend``: pinned
+        copies on CUDA, shared memory on a CPU). A byte lane (inproc, shm, files,
+        torch_dist) casts and encodes on the host anyway, so the device sees nothing; the
+        tensor lane packs and digests on the device (CUDA IPC), so the published tensors
+        alone are copied there for it, and freed after. The bytes are those of the same
+        publish from the device (host and device round to the published dtype alike). The
+        new snapshot is offloaded in turn: the trainer is as offloaded after it as before."""
         t0 = time.perf_counter()
-        on_device = getattr(self.publisher.sender, "carries_tensors", False)
         if self._snapshot_swap is not None:
-            self._snapshot_swap.restore()  # host memory on a CPU: pages mapped back, no copy
+            self._snapshot_swap.restore()  # host memory: on a CPU its pages mapped back
         try:
-            with self._swap.lend([self.trainer.model], to_device=on_device) as lent_bytes:
-                metrics = self.publisher.publish(
-                    synced_params(self.trainer.model), self.trainer.version, full=full
-                )
+            with self._swap.lend([self.trainer.model]):
+                state = synced_params(self.trainer.model)
+                read_bytes = sum(t.nbytes for t in state.values())
+                if getattr(self.publisher.sender, "carries_tensors", False):
+                    state = {k: t.to(self.trainer.device) for k, t in state.items()}
+                metrics = self.publisher.publish(state, self.trainer.version, full=full)
+                del state
         finally:
             self._offload_snapshot()
-        metrics["weight_sync/offloaded_read_bytes"] = float(lent_bytes)
+            if self.trainer.device.type == "cuda":
+                torch.cuda.empty_cache()
+        metrics["weight_sync/offloaded_read_bytes"] = float(read_bytes)
         metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
 
