@@ -26,6 +26,8 @@ import os
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +70,13 @@ class OffloadedState:
 Modules = torch.nn.Module | list[torch.nn.Module]
 
 
+def _as_list(modules: Modules) -> list[torch.nn.Module]:
+    return modules if isinstance(modules, list) else [modules]
+
+
 def _tensors(modules: Modules, optimizer: torch.optim.Optimizer | None, tensor_dicts: list[dict]):
     seen: set[int] = set()
-    for module in modules if isinstance(modules, list) else [modules]:
+    for module in _as_list(modules):
         for p in module.parameters():
             if id(p) in seen:
                 continue
@@ -204,21 +210,26 @@ def _take(
     return entries, list(mappings.values()), moved, copied
 
 
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    key = (t.dtype, t.device)
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
     return _PLACEHOLDERS[key]
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is what an offloaded tensor's owner holds while it is away."""
+    return _PLACEHOLDERS.get((t.dtype, t.device)) is t
 
 
 def _detach(e: _Entry) -> None:
     if e.kind == "param" or e.kind == "buffer":
-        e.owner.data = _placeholder(e.owner)
+        e.owner.data = _placeholder(e.owner.dtype, e.device)  # its own device, even if lent
     elif e.kind == "grad":
         e.owner.grad = None
     else:
         state, key = e.owner
-        state[key] = _placeholder(state[key])
+        state[key] = _placeholder(state[key].dtype, e.device)
 
 
 def _attach(e: _Entry, t: torch.Tensor) -> None:
@@ -251,6 +262,37 @@ def restore(state: OffloadedState) -> float:
         torch.cuda.synchronize()
     state.entries, state.mappings = [], []
     return time.perf_counter() - t0
+
+
+@contextmanager
+def lend(state: OffloadedState, modules: Modules) -> Iterator[int]:
+    """For a read of ``modules``' parameters and buffers (some of what ``state`` holds), give
+    them their offloaded data back, on the host, while everything else stays away, and take
+    it again on exit; yields the bytes lent. Nothing comes to the device:
+
+    - CPU: the tensors themselves, in their shared mappings. Reading them maps only the
+      pages read back into the process (a restore maps every page of every mapping); on
+      exit the mappings' pages are dropped again (all of ``state`` is away: nothing in them
+      is in use).
+    - CUDA: the pinned host copies (a parameter's ``.data`` is on the host meanwhile); a
+      reader that needs some of them on the device copies those (a publish to the tensor
+      lane copies the published tensors, not the module's every buffer or frozen weight).
+
+    Read only: a lent tensor is the offloaded copy itself, and ``restore`` brings it back."""
+    owners = {id(t) for m in _as_list(modules) for t in (*m.parameters(), *m.buffers())}
+    entries = [e for e in state.entries if e.kind in ("param", "buffer") and id(e.owner) in owners]
+    for e in entries:
+        _attach(e, e.tensor if e.host is None else e.host)
+    try:
+        yield sum(e.owner.nbytes for e in entries)
+    finally:
+        for e in entries:
+            _detach(e)
+        areas = {
+            id(a): a for e in entries if e.tensor is not None and (a := shared_mapping(e.tensor))
+        }
+        for area in areas.values():
+            area.madvise(mmap.MADV_DONTNEED)
 
 
 class Swappable:
@@ -289,3 +331,14 @@ class Swappable:
             return 0.0
         state, self._state = self._state, None
         return restore(state)
+
+    @contextmanager
+    def lend(self, modules: Modules) -> Iterator[int]:
+        """``lend`` (above) while offloaded: only ``modules``' parameters and buffers come
+        back, on the host, and only for the ``with`` block; yields the bytes lent (0 when
+        not offloaded: the module is on its device already)."""
+        if self._state is None:
+            yield 0
+            return
+        with lend(self._state, modules) as lent_bytes:
+            yield lent_bytes

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from loomrl.config import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
 from loomrl.models.loading import load_policy, resolve_dtype
@@ -43,6 +45,8 @@ class TrainerSetup:
 
 
 class TrainerExecutor(TrainerEndpoints):
+    _swap = _snapshot_swap = None  # loomrl.device.offload.Swappable, made at the first offload
+
     def __init__(self, cfg: TrainerSetup, sender, owned_transport: Transport | None = None) -> None:
         self.owned_transport = owned_transport  # built here for this executor: closed with it
         device = resolve_device(cfg.model.device)
@@ -98,21 +102,47 @@ class TrainerExecutor(TrainerEndpoints):
 
     def publish(self, full: bool = False) -> dict[str, float]:
         """Publish the current version. An offloaded trainer (colocated generators, or a
-        scheduler that took the device) brings its state back for it and sends it away
-        again: a fresh generator's full snapshot is published inside its generate phase."""
-        swap = getattr(self, "_swap", None)
-        away = swap is not None and swap.offloaded
-        if away:
-            swap.restore()
+        scheduler that took the device) publishes without coming back
+        (``_publish_offloaded``)."""
+        if self._swap is not None and self._swap.offloaded:
+            return self._publish_offloaded(full)
+        t0 = time.perf_counter()
+        metrics = self.publisher.publish(
+            synced_params(self.trainer.model), self.trainer.version, full=full
+        )
+        metrics["timing/publish_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _publish_offloaded(self, full: bool) -> dict[str, float]:
+        """A publish while offloaded (a restarted generator's full snapshot inside its
+        generate phase; a publish between a scheduler's leases) reads the published
+        parameters and the publisher's last snapshot (the delta base), nothing else: the
+        gradients, the AdamW moments (twice the parameters in fp32) and the KL reference
+        stay away, so it takes none of the memory the offload freed for the other side.
+        The parameters are read where they wait, on the host (``Swappable.lend``: pinned
+        copies on CUDA, shared memory on a CPU). A byte lane (inproc, shm, files,
+        torch_dist) casts and encodes on the host anyway, so the device sees nothing; the
+        tensor lane packs and digests on the device (CUDA IPC), so the published tensors
+        alone are copied there for it, and freed after. The bytes are those of the same
+        publish from the device (host and device round to the published dtype alike). The
+        new snapshot is offloaded in turn: the trainer is as offloaded after it as before."""
+        t0 = time.perf_counter()
+        if self._snapshot_swap is not None:
+            self._snapshot_swap.restore()  # host memory: on a CPU its pages mapped back
         try:
-            t0 = time.perf_counter()
-            metrics = self.publisher.publish(
-                synced_params(self.trainer.model), self.trainer.version, full=full
-            )
-            metrics["timing/publish_s"] = time.perf_counter() - t0
+            with self._swap.lend([self.trainer.model]):
+                state = synced_params(self.trainer.model)
+                read_bytes = sum(t.nbytes for t in state.values())
+                if getattr(self.publisher.sender, "carries_tensors", False):
+                    state = {k: t.to(self.trainer.device) for k, t in state.items()}
+                metrics = self.publisher.publish(state, self.trainer.version, full=full)
+                del state
         finally:
-            if away:
-                self.offload()
+            self._offload_snapshot()
+            if self.trainer.device.type == "cuda":
+                torch.cuda.empty_cache()
+        metrics["weight_sync/offloaded_read_bytes"] = float(read_bytes)
+        metrics["timing/publish_s"] = time.perf_counter() - t0
         return metrics
 
     def state_dict(self) -> dict:
@@ -133,25 +163,40 @@ class TrainerExecutor(TrainerEndpoints):
     # -- time-slicing (loomrl.scheduler): the state leaves the device while another job has it
 
     def offload(self) -> float:
-        """Move the model, gradients, AdamW state, the KL reference and the publisher's
-        last snapshot off the device; returns the seconds it took."""
-        if getattr(self, "_swap", None) is None:
+        """Move the model, gradients, AdamW state and the KL reference off the device, and on
+        a CPU the publisher's last snapshot out of the process; returns the seconds it took."""
+        if self._swap is None:
             from loomrl.device.offload import Swappable
 
             t = self.trainer
-            last = getattr(self.publisher, "_last", None)
             self._swap = Swappable(
-                [t.model] + ([t.reference] if t.reference is not None else []),
-                t.optimizer,
-                tensor_dicts=[last] if isinstance(last, dict) else [],
+                [t.model] + ([t.reference] if t.reference is not None else []), t.optimizer
             )
         if self.trainer.traces is not None:  # traces hold the tensors offload replaces
             self.trainer.traces.clear()
-        return self._swap.offload()
+        return self._swap.offload() + self._offload_snapshot()
+
+    def _offload_snapshot(self) -> float:
+        """The publisher's last snapshot (replaced at every publish) leaves the process with
+        the rest on a CPU, where host memory is the device's. On CUDA it is host memory
+        already: copying it into shared memory at every offload would free nothing."""
+        last = self.publisher._last
+        if not isinstance(last, dict) or self.trainer.device.type != "cpu":
+            return 0.0
+        if self._snapshot_swap is None or self._snapshot_swap.tensor_dicts[0] is not last:
+            from loomrl.device.offload import Swappable
+
+            self._snapshot_swap = Swappable([], tensor_dicts=[last])  # the old one is dropped
+        return self._snapshot_swap.offload()
 
     def restore(self) -> float:
         """Bring back what ``offload`` moved, bit for bit; returns the seconds it took."""
-        return self._swap.restore() if getattr(self, "_swap", None) is not None else 0.0
+        if self._swap is None:
+            return 0.0
+        seconds = self._swap.restore()
+        if self._snapshot_swap is not None:
+            seconds += self._snapshot_swap.restore()
+        return seconds
 
     def save_pretrained(self, path: str) -> None:
         """The final model in ``save_pretrained`` format; a LoRA job also keeps its adapter
