@@ -233,3 +233,15 @@ def test_a_quantized_publishing_job_runs(tiny_job, runtime, parallel):
     )
     published = [r for r in read_metrics(result.run_dir) if "weight_sync/bytes_full" in r]
     assert published and all(r["weight_sync/bytes_full"] == want for r in published)
+
+
+def test_a_device_layer_refuses_codes_of_another_kind():
+    # copy_ would convert int8 codes into e4m3 values silently: a wrong model, no error
+    from loomrl.models.quantize import DeviceQuantLinear
+
+    layer = DeviceQuantLinear(torch.nn.Linear(32, 16), "fp8")  # its CUDA layer, built on a CPU
+    before = layer.qweight.clone()
+    codes, scales = quantize_int8(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="torch.int8 codes for a torch.float8_e4m3fn"):
+        layer.load_quantized(codes, scales)
+    assert torch.equal(layer.qweight.view(torch.uint8), before.view(torch.uint8))

@@ -69,8 +69,6 @@ def build_vllm_generator(cfg: JobConfig, receiver) -> Generator:
 def check_vllm_quantize(cfg: JobConfig) -> None:
     """Refuse, before vLLM starts, a ``generation.quantize`` it cannot run here (vLLM is
     imported only to ask which device it computes on, for a quantization it may run)."""
-    import torch
-
     quantize = cfg.generation.quantize
     dtype = str(resolve_dtype(cfg.model)).removeprefix("torch.")
     refusal = vllm_quantize_refusal(quantize, dtype)
@@ -78,7 +76,7 @@ def check_vllm_quantize(cfg: JobConfig) -> None:
         from loomrl.generation import vllm_adapter
 
         device_type = vllm_adapter.platform_device_type()
-        capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
+        capability = vllm_adapter.platform_capability() if device_type == "cuda" else None
         refusal = vllm_quantize_refusal(quantize, dtype, device_type, capability)
     if refusal is not None:
         raise ValueError(refusal)

@@ -80,6 +80,15 @@ def platform_device_type() -> str:
     return str(current_platform.device_type)
 
 
+def platform_capability() -> tuple[int, int] | None:
+    """The CUDA device's compute capability as vLLM reads it (NVML: no CUDA context in this
+    process, so vLLM's workers may still fork); None off CUDA."""
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
 def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, str]:
     """``(name, tensor)`` pairs as safetensors bytes, and their blake2b digest."""
     from safetensors.torch import save

@@ -175,12 +175,26 @@ class VllmGenerator(Generator):
         ]
         return [(name, self.mirror[name]) for name in names] + tied
 
+    def _stop_engine(self) -> None:
+        """Stop vLLM and let its memory go before anything starts another engine here:
+        vLLM measures the free device memory when it starts, and an in-process engine still
+        referenced (``self.llm`` during a restart) or in an uncollected cycle would hold it."""
+        from loomrl.generation import vllm_adapter
+
+        llm, self.llm = self.llm, None
+        try:
+            vllm_adapter.shutdown(llm)
+        finally:
+            del llm
+            gc.collect()  # the engine's tensors go now, not at some later collection
+            torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
+
     def restart(self) -> None:
         """A fresh engine holding the mirror's weights (counted in the metrics)."""
         from loomrl.generation import vllm_adapter
 
         try:
-            vllm_adapter.shutdown(self.llm)
+            self._stop_engine()
         except Exception:  # already dead: nothing to stop
             logger.warning("stopping the old vLLM engine failed", exc_info=True)
         self.llm = self._start()
@@ -226,9 +240,7 @@ class VllmGenerator(Generator):
             if self.device_type == "cuda":
                 vllm_adapter.sleep(self.llm, level=1)
             else:
-                vllm_adapter.shutdown(self.llm)
-                self.llm = None
-                gc.collect()  # the engine's tensors go now, not at some later collection
+                self._stop_engine()
             self.offloaded = True
             self.counts["offloads"] += 1
         return time.perf_counter() - t0
@@ -251,12 +263,10 @@ class VllmGenerator(Generator):
 
     def close(self) -> None:
         """Stop the engine and the receiver; remove the model folder vLLM loaded."""
-        from loomrl.generation import vllm_adapter
 
         self.receiver.close()
         if self.llm is not None:
-            vllm_adapter.shutdown(self.llm)
-            self.llm = None
+            self._stop_engine()
         shutil.rmtree(self.model_dir, ignore_errors=True)
 
     # -- sampling ------------------------------------------------------------------------

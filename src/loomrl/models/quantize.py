@@ -42,7 +42,11 @@ FP8_ALIGN = 16  # torch._scaled_mm needs both weight dimensions divisible by thi
 def per_channel_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
     """[out] fp32 scales: each output row's absolute maximum over ``qmax`` (1 for an all-zero row)."""
     amax = weight.detach().float().abs().amax(dim=1)
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # a true division on every device: CUDA computes `tensor / python_float` as a multiply by
+    # the reciprocal (BinaryDivTrueKernel.cu), one ulp off the CPU's for some rows, and a
+    # trainer publishing codes from host copies (offloaded) and from the device must agree
+    divisor = torch.full((), qmax, dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +125,8 @@ class DeviceQuantLinear(torch.nn.Module):
 
     def load_quantized(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Take codes [out, in] (int8 or e4m3) and fp32 scales [out] as they are, in place."""
+        if codes.dtype != self.qweight.dtype:  # copy_ would convert the values silently
+            raise ValueError(f"{codes.dtype} codes for a {self.qweight.dtype} ({self.kind}) layer")
         self.qweight.copy_(codes)
         self.scales.copy_(scales.view(1, -1))
 
@@ -193,6 +199,11 @@ def check_quantize(kind: str, device: torch.device) -> None:
         raise ValueError(
             f"generation.quantize='fp8' needs a CUDA device (fp8 matmuls through torch._scaled_mm); "
             f"the generator's model is on {device.type!r}: use 'int8' there, or 'none'"
+        )
+    if kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"generation.quantize='fp8' needs compute capability 8.9 or later (torch._scaled_mm's "
+            f"rowwise fp8), got {torch.cuda.get_device_capability(device)}: use 'int8' or 'none'"
         )
 
 
