@@ -174,7 +174,7 @@ for BENCH in hf_engine weight_sync trainer_memory colocate quantized; do
     weight_sync) ARGS=(--lane tensor --size "$([ "$SIZE" = dry ] && echo small || echo full)") ;;
     trainer_memory) ARGS=(--layers "$([ "$SIZE" = dry ] && echo 1 || echo 24)") ;;
     colocate) ARGS=(--steps 4 $([ "$SIZE" = dry ] && echo --hidden 256 --layers 2)) ;;
-    quantized) ARGS=(--repeats 1 $([ "$SIZE" = dry ] && echo --models demo || echo --new-tokens 64)) ;;
+    quantized) ARGS=(--repeats 1 --models $([ "$SIZE" = dry ] && echo demo || echo 138m --new-tokens 64)) ;;
     *) ARGS=(--size "$SIZE") ;;
   esac
   [ "$BENCH" != trainer_memory ] && ARGS+=(--json "$OUT/$BENCH.json")  # (colocate: its rows)
