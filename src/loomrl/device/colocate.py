@@ -114,8 +114,8 @@ class ColocatedPhases:
     async def _move(self, side: str) -> None:
         # at the first phase both sides are on the device (as loaded): the other one leaves
         leaving = self.holder or other_side(side)
-        self.stats["offload_s"] += await _on_all(self.handles[leaving], "offload")
-        self.stats["restore_s"] += await _on_all(self.handles[side], "restore")
+        self.stats["offload_s"] += await _on_all(self.handles[leaving], lambda h: h.offload())
+        self.stats["restore_s"] += await _on_all(self.handles[side], lambda h: h.restore())
         self.stats["switches"] += 1
         logger.debug("colocated device: %s -> %s", self.holder, side)
 
@@ -133,14 +133,14 @@ class ColocatedPhases:
         return None
 
 
-async def _on_all(handles: list[Any], method: str) -> float:
-    """``handle.offload()`` / ``restore()`` on every handle at once; the seconds they took,
-    summed (an engine without a real offload answers None, counted as 0)."""
+async def _on_all(handles: list[Any], call: Callable[[Any], Awaitable[Any]]) -> float:
+    """``call(handle)`` (its ``offload()`` or ``restore()``) on every handle at once; the
+    seconds they took, summed (an engine without a real offload answers None, counted as 0)."""
     from loomrl.runtime.supervision import ExecutorLostError
 
     async def one(handle: Any) -> float:
         try:
-            return await getattr(handle, method)() or 0.0
+            return await call(handle) or 0.0
         except ExecutorLostError as err:  # replaced: the fresh executor holds nothing to move
             if not err.restarted:
                 raise

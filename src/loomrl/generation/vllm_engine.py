@@ -263,7 +263,6 @@ class VllmGenerator(Generator):
 
     def close(self) -> None:
         """Stop the engine and the receiver; remove the model folder vLLM loaded."""
-
         self.receiver.close()
         if self.llm is not None:
             self._stop_engine()

@@ -110,16 +110,14 @@ class DeviceQuantLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        q, scales = (quantize_fp8 if kind == "fp8" else quantize_int8)(linear.weight)
+        q, scales = quantizer(kind)(linear.weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.view(1, -1).contiguous())  # [1, out]
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
 
     def load_weight(self, weight: torch.Tensor) -> None:
-        q, scales = (quantize_fp8 if self.kind == "fp8" else quantize_int8)(
-            weight.to(self.qweight.device)
-        )
+        q, scales = quantizer(self.kind)(weight.to(self.qweight.device))
         self.qweight.copy_(q)
         self.scales.copy_(scales.view(1, -1))
 
@@ -227,22 +225,40 @@ def _quantized_module(linear: torch.nn.Linear, kind: str, device: torch.device) 
     return CpuInt8Linear(linear) if device.type == "cpu" else DeviceQuantLinear(linear, kind)
 
 
-def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
-    """Replace the model's Linear layers (but the head) by quantized ones, in place, from
-    their current weights. fp8 skips a Linear whose dimensions ``_scaled_mm`` cannot take."""
-    device = next(model.parameters()).device
-    check_quantize(kind, device)
-    skip, replaced = _skipped(model), {}
-    for path, linear in list(model.named_modules()):
+def _kept_unquantized(linear: torch.nn.Linear, kind: str) -> str | None:
+    """Why ``kind``'s kernel cannot take this Linear, or None when it can."""
+    if kind == "fp8" and (linear.in_features % FP8_ALIGN or linear.out_features % FP8_ALIGN):
+        return "fp8 needs dimensions divisible by 16"
+    if kind == "int4" and not fits_int4(linear):
+        return "int4 needs whole groups of inputs"
+    return None
+
+
+def quantized_linear_paths(model: torch.nn.Module, kind: str) -> list[str]:
+    """The module paths of the Linear layers ``generation.quantize = kind`` quantizes: all
+    but the output head, embedding-tied ones and those the kernel cannot take. The one
+    selection rule: ``quantize_linears`` replaces these, and a trainer that publishes
+    quantized weights selects them with it."""
+    skip, paths = _skipped(model), []
+    for path, linear in model.named_modules():
         if not isinstance(linear, torch.nn.Linear) or id(linear) in skip:
             continue
-        if kind == "fp8" and (linear.in_features % FP8_ALIGN or linear.out_features % FP8_ALIGN):
-            logger.info("%s stays unquantized: fp8 needs dimensions divisible by 16", path)
+        reason = _kept_unquantized(linear, kind)
+        if reason is not None:
+            logger.info("%s stays unquantized: %s", path, reason)
             continue
-        if kind == "int4" and not fits_int4(linear):
-            logger.info("%s stays unquantized: int4 needs whole groups of inputs", path)
-            continue
-        quantized = _quantized_module(linear, kind, device)
+        paths.append(path)
+    return paths
+
+
+def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
+    """Replace the model's Linear layers (``quantized_linear_paths``) by quantized ones, in
+    place, from their current weights."""
+    device = next(model.parameters()).device
+    check_quantize(kind, device)
+    replaced = {}
+    for path in quantized_linear_paths(model, kind):
+        quantized = _quantized_module(model.get_submodule(path), kind, device)
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path), child, quantized)
         replaced[path] = quantized
@@ -253,16 +269,3 @@ def quantize_linears(model: torch.nn.Module, kind: str) -> QuantizedLinears:
 def quantizer(kind: str):
     """The function that quantizes one weight for ``kind``: ``quantize_int8`` or ``quantize_fp8``."""
     return quantize_fp8 if kind == "fp8" else quantize_int8
-
-
-def quantized_linear_paths(model: torch.nn.Module, kind: str) -> list[str]:
-    """The module paths ``quantize_linears(model, kind)`` replaces, without replacing them
-    (a trainer that publishes quantized weights selects them with this)."""
-    skip = _skipped(model)
-    return [
-        path
-        for path, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear)
-        and id(m) not in skip
-        and not (kind == "fp8" and (m.in_features % FP8_ALIGN or m.out_features % FP8_ALIGN))
-    ]

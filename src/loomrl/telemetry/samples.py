@@ -33,14 +33,29 @@ def step_samples(groups: list[Any], count: int) -> list[dict[str, Any]]:
     return samples
 
 
+class _EverySteps:
+    """A warning said at most once every ``every_steps`` steps, and how many were said."""
+
+    def __init__(self, every_steps: int) -> None:
+        self.every_steps = every_steps
+        self.last_warned: int | None = None
+        self.warnings = 0
+
+    def due(self, step: int) -> bool:
+        """Whether a warning may be said at ``step``; counts it when so."""
+        if self.last_warned is not None and step - self.last_warned < self.every_steps:
+            return False
+        self.last_warned, self.warnings = step, self.warnings + 1
+        return True
+
+
 class ZeroVarianceWatch:
     """Counts the groups of each step whose rewards are all equal; warns when more than
     ``threshold`` of a step's groups are, at most once every ``every_steps`` steps."""
 
     def __init__(self, every_steps: int, threshold: float = 0.5) -> None:
         self.every_steps, self.threshold = every_steps, threshold
-        self.last_warned: int | None = None
-        self.warnings = 0
+        self.said = _EverySteps(every_steps)
 
     def observe(self, step: int, rewards: list[list[float]]) -> float:
         """The fraction of groups (each a list of rewards) with zero variance at ``step``."""
@@ -48,9 +63,7 @@ class ZeroVarianceWatch:
             return 0.0
         flat = sum(1 for group in rewards if len(set(group)) <= 1)
         fraction = flat / len(rewards)
-        due = self.last_warned is None or step - self.last_warned >= self.every_steps
-        if fraction > self.threshold and due:
-            self.last_warned, self.warnings = step, self.warnings + 1
+        if fraction > self.threshold and self.said.due(step):
             logger.warning(
                 "step %d: %d of %d groups had the same reward for every completion (mean %.3g): zero advantage, "
                 "nothing to learn from them. A random or untrained model on an exact-match reward does this; "
@@ -73,15 +86,12 @@ class MismatchWatch:
 
     def __init__(self, threshold: float, every_steps: int) -> None:
         self.threshold, self.every_steps = threshold, every_steps
-        self.last_warned: int | None = None
-        self.warnings = 0
+        self.said = _EverySteps(every_steps)
 
     def observe(self, step: int, train_metrics: dict) -> dict[str, float]:
         """``train/logprob_mismatch_warnings`` so far, after looking at this step's."""
         gap = train_metrics.get("train/logprob_mismatch_same_version")
-        due = self.last_warned is None or step - self.last_warned >= self.every_steps
-        if gap is not None and gap > self.threshold and due:
-            self.last_warned, self.warnings = step, self.warnings + 1
+        if gap is not None and gap > self.threshold and self.said.due(step):
             logger.warning(
                 "step %d: the trainer's and the generators' log-probs of the same tokens at the same "
                 "policy version differ by %.3g nats on average (max %.3g, KL %.3g; warning above %.3g): "
@@ -96,4 +106,4 @@ class MismatchWatch:
                 self.threshold,
                 self.every_steps,
             )
-        return {"train/logprob_mismatch_warnings": float(self.warnings)}
+        return {"train/logprob_mismatch_warnings": float(self.said.warnings)}

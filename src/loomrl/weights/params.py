@@ -16,6 +16,11 @@ def synced_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the publisher sends of one tensor: a contiguous host copy in the published dtype."""
+    return t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+
+
 def published_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A copy of ``synced_params`` in the published dtype."""
     return {name: t.to(dtype).clone() for name, t in synced_params(model).items()}

@@ -23,6 +23,7 @@ import torch
 
 from loomrl.weights.codec import CodecOptions
 from loomrl.weights.manifest import bits_view
+from loomrl.weights.params import published_copy
 from loomrl.weights.quantized import QuantizedPublish
 from loomrl.weights.transports.base import Receiver, Sender, TransportError
 from loomrl.weights.update import (
@@ -85,10 +86,7 @@ class Publisher:
     def _cast(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.quantized is not None:
             return self.quantized.cast(state, self.dtype)
-        return {
-            k: v.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
-            for k, v in state.items()
-        }
+        return {k: published_copy(v, self.dtype) for k, v in state.items()}
 
     def _send(self, new: dict[str, torch.Tensor], version: int, delta: bool) -> WeightUpdate:
         update = encode_update(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loomrl.weights.params import published_copy
+
 SCALE_SUFFIX = "_scale"  # '<module>.weight' -> '<module>.weight_scale'
 
 
@@ -72,7 +74,7 @@ class QuantizedPublish:
                 out[name] = codes.to("cpu").contiguous()
                 out[scale_name(name)] = scales.to("cpu").contiguous()
             else:
-                out[name] = value.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                out[name] = published_copy(value, dtype)
         missing = self.names.difference(state)
         if missing:
             raise ValueError(
