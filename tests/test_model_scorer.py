@@ -19,7 +19,7 @@ from loomrl.envs.scorer import RewardEndpoints, RewardExecutor, Scorer
 from loomrl.job import Job
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import FaultStats, Supervised
-from loomrl.scoring.base import token_budget_batches
+from loomrl.scoring.batched import token_budget_batches
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.scoring.judge import JudgeScorer
 from loomrl.scoring.model import RewardModelScorer

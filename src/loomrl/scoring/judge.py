@@ -15,7 +15,7 @@ from typing import Any
 
 from loomrl.envs.reward import RewardFailure, _safe_repr, load_object
 from loomrl.envs.scorer import ScoreItem
-from loomrl.scoring.base import BatchedModelScorer, load_frozen, resolve_placement
+from loomrl.scoring.batched import BatchedModelScorer, load_frozen, resolve_placement
 from loomrl.scoring.config import JudgeScorerConfig
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Any
 
 from loomrl.envs.reward import RewardFailure
 from loomrl.envs.scorer import ScoreItem
-from loomrl.scoring.base import BatchedModelScorer, load_frozen, resolve_placement
+from loomrl.scoring.batched import BatchedModelScorer, load_frozen, resolve_placement
 from loomrl.scoring.config import ModelScorerConfig
 
 logger = logging.getLogger(__name__)
