@@ -63,16 +63,17 @@ def items(n: int) -> list[tuple[str, str, dict]]:
 async def scores_per_s(
     task, num_executors: int, pairs: list, call_items: int, rounds: int
 ) -> float:
-    from loomrl.envs.scorer import RewardEndpoints, Scorer
     from loomrl.runtime.process import ProcessRuntime
     from loomrl.runtime.supervision import FaultStats, Supervised
+    from loomrl.scoring.base import ScorerEndpoints
+    from loomrl.scoring.client import Scorer
     from loomrl.scoring.executor import start_scorer_executor
     from loomrl.types import Rollout
 
     runtime = ProcessRuntime(torch_threads=1)
     try:
         handles = [
-            runtime.start(f"scorer{i}", partial(start_scorer_executor, task, None), RewardEndpoints)
+            runtime.start(f"scorer{i}", partial(start_scorer_executor, task, None), ScorerEndpoints)
             for i in range(num_executors)
         ]
         await runtime.wait_ready()

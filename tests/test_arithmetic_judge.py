@@ -2,7 +2,7 @@
 carry the exact-match verdict, and the parser reads the first verdict letter or nothing."""
 
 from examples.arithmetic.judge import TEMPLATE, judge_example, verdict
-from loomrl.envs.reward import RewardFailure
+from loomrl.scoring.calls import RewardFailure
 from loomrl.scoring.judge import judge_prompt, parse_judgement
 
 

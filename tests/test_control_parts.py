@@ -11,8 +11,8 @@ from loomrl.control.intake import Intake
 from loomrl.control.requeues import Requeues
 from loomrl.control.rollouts import Versions
 from loomrl.control.step_record import Counters
-from loomrl.envs.scorer import SCORER_LOST
 from loomrl.runtime.supervision import FaultStats
+from loomrl.scoring.base import SCORER_LOST
 from loomrl.types import Group, Rollout
 
 

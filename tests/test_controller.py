@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from loomrl.control import Controller
 from loomrl.control.buffer import RolloutBuffer, StalenessGate
 from loomrl.data import PromptStream, load_rows
-from loomrl.envs.scorer import JobFailedError, Scorer
 from loomrl.generation.base import Generator
 from loomrl.models import build_char_tokenizer
 from loomrl.runtime.local import LocalRuntime
+from loomrl.scoring.client import JobFailedError, Scorer
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.types import Completion, GenerationResult, Group, Rollout, WeightsApplied

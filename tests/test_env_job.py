@@ -72,7 +72,7 @@ def test_environment_job_runs_multi_turn_episodes_and_masks_observations(tiny_jo
 def test_environment_that_raises_fails_rollouts_and_stops_the_job(tiny_job):
     import pytest
 
-    from loomrl.envs.scorer import JobFailedError
+    from loomrl.scoring.client import JobFailedError
 
     cfg = tiny_job(task={"reward": None, "environment": "test_env_job:Broken"})
     with pytest.raises(JobFailedError, match="environment backend down"):

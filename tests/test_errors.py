@@ -16,8 +16,8 @@ import pytest
 from loomrl import cli
 from loomrl.config import ConfigError, build_config
 from loomrl.data import DatasetError, load_rows
-from loomrl.envs.reward import RewardFailure, call_reward
 from loomrl.job import Job
+from loomrl.scoring.calls import RewardFailure, call_reward
 from loomrl.telemetry.metrics import read_metrics
 
 BASE = {"data": {"train": "t.jsonl"}, "task": {"reward": "m:f"}}
@@ -161,9 +161,10 @@ def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_m
     from functools import partial
 
     from loomrl.config import TaskConfig
-    from loomrl.envs.reward import UserCodeError, load_object
-    from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
     from loomrl.runtime.process import ProcessRuntime
+    from loomrl.scoring.base import ScorerEndpoints
+    from loomrl.scoring.calls import UserCodeError, load_object
+    from loomrl.scoring.function import start_function_scorer
 
     cases = {
         "scorer_only_missing": (
@@ -189,7 +190,7 @@ def test_a_reward_that_fails_to_import_only_in_the_scorer_names_the_scorer_and_m
             assert callable(load_object(f"{name}:reward"))  # here (the controller) it imports
             task = TaskConfig(reward=f"{name}:reward")
             handle = runtime.start(
-                "scorer0", partial(start_reward_executor, task, None), RewardEndpoints
+                "scorer0", partial(start_function_scorer, task, None), ScorerEndpoints
             )
             with pytest.raises(UserCodeError) as info:
                 asyncio.run(handle.ready())
@@ -212,7 +213,7 @@ def test_an_async_reward_that_blocks_the_loop_past_its_timeout_has_its_late_valu
     with pytest.raises(RewardFailure, match=r"blocked the event loop.*late value refused") as info:
         asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=0.2))
     assert info.value.reason == "timeout"
-    from loomrl.envs.reward import call_reward_batch
+    from loomrl.scoring.calls import call_reward_batch
 
     done = asyncio.run(call_reward_batch(_blocks_the_loop, [("p", "c", {})], 0.2))
     assert isinstance(done[0][0], RewardFailure) and done[0][0].reason == "timeout"

@@ -11,8 +11,10 @@ import pickle
 import pytest
 
 from loomrl.config import TaskConfig
-from loomrl.envs.scorer import RewardExecutor, Scorer, per_group_outcomes
 from loomrl.runtime.endpoints import Endpoint
+from loomrl.scoring.base import per_group_outcomes
+from loomrl.scoring.client import Scorer
+from loomrl.scoring.function import FunctionScorer
 from loomrl.types import Completion, GenerationResult, Group, Rollout
 
 ROW = {"prompt": "1+2=", "answer": "3"}
@@ -178,7 +180,7 @@ class _Slot:
 
 def test_scoring_groups_on_an_executor_sends_a_group_not_an_item_and_agrees_with_scoring_here():
     task = TaskConfig(reward="tests.test_groups:picky_reward")
-    executor = RewardExecutor(task)
+    executor = FunctionScorer(task)
     try:
         remote = Scorer(task)
         slot = _Slot(executor)
@@ -217,8 +219,8 @@ class _LostSlot(_Slot):
 def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
     """A group call lost on its retry too: every rollout fails as ``scorer_lost`` (its
     prompt goes out again in the controller), counted as re-scored, then lost."""
-    from loomrl.envs.scorer import lost_by_scorer
     from loomrl.runtime.supervision import FaultStats
+    from loomrl.scoring.base import lost_by_scorer
 
     task = TaskConfig(reward="tests.test_groups:picky_reward")
     scorer, slot, stats = Scorer(task), _LostSlot(None), FaultStats()
@@ -234,7 +236,7 @@ def test_groups_whose_scorer_is_lost_twice_fail_as_lost_and_are_counted():
 
 def test_a_reward_whose_message_reads_like_a_lost_scorer_is_still_the_rewards_failure():
     """``lost_by_scorer`` reads the failure kind, never the error text."""
-    from loomrl.envs.scorer import SCORER_LOST, lost_by_scorer
+    from loomrl.scoring.base import SCORER_LOST, lost_by_scorer
 
     scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
     rollout = _one_by_one()[0]

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from loomrl.envs.base import Environment, StepResult
-from loomrl.envs.reward import RewardFailure, call_reward, call_reward_batch
 from loomrl.job import Job
+from loomrl.scoring.calls import RewardFailure, call_reward, call_reward_batch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,7 +104,7 @@ def test_a_job_with_hostile_rewards_completes_and_its_accounting_adds_up(tiny_jo
         trainer={"num_steps": 2},
     )
     t0 = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="loomrl.envs.scorer"):
+    with caplog.at_level(logging.WARNING, logger="loomrl.scoring.client"):
         result = Job(cfg).run()
     s = result.summary
     assert s["steps"] == 2 and not s.get("job_failed")

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from loomrl.config import ConfigError, JudgeScorerConfig, ModelScorerConfig, TaskConfig
-from loomrl.envs.scorer import RewardEndpoints, RewardExecutor, Scorer
 from loomrl.job import Job
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import FaultStats, Supervised
+from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.batched import token_budget_batches
+from loomrl.scoring.client import Scorer
 from loomrl.scoring.executor import start_scorer_executor
+from loomrl.scoring.function import FunctionScorer
 from loomrl.scoring.judge import JudgeScorer
 from loomrl.scoring.model import RewardModelScorer
 from loomrl.telemetry.metrics import read_metrics
@@ -201,7 +203,7 @@ def _score_with_executor(task: TaskConfig, rollouts: list[Rollout]) -> Scorer:
     runtime = LocalRuntime()
     try:
         handle = runtime.start(
-            "scorer0", partial(start_scorer_executor, task, None), RewardEndpoints
+            "scorer0", partial(start_scorer_executor, task, None), ScorerEndpoints
         )
         scorer = Scorer(task)
         scorer.attach([Supervised(None, handle, deadlines=None, stats=FaultStats())], FaultStats())
@@ -281,7 +283,7 @@ def test_config_needs_exactly_one_way_to_score_and_a_function_scorer_is_task_rew
     task = TaskConfig(scorer={"type": "function", "path": "examples.arithmetic.reward:exact_match"})
     executor = start_scorer_executor(task, None)
     try:
-        assert isinstance(executor, RewardExecutor)
+        assert isinstance(executor, FunctionScorer)
         from examples.arithmetic.reward import exact_match
 
         assert executor.fn is exact_match and Scorer(task).fn is exact_match

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from loomrl.envs.reward import RewardFailure, call_reward_batch
+from loomrl.scoring.calls import RewardFailure, call_reward_batch
 
 
 def _reward(prompt, completion, **row):
@@ -39,7 +39,7 @@ def test_each_item_gets_its_outcome_and_a_hung_item_times_out_alone():
 
 
 def test_a_batch_of_sync_calls_runs_in_one_contiguous_chunk_per_worker():
-    from loomrl.envs.reward import _REWARD_THREADS
+    from loomrl.scoring.calls import _REWARD_THREADS
 
     seen: list[tuple[int, int]] = []  # (item, thread)
 
@@ -116,7 +116,7 @@ def test_a_batch_after_cancelled_hung_ones_still_gets_a_worker():
 def test_a_fast_reward_runs_later_batches_on_one_worker_and_a_slow_one_stays_split(monkeypatch):
     """Waking four workers costs more than a batch of microsecond rewards: once a function
     is known to be fast its batches go to one worker; one that waits keeps every worker."""
-    from loomrl.envs import reward as reward_module
+    from loomrl.scoring import calls as reward_module
 
     submitted: list[int] = []  # worker runs handed out, per batch
     submit = reward_module._REWARD_THREADS.submit

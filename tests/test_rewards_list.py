@@ -10,9 +10,9 @@ import logging
 import pytest
 
 from loomrl.config import RewardSpec, TaskConfig
-from loomrl.envs.reward import RewardFailure, call_reward_batch
-from loomrl.envs.reward_list import combine, is_trl_signature, load_reward
 from loomrl.job import Job
+from loomrl.scoring.calls import RewardFailure, call_reward_batch
+from loomrl.scoring.reward_list import combine, is_trl_signature, load_reward
 from loomrl.telemetry.metrics import read_metrics
 
 
@@ -80,7 +80,7 @@ def test_a_failing_part_fails_the_rollout_naming_the_part():
     def wrong_length(prompts, completions, **kwargs):
         return [1.0, 2.0]
 
-    from loomrl.envs.reward import callable_path
+    from loomrl.scoring.calls import callable_path
 
     fn = combine(
         [
@@ -154,7 +154,7 @@ def test_a_raising_reward_shows_its_file_and_line_once_with_its_traceback(tiny_j
         task={"reward": "test_rewards_list:raises_sometimes", "max_failure_rate": 1.0},
         trainer={"num_steps": 2},
     )
-    with caplog.at_level(logging.WARNING, logger="loomrl.envs.scorer"):
+    with caplog.at_level(logging.WARNING, logger="loomrl.scoring.client"):
         result = Job(cfg).run()
     assert result.summary["steps"] == 2
     failures = [

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from loomrl.config import ConfigError, build_config
-from loomrl.envs.scorer import JobFailedError
 from loomrl.job import Job
+from loomrl.scoring.client import JobFailedError
 from loomrl.training.checkpoint import latest_checkpoint
 
 from conftest import ROOT, json_to_toml, tiny_job_raw

@@ -12,10 +12,10 @@ from test_model_scorer import save_reward_model
 
 from examples.arithmetic.reward import exact_match
 from loomrl.config import ModelScorerConfig, TaskConfig
-from loomrl.envs.reward_list import load_reward
 from loomrl.job import Job
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.scoring.model import RewardModelScorer
+from loomrl.scoring.reward_list import load_reward
 from loomrl.scoring.weighted import WeightedScorer
 from loomrl.telemetry.metrics import read_metrics
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config
 from loomrl.data_sources import materialize
-from loomrl.envs.reward import callable_path, is_registered
 from loomrl.run_folder import JobResult, default_run_dir
+from loomrl.scoring.calls import callable_path, is_registered
 
 __all__ = ["Job", "JobResult", "default_run_dir", "load_run_config", "resume_job"]
 

@@ -39,10 +39,10 @@ from loomrl.control.rollouts import Rollouts, Versions
 from loomrl.control.step_record import BatchFacts, Counters, RunClock, StepRecord
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import Scorer
 from loomrl.runtime.base import release_later
 from loomrl.runtime.replicas import Replicas
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
+from loomrl.scoring.client import Scorer
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import PublishAfterStepError
 

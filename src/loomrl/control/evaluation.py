@@ -16,8 +16,8 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.rollouts import Rollouts
-from loomrl.envs.scorer import Scorer
 from loomrl.runtime.supervision import ExecutorLostError
+from loomrl.scoring.client import Scorer
 from loomrl.types import GenerationRequest, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)

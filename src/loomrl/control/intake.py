@@ -15,7 +15,8 @@ import operator
 from loomrl.control.background import Background
 from loomrl.control.buffer import RolloutBuffer, StalenessGate
 from loomrl.control.requeues import Requeues
-from loomrl.envs.scorer import Scorer, lost_by_scorer
+from loomrl.scoring.base import lost_by_scorer
+from loomrl.scoring.client import Scorer
 from loomrl.types import Group, Rollout
 
 _all_ok = operator.attrgetter("all_ok")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from loomrl.control.buffer import StalenessGate
 from loomrl.control.rollouts import Versions
 from loomrl.data import PromptStream
-from loomrl.envs.scorer import JobFailedError
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
+from loomrl.scoring.client import JobFailedError
 from loomrl.types import Group
 
 

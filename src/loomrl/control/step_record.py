@@ -19,8 +19,8 @@ from loomrl.config import JobConfig
 from loomrl.control.buffer import Batch
 from loomrl.control.rollouts import GeneratorReports
 from loomrl.control.watchdog import StallWatchdog
-from loomrl.envs.scorer import Scorer
 from loomrl.runtime.supervision import FaultStats
+from loomrl.scoring.client import Scorer
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.telemetry.samples import MismatchWatch, ZeroVarianceWatch, step_samples
 

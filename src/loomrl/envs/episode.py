@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loomrl.envs.base import Environment, StepResult
-from loomrl.envs.reward import RewardFailure, check_value  # a reward function's bounds
+from loomrl.scoring.calls import RewardFailure, check_value  # a reward function's bounds
 from loomrl.types import GenerationRequest, GenerationResult, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)

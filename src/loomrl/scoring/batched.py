@@ -13,9 +13,9 @@ import time
 from abc import abstractmethod
 from typing import Any
 
-from loomrl.envs.reward import RewardFailure, check_value
-from loomrl.envs.scorer import GroupItems, GroupOutcome, RewardEndpoints, ScoreItem, ScoreOutcome
 from loomrl.runtime.endpoints import endpoint
+from loomrl.scoring.base import GroupItems, GroupOutcome, ScoreItem, ScoreOutcome, ScorerEndpoints
+from loomrl.scoring.calls import RewardFailure, check_value
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RunningNorm:
         return (value - self.mean) / max(std, 1e-6) if self.count > 1 else 0.0
 
 
-class BatchedModelScorer(RewardEndpoints):
+class BatchedModelScorer(ScorerEndpoints):
     """A scorer executor that runs a frozen model over token-budget batches.
 
     Unlike a reward function's, its calls run one at a time (their batches are the

@@ -1,30 +1,23 @@
 """Scorer executors by kind: what ``start_scorer_executor`` builds for a task.
 
 ``task.reward`` (or ``[task.scorer] type = "function"``) runs a Python function in a
-``RewardExecutor`` (loomrl.envs.scorer); ``type = "model"`` a frozen reward model
+``FunctionScorer`` (``scoring/function.py``); ``type = "model"`` a frozen reward model
 (``scoring/model.py``) and ``type = "judge"`` a frozen generative judge
 (``scoring/judge.py``); a ``[[task.rewards]]`` list with a model or judge part is scored
 whole by a ``WeightedScorer`` (``scoring/weighted.py``). Every kind answers the same
-``RewardEndpoints`` with the same outcomes, so the controller's ``Scorer``, supervision
+``ScorerEndpoints`` (``scoring/base.py``) with the same outcomes, so the controller's ``Scorer``, supervision
 (restart when killed, deadlines) and failure accounting see one kind of scorer executor.
 """
 
 from __future__ import annotations
 
-from loomrl.envs.scorer import RewardEndpoints, start_reward_executor
 from loomrl.sandbox.config import SandboxConfig
+from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.config import TaskConfig
+from loomrl.scoring.function import start_function_scorer
 
 
-def function_task(task: TaskConfig) -> TaskConfig:
-    """``task`` as a ``task.reward`` task: a ``[task.scorer] type = "function"`` table
-    becomes ``task.reward = path`` (what the function scorer reads); others as they are."""
-    if task.scorer is not None and task.scorer.type == "function":
-        return task.model_copy(update={"reward": task.scorer.path, "scorer": None})
-    return task
-
-
-def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardEndpoints:
+def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> ScorerEndpoints:
     """The scorer executor ``task`` asks for (module-level, so a ``functools.partial`` of it
     pickles to a process or an actor): a reward function's, a reward model's, a judge's, or a
     weighted list's that holds a model or judge."""
@@ -41,4 +34,4 @@ def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> Re
         from loomrl.scoring.judge import JudgeScorer
 
         return JudgeScorer(task.scorer)
-    return start_reward_executor(function_task(task), sandbox)
+    return start_function_scorer(task, sandbox)

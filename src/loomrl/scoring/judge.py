@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from loomrl.envs.reward import RewardFailure, _safe_repr, load_object
-from loomrl.envs.scorer import ScoreItem
+from loomrl.scoring.base import ScoreItem
 from loomrl.scoring.batched import BatchedModelScorer, load_frozen, resolve_placement
+from loomrl.scoring.calls import RewardFailure, _safe_repr, load_object
 from loomrl.scoring.config import JudgeScorerConfig
 
 logger = logging.getLogger(__name__)

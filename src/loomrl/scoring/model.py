@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loomrl.envs.reward import RewardFailure
-from loomrl.envs.scorer import ScoreItem
+from loomrl.scoring.base import ScoreItem
 from loomrl.scoring.batched import BatchedModelScorer, load_frozen, resolve_placement
+from loomrl.scoring.calls import RewardFailure
 from loomrl.scoring.config import ModelScorerConfig
 
 logger = logging.getLogger(__name__)

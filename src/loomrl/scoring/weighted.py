@@ -2,7 +2,7 @@
 
 ``[[task.rewards]]`` entries are functions (``path``) or models (a ``scorer`` table:
 ``type = "model"`` or ``"judge"``). A list that holds a model is scored whole here, in the
-scorer executor: each function part runs in its own ``RewardExecutor`` (its timeouts and
+scorer executor: each function part runs in its own ``FunctionScorer`` (its timeouts and
 sandbox pool, as a lone reward function), each model part in its own ``RewardModelScorer``
 or ``JudgeScorer`` (batched by tokens). The function parts score on their worker threads
 while the models score on this one. An item's reward is ``sum(weight * value)``; a part
@@ -15,22 +15,17 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from loomrl.config import JudgeScorerConfig, ModelScorerConfig, SandboxConfig, TaskConfig
-from loomrl.envs.reward_list import RewardStats
-from loomrl.envs.scorer import (
-    GroupItems,
-    GroupOutcome,
-    RewardEndpoints,
-    RewardExecutor,
-    ScoreItem,
-    ScoreOutcome,
-)
 from loomrl.runtime.endpoints import endpoint
+from loomrl.sandbox.config import SandboxConfig
+from loomrl.scoring.base import GroupItems, GroupOutcome, ScoreItem, ScoreOutcome, ScorerEndpoints
+from loomrl.scoring.config import JudgeScorerConfig, ModelScorerConfig, TaskConfig
+from loomrl.scoring.function import FunctionScorer
+from loomrl.scoring.reward_list import RewardStats
 
 logger = logging.getLogger(__name__)
 
 
-def start_model_part(cfg: ModelScorerConfig | JudgeScorerConfig) -> RewardEndpoints:
+def start_model_part(cfg: ModelScorerConfig | JudgeScorerConfig) -> ScorerEndpoints:
     """The scorer of a list's model part: a reward model's or a judge's."""
     if cfg.type == "model":
         from loomrl.scoring.model import RewardModelScorer
@@ -58,18 +53,18 @@ def combine_outcomes(
     return "ok", sum(w * v for w, v in zip(weights, values)), seconds
 
 
-class WeightedScorer(RewardEndpoints):
+class WeightedScorer(ScorerEndpoints):
     """Scores a ``[[task.rewards]]`` list that holds at least one model or judge part."""
 
     def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
         self.labels = [spec.label for spec in task.rewards]
         self.weights = [spec.weight for spec in task.rewards]
-        self.functions: dict[int, RewardEndpoints] = {}
-        self.models: dict[int, RewardEndpoints] = {}
+        self.functions: dict[int, ScorerEndpoints] = {}
+        self.models: dict[int, ScorerEndpoints] = {}
         for i, spec in enumerate(task.rewards):
             if spec.scorer is None:  # a one-function list: its own name in its messages
                 alone = spec.model_copy(update={"weight": 1.0})
-                self.functions[i] = RewardExecutor(
+                self.functions[i] = FunctionScorer(
                     task.model_copy(update={"rewards": [alone]}), sandbox
                 )
             else:

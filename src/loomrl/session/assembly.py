@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
-from loomrl.envs.scorer import RewardEndpoints
 from loomrl.generation.base import Generator
 from loomrl.generation.executor import start_generator
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised
+from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.executor import TrainerSetup, start_trainer
@@ -129,7 +129,7 @@ def start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
     sandbox = None if runtime.in_process else cfg.sandbox
     return [
         runtime.start(
-            f"scorer{i}", partial(start_scorer_executor, cfg.task, sandbox), RewardEndpoints
+            f"scorer{i}", partial(start_scorer_executor, cfg.task, sandbox), ScorerEndpoints
         )
         for i in range(cfg.task.num_scorers)
     ]

@@ -4,7 +4,7 @@ for its own metric. A list with a reward-model or judge part is scored whole in 
 executors (``loomrl.scoring.weighted``); here it is only ``scores_in_executors``' stand-in.
 
 Whatever the form, the scorer calls one ``fn(prompt, completion, **row) -> float`` (sync or
-async), so timeouts, failure counting and the batch paths in ``loomrl.envs.reward`` apply
+async), so timeouts, failure counting and the batch paths in ``loomrl.scoring.calls`` apply
 unchanged. A list's total is ``sum(weight * value)``; a part that raises or returns what is
 not a number fails the rollout with that part's name in the message.
 """
@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from loomrl.config import RewardSpec, TaskConfig
-from loomrl.envs.reward import RewardFailure, UserCodeError, check_value, load_object
+from loomrl.scoring.calls import RewardFailure, UserCodeError, check_value, load_object
+from loomrl.scoring.config import RewardSpec, TaskConfig
 
 
 class RewardPartError(Exception):

@@ -1,110 +1,52 @@
-"""The scorer: turns generated rollouts into rewards, counting every failure.
+"""The controller's side of scoring: ``Scorer`` turns generated groups into rewards,
+counting every failure.
 
-The reward function runs in scorer executors (``task.num_scorers``, placed by the runtime
-like generators: threads, processes or Ray actors), each with its own sandbox pool, so
-environment work scales out with the executors. ``Scorer`` is the controller's side: it
-sends each batch to the least busy scorer and counts the outcomes; a batch whose scorer
-dies or hangs goes once more to a (restarted) scorer, and is counted failed
-(``scorer_lost``) if that is lost too.
+The reward runs in scorer executors (``task.num_scorers``, placed by the runtime: threads,
+processes or Ray actors; ``scoring/base.py`` is their interface). ``Scorer`` sends each
+batch to the least busy scorer and counts the outcomes; a batch whose scorer dies or hangs
+goes once more to a (restarted) scorer, and is counted failed (``scorer_lost``) if that is
+lost too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import operator
-import threading
 import time
-from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from functools import partial
 from itertools import repeat
 from typing import Any
 
-from loomrl.config import SandboxConfig, TaskConfig
-from loomrl.envs.reward import RewardFailure, UserCodeError, call_reward_batch
-from loomrl.envs.reward_list import drain_stats, load_reward
-from loomrl.runtime.endpoints import endpoint
 from loomrl.runtime.replicas import Replicas
+from loomrl.scoring.base import (
+    SCORER_LOST,
+    GroupOutcome,
+    ScoreItem,
+    ScoreOutcome,
+    group_payload,
+    lost_by_scorer,
+    per_group_outcomes,
+)
+from loomrl.scoring.calls import call_reward_batch
+from loomrl.scoring.config import TaskConfig
+from loomrl.scoring.function import function_task, reward_outcomes
+from loomrl.scoring.reward_list import drain_stats, load_reward
 from loomrl.types import FailureKind, Group, Rollout
 
 logger = logging.getLogger(__name__)
 
-ScoreItem = tuple[str, str, dict[str, Any]]  # (prompt, completion, row)
 _prompt, _completion, _row, _status = (
     operator.attrgetter(a) for a in ("prompt", "completion", "row", "status")
 )
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
-SCORER_LOST = "scorer lost twice"  # how a rollout's error starts when no scorer could score it
-ScoreOutcome = tuple[
-    str, Any, float
-]  # ("ok", reward, seconds) or (failure reason, message, seconds)
-GroupItems = tuple[str, list[str], dict[str, Any]]  # one group's (prompt, completions, row)
-GroupOutcome = tuple[str, list]  # ("ok", rewards) or ("outcomes", one ScoreOutcome per completion)
 
 
 def _items_of(rollouts: list[Rollout]):
-    """The rollouts' ``(prompt, completion, row)`` score items, at C speed."""
+    """The rollouts' ``(prompt, completion, row)`` score items."""
     return zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts))
-
-
-def reward_outcomes(done: list[tuple[Any, float]]) -> list[ScoreOutcome]:
-    """``call_reward_batch``'s (value or RewardFailure, seconds) as outcomes; without a
-    failure (the common case) at C speed, with no Python frame per item."""
-    values = list(map(_first, done))
-    if not any(map(isinstance, values, repeat(RewardFailure))):
-        return list(zip(repeat("ok"), values, map(_second, done)))
-    return [
-        ("ok", value, seconds)
-        if not isinstance(value, RewardFailure)
-        else (value.reason, str(value), seconds)
-        for value, seconds in done
-    ]
-
-
-def lost_by_scorer(rollout: Rollout) -> bool:
-    """No scorer could score ``rollout`` (the executors' failure, not the reward's)."""
-    return rollout.failure == "scorer_lost"
-
-
-class RewardEndpoints(ABC):
-    """A scorer executor's interface."""
-
-    @endpoint(concurrent=True)
-    @abstractmethod
-    def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
-        """Each item's outcome, and this executor's ``sandbox/*`` metrics."""
-
-    @endpoint(concurrent=True)
-    def score_groups(self, groups: list[GroupItems]) -> tuple[list[GroupOutcome], dict[str, float]]:
-        """``score`` for groups given as ``(prompt, completions, row)``: per group
-        ``("ok", rewards)`` when every completion scored, else ``("outcomes", outcomes)``.
-        The controller's loop then builds no item and reads no outcome per completion
-        (that was ~20 us of its turn a step); the work is done here."""
-        items: list[ScoreItem] = []
-        for prompt, texts, row in groups:
-            items += zip(repeat(prompt), texts, repeat(row))
-        outcomes, metrics = self.score(items)
-        return per_group_outcomes(outcomes, [len(texts) for _, texts, _ in groups]), metrics
-
-
-def group_payload(
-    groups: list[Group],
-) -> tuple[list[tuple[str, list[str], dict]], list[int]] | None:
-    """What a scorer executor's ``score_groups`` takes for ``groups`` (each one's prompt,
-    completion texts and row) and their sizes; None when a group's rollouts have prompts of
-    their own (those are scored per rollout). It reads only the groups (the controller
-    builds it off its loop, with the groups)."""
-    items = []
-    for group in groups:
-        prompts = group.prompts
-        first = prompts[0] if prompts else None  # text, or a list of messages (unhashable)
-        if any(p is not first and p != first for p in prompts):
-            return None
-        items.append((prompts[0] if prompts else "", group.texts, group.row))
-    return items, [group.size for group in groups]
 
 
 def _set_rewards(groups: list[Group], reply: tuple[list[GroupOutcome], Any]) -> tuple[list, Any]:
@@ -118,83 +60,6 @@ def _set_rewards(groups: list[Group], reply: tuple[list[GroupOutcome], Any]) -> 
         else:
             failed.append((i, value))
     return failed, reply[1]
-
-
-def per_group_outcomes(outcomes: list[ScoreOutcome], sizes: list[int]) -> list[GroupOutcome]:
-    """Consecutive outcomes, ``sizes[i]`` per group, as ``RewardEndpoints.score_groups``
-    returns them."""
-    grouped: list[GroupOutcome] = []
-    start = 0
-    for size in sizes:
-        mine, start = outcomes[start : start + size], start + size
-        grouped.append(
-            ("ok", list(map(_second, mine)))
-            if set(map(_first, mine)) <= {"ok"}
-            else ("outcomes", mine)
-        )
-    return grouped
-
-
-class RewardExecutor(RewardEndpoints):
-    """Runs the task's reward function; async ones on one event loop of its own (so a
-    reward that keeps a client bound to its loop keeps working), sync ones on the reward
-    worker threads, with ``call_reward_batch``'s timeouts either way."""
-
-    def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
-        from loomrl.sandbox.default import configure_default_pool
-
-        try:  # (the controller loaded it already: what fails here fails in this process only)
-            self.fn = load_reward(task)
-        except UserCodeError as err:
-            raise UserCodeError(
-                f"scorer executor {_this_executor()} cannot load the task's reward: {err}"
-            ) from err
-        self.timeout_s = task.reward_timeout_s
-        if sandbox is not None:
-            configure_default_pool(sandbox)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="loomrl-reward-loop", daemon=True
-        )
-        self._thread.start()
-        self._pending: set = set()  # batches being scored (close() cancels them)
-
-    def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
-        from loomrl.sandbox.default import default_pool_metrics
-
-        batch = asyncio.run_coroutine_threadsafe(
-            call_reward_batch(self.fn, items, self.timeout_s), self._loop
-        )
-        self._pending.add(batch)
-        try:
-            done = batch.result()
-        finally:
-            self._pending.discard(batch)
-        return reward_outcomes(done), {**default_pool_metrics(), **drain_stats(self.fn)}
-
-    def close(self) -> None:
-        """Cancel the batches still scoring (a job that stops does not wait for a hung
-        reward: its worker thread is left to it), then stop the loop."""
-        for batch in list(self._pending):
-            batch.cancel()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
-
-def _this_executor() -> str:
-    """This scorer executor for a message: ``'scorer0' (pid N)`` in a process the runtime
-    named, else the pid."""
-    import multiprocessing
-    import os
-
-    name = multiprocessing.current_process().name
-    named = f"{name.removeprefix('loomrl-')!r} " if name.startswith("loomrl-") else ""
-    return f"{named}(pid {os.getpid()})"
-
-
-def start_reward_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> RewardExecutor:
-    """A scorer executor (module-level, so a ``functools.partial`` of it pickles)."""
-    return RewardExecutor(task, sandbox)
 
 
 def merge_pool_metrics(per_executor: list[dict[str, float]]) -> dict[str, float]:
@@ -219,13 +84,9 @@ class Scorer:
 
     def __init__(self, task: TaskConfig) -> None:
         self.task = task
-        if (
-            task.scorer is not None and task.scorer.type == "function"
-        ):  # the same as task.reward = path
-            task = task.model_copy(update={"reward": task.scorer.path, "scorer": None})
-        self.fn = (
-            load_reward(task) if task.scorer is None else None
-        )  # a model or judge scores in its executors
+        task = function_task(task)
+        # A model or judge scores in its executors.
+        self.fn = load_reward(task) if task.scorer is None else None
         self.scores = task.environment is None  # (an environment scores in its episodes)
         self._reward_sums: dict[
             str, float
