@@ -68,7 +68,7 @@ async def scores_per_s(
     from loomrl.scoring.base import ScorerEndpoints
     from loomrl.scoring.client import Scorer
     from loomrl.scoring.executor import start_scorer_executor
-    from loomrl.types import Rollout
+    from loomrl.types import Group, Rollout
 
     runtime = ProcessRuntime(torch_threads=1)
     try:
@@ -81,22 +81,26 @@ async def scores_per_s(
         scorer.attach(
             [Supervised(None, h, deadlines=None, stats=FaultStats()) for h in handles], FaultStats()
         )
-        rollouts = [
-            Rollout(0, [], [], [], [], 0, prompt=p, completion=c, row=row) for p, c, row in pairs
+        # Each pair a group of one (its prompt is its own), as evaluation scores them.
+        groups = [
+            Group.of_rollouts(
+                i, 0, [Rollout(i, [], [], [], [], 0, prompt=p, completion=c, row=row)]
+            )
+            for i, (p, c, row) in enumerate(pairs)
         ]
-        calls = [rollouts[i : i + call_items] for i in range(0, len(rollouts), call_items)]
+        calls = [groups[i : i + call_items] for i in range(0, len(groups), call_items)]
 
         async def one_round() -> None:
-            await asyncio.gather(*(scorer.score(call) for call in calls))
-            assert all(r.status == "ok" for r in rollouts), [
-                r.error for r in rollouts if r.status != "ok"
+            await asyncio.gather(*(scorer.score_groups(call) for call in calls))
+            assert all(g.all_ok for g in groups), [
+                e for g in groups for e in g.errors or () if e is not None
             ][:1]
 
         await one_round()  # warm-up: the first forwards of each shape
         t0 = time.perf_counter()
         for _ in range(rounds):
             await one_round()
-        return rounds * len(rollouts) / (time.perf_counter() - t0)
+        return rounds * len(groups) / (time.perf_counter() - t0)
     finally:
         runtime.shutdown()
 

@@ -79,3 +79,29 @@ def test_intake_leaves_failed_rollouts_out_and_hands_out_again_a_group_every_sco
     assert stream.requeued == [(0, 2)] and faults.requeued_prompts == 1  # not the bad reward's
     # every outcome, ok or failed, goes to the failure-rate window once, in one call
     assert scorer.recorded == [["ok", "ok", "failed", "ok", "failed", "failed"]]
+
+
+def test_intake_counts_an_episode_its_environment_failed_through_the_scorers_methods():
+    """An environment task's episodes are not scored, but a failed one is counted by the
+    scorer (``environment``) and its error is the one the failure-rate limit names."""
+    import pytest
+
+    from loomrl.scoring.client import JobFailedError, Scorer
+    from loomrl.scoring.config import TaskConfig
+
+    task = TaskConfig(environment="envs:Any", failure_window=2, max_failure_rate=0.4)
+    scorer = Scorer(task)
+    ok = Rollout(0, [1], [5], [-1.0], [1], 0, "p", "fine", reward=1.0)
+    broken = Rollout(0, [1], [6], [-1.0], [1], 0, "p", "", status="failed")
+    broken.error, broken.failure = "environment backend down", "environment"
+
+    async def scenario():
+        gate, counters, stream = StalenessGate(0, 1), Counters(), Stream()
+        requeues = Requeues(stream, gate, counters, FaultStats(), Versions(0, 0, 0), 1)
+        intake = Intake(scorer, RolloutBuffer(0), gate, counters, requeues, Background())
+        assert await gate.acquire(1) == 1
+        await intake.add_episodes(Group.of_rollouts(0, 0, [ok, broken]))
+
+    with pytest.raises(JobFailedError, match="50% of the last 2.*environment backend down"):
+        asyncio.run(scenario())
+    assert scorer.failure_counts() == {"environment": 1}

@@ -151,14 +151,15 @@ def test_scoring_groups_sets_column_rewards_and_marks_a_failure_on_built_rollout
     assert faulty.rewards == [1.0, 0.0, None] and "no x here" in faulty.errors[2]
     assert faulty.failures == [None, None, "raised"]
     assert scorer.failures_by_reason and sum(scorer.failures_by_reason.values()) == 1
-    # The same outcomes as scoring the rollouts themselves, one list.
+    # The same outcomes for groups of one (evaluation's), scored as one batch.
     twin = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
     rollouts = _one_by_one(index=1)
     for r, text in zip(rollouts, ["3", "4", "3"]):
         r.completion = text
-    rollouts += _one_by_one(index=2)
-    asyncio.run(twin.score(rollouts))
-    assert [r.reward for r in rollouts] == clean.rewards + faulty.rewards
+    singles = [Group.of_rollouts(7, 1, [r]) for r in rollouts + _one_by_one(index=2)]
+    asyncio.run(twin.score_groups(singles))
+    assert [g.rewards[0] for g in singles] == clean.rewards + faulty.rewards
+    assert twin.failure_counts() == scorer.failure_counts() == {"raised": 1}
 
 
 class _Slot:
@@ -238,13 +239,12 @@ def test_a_reward_whose_message_reads_like_a_lost_scorer_is_still_the_rewards_fa
     """``lost_by_scorer`` reads the failure kind, never the error text."""
     from loomrl.scoring.base import SCORER_LOST, lost_by_scorer
 
-    scorer = Scorer(TaskConfig(reward="tests.test_groups:picky_reward"))
-    rollout = _one_by_one()[0]
-    scorer.record_failure(rollout, "raised", f"{SCORER_LOST}: said the reward")
-    assert rollout.status == "failed" and rollout.failure == "raised"
-    assert not lost_by_scorer(rollout)
-    scorer.record_failure(rollout, "scorer_lost", "killed")
-    assert lost_by_scorer(rollout)
+    group = _columnar()
+    group.fail(0, "raised", f"{SCORER_LOST}: said the reward")
+    group.fail(1, "scorer_lost", "killed")
+    said, killed, scored = list(group)
+    assert said.status == "failed" and said.failure == "raised" and not lost_by_scorer(said)
+    assert lost_by_scorer(killed) and not lost_by_scorer(scored)
 
 
 def test_per_group_outcomes_split_at_the_group_sizes():

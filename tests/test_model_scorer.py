@@ -26,7 +26,7 @@ from loomrl.scoring.function import FunctionScorer
 from loomrl.scoring.judge import JudgeScorer
 from loomrl.scoring.model import RewardModelScorer
 from loomrl.telemetry.metrics import read_metrics
-from loomrl.types import Rollout
+from loomrl.types import Group, Rollout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -194,12 +194,17 @@ def length(text: str) -> float:
     return float(len(text))
 
 
-def _rollouts(items) -> list[Rollout]:
-    return [Rollout(0, [], [], [], [], 0, prompt=p, completion=c, row=row) for p, c, row in items]
+def _groups(items) -> list[Group]:
+    """Each ``(prompt, completion, row)`` as a group of one, as evaluation scores them."""
+    return [
+        Group.of_rollouts(i, 0, [Rollout(i, [], [], [], [], 0, prompt=p, completion=c, row=row)])
+        for i, (p, c, row) in enumerate(items)
+    ]
 
 
-def _score_with_executor(task: TaskConfig, rollouts: list[Rollout]) -> Scorer:
-    """Score ``rollouts`` as a job does: a Scorer over one scorer executor on ``local``."""
+def _score_with_executor(task: TaskConfig, items) -> tuple[Scorer, list[Rollout]]:
+    """Score ``items`` as a job does: a Scorer over one scorer executor on ``local``; the
+    scorer and the scored rollouts."""
     runtime = LocalRuntime()
     try:
         handle = runtime.start(
@@ -207,8 +212,9 @@ def _score_with_executor(task: TaskConfig, rollouts: list[Rollout]) -> Scorer:
         )
         scorer = Scorer(task)
         scorer.attach([Supervised(None, handle, deadlines=None, stats=FaultStats())], FaultStats())
-        asyncio.run(scorer.score(rollouts))
-        return scorer
+        groups = _groups(items)
+        asyncio.run(scorer.score_groups(groups))
+        return scorer, [rollout for group in groups for rollout in group]
     finally:
         runtime.shutdown()
 
@@ -230,9 +236,8 @@ def test_a_judgement_the_parser_cannot_read_is_a_counted_failure_with_the_text_i
     assert judge.judge([judge.encode(PAIRS[2])]) == [
         texts[2]
     ]  # left-padded in a batch, it writes as alone
-    rollouts = _rollouts(PAIRS)
     with caplog.at_level(logging.WARNING):
-        scorer = _score_with_executor(task, rollouts)
+        scorer, rollouts = _score_with_executor(task, PAIRS)
     parsed = [digits(text) for text in texts]
     assert None in parsed and any(p is not None for p in parsed)
     for rollout, value, text in zip(rollouts, parsed, texts):
@@ -264,8 +269,8 @@ def test_a_judge_scores_with_its_parser_and_a_missing_column_is_a_counted_failur
             "parser": "test_model_scorer:length",
         }
     )
-    rollouts = _rollouts([("1+1=", "2", {"answer": "2"}), ("2+2=", "4", {})])
-    scorer = _score_with_executor(task, rollouts)
+    items = [("1+1=", "2", {"answer": "2"}), ("2+2=", "4", {})]
+    scorer, rollouts = _score_with_executor(task, items)
     assert rollouts[0].status == "ok" and isinstance(rollouts[0].reward, float)
     assert rollouts[1].status == "failed" and "answer" in rollouts[1].error
     assert dict(scorer.failures_by_reason) == {"judge_template": 1}

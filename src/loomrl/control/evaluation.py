@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.rollouts import Rollouts
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scoring.client import Scorer
-from loomrl.types import GenerationRequest, Rollout, SamplingParams
+from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,63 +63,63 @@ class Evaluator:
         if not self.rows:
             return {}
         t0 = time.perf_counter()
-        failures_before = Counter(self.scorer.failures_by_reason)
+        failures_before = self.scorer.failure_counts()
         if self.env_factory is not None:
-            rollouts = await self._episodes()
+            groups = await self._episodes()
         else:
-            rollouts = await self._completions()
-            await self.scorer.score(rollouts)
-        rewards = [r.reward for r in rollouts if r.status == "ok"]
+            groups = await self._completions()
+            await self.scorer.score_groups(groups)
+        count = sum(group.size for group in groups)
+        rewards = [
+            reward
+            for group in groups
+            for reward, status in zip(group.rewards, group.statuses or repeat("ok"))
+            if status == "ok"
+        ]
         record = {
-            "eval/mean_reward": sum(rewards) / len(rollouts),
-            "eval/num_failed": len(rollouts) - len(rewards),
-            "eval/version": min(r.version for r in rollouts),
+            "eval/mean_reward": sum(rewards) / count,
+            "eval/num_failed": count - len(rewards),
+            "eval/version": min(group.min_version for group in groups),
             "timing/eval_s": time.perf_counter() - t0,
         }
         if self.env_factory is None:
-            failed = self.scorer.failures_by_reason - failures_before
+            failed = self.scorer.failure_counts() - failures_before
             record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
         if record["eval/num_failed"]:
-            self._warn_failed(record, rollouts)
+            self._warn_failed(record, groups, count)
         self.history.append(record)
         return record
 
-    async def _completions(self) -> list[Rollout]:
-        """One greedy completion per held-out prompt, as rollouts to score."""
+    async def _completions(self) -> list[Group]:
+        """One greedy completion per held-out prompt, as groups of one to score (built as
+        training builds its groups, the held-out rows in place of the training rows)."""
         prompts = self.rollouts.prompts
+        prompt_ids = prompts.eval_ids(self.rows)
         requests = [
             GenerationRequest(ids, 1, self.greedy, 0, self.rollouts.versions.published)
-            for ids in prompts.eval_ids(self.rows)
+            for ids in prompt_ids
         ]
         results = await self.rollouts.generate(self.generator, requests)
-        return [
-            Rollout(
-                i,
-                req.prompt_ids,
-                res.completions[0].token_ids,
-                res.completions[0].logprobs,
-                [],
-                res.version,
-                row[prompts.key],
-                prompts.decode(res.completions[0].token_ids),
-                row,
-            )
-            for i, (row, req, res) in enumerate(zip(self.rows, requests, results))
-        ]
+        picks = [(0, i) for i in range(len(self.rows))]
+        return Group.from_results(
+            picks, prompt_ids, self.rows, prompts.key, results, prompts.decode_batch
+        )
 
     @staticmethod
-    def _warn_failed(record: dict[str, Any], rollouts: list[Rollout]) -> None:
-        last = next((r.error for r in rollouts if r.status == "failed"), None)
+    def _warn_failed(record: dict[str, Any], groups: list[Group], count: int) -> None:
+        errors = (error for group in groups for error in group.errors or () if error is not None)
         logger.warning(
             "eval at version %d: %d of %d rollouts failed scoring and count as wrong answers; "
             "first error: %s",
             record["eval/version"],
             record["eval/num_failed"],
-            len(rollouts),
-            last,
+            count,
+            next(errors, None),
         )
 
-    async def _episodes(self) -> list[Rollout]:
+    async def _episodes(self) -> list[Group]:
+        """One greedy episode per held-out prompt, each a group of one (scored by its
+        environment)."""
         from loomrl.envs.episode import run_group_episodes
 
         rollouts, prompts = self.rollouts, self.rollouts.prompts
@@ -147,7 +147,8 @@ class Evaluator:
         done = await asyncio.gather(
             *(one(i, row) for i, row in enumerate(self.rows)), return_exceptions=True
         )
-        for outcome in done:  # every episode has ended: a retry does not run beside leftovers
+        # Every episode has ended: a retry does not run beside leftovers.
+        for outcome in done:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return list(done)
+        return [Group.of_rollouts(i, 0, [rollout]) for i, rollout in enumerate(done)]

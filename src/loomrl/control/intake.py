@@ -54,10 +54,7 @@ class Intake:
         """``add`` for a group of episodes, awaited here (it has a task of its own already);
         an episode its environment failed counts as an ``environment`` failure."""
         if not group.all_ok:
-            for r in group:
-                if r.status == "failed":
-                    self.scorer.failures_by_reason["environment"] += 1
-                    self.scorer.last_error = r.error
+            self.scorer.count_environment_failures([r.error for r in group if r.status == "failed"])
         groups, count = [group], group.size
         self.counters.generated += count
         self.scoring_rollouts += count

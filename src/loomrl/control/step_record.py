@@ -177,7 +177,7 @@ class StepRecord:
 
     def failed_metrics(self) -> dict[str, int]:
         """The scorer's failures by reason as ``rollout/failed_*``."""
-        return {f"rollout/failed_{k}": v for k, v in self.scorer.failures_by_reason.items()}
+        return {f"rollout/failed_{k}": v for k, v in self.scorer.failure_counts().items()}
 
 
 class RunClock:

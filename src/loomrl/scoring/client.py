@@ -38,15 +38,8 @@ from loomrl.types import FailureKind, Group, Rollout
 
 logger = logging.getLogger(__name__)
 
-_prompt, _completion, _row, _status = (
-    operator.attrgetter(a) for a in ("prompt", "completion", "row", "status")
-)
+_status = operator.attrgetter("status")
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def _items_of(rollouts: list[Rollout]):
-    """The rollouts' ``(prompt, completion, row)`` score items."""
-    return zip(map(_prompt, rollouts), map(_completion, rollouts), map(_row, rollouts))
 
 
 def _set_rewards(groups: list[Group], reply: tuple[list[GroupOutcome], Any]) -> tuple[list, Any]:
@@ -122,19 +115,12 @@ class Scorer:
         """Score on these scorer executors from now on."""
         self.executors, self.fault_stats = Replicas(executors), fault_stats
 
-    async def score(self, rollouts: list[Rollout]) -> None:
-        """Set ``reward`` (or ``status='failed'`` and ``error``) on each rollout, in place."""
-        if not self.scores:
-            return
-        t0 = time.perf_counter()
-        self._apply(rollouts, await self._outcomes(list(_items_of(rollouts))))
-        self.busy_s += time.perf_counter() - t0
-
     async def score_groups(self, groups: list[Group], payload: tuple | None = None) -> None:
-        """``score`` every rollout of ``groups`` as one batch, into their columns: a group
+        """Score every rollout of ``groups`` as one batch, into their columns: a group
         gets its rewards as one list; a failed rollout is marked in its group
-        (``Group.fail``) and counted, as ``score`` does. ``payload``: the groups'
-        ``group_payload``, if the caller built it."""
+        (``Group.fail``) and counted (``rollout/failed_<reason>``, the failure-rate window
+        when the caller records the outcomes). ``payload``: the groups' ``group_payload``,
+        if the caller built it. Training and evaluation both score this way."""
         if not self.scores:
             return
         t0 = time.perf_counter()
@@ -196,16 +182,6 @@ class Scorer:
             if key.endswith("_sum")
         }
 
-    def _apply(self, rollouts: list[Rollout], outcomes: list[ScoreOutcome]) -> None:
-        if set(map(_first, outcomes)) <= {"ok"}:  # the common case: every reward set at C speed
-            deque(map(setattr, rollouts, repeat("reward"), map(_second, outcomes)), maxlen=0)
-            return
-        for rollout, (status, value, _seconds) in zip(rollouts, outcomes):
-            if status == "ok":
-                rollout.reward = value
-            else:
-                self.record_failure(rollout, status, value)
-
     def _apply_to_group(self, group: Group, outcomes: list[ScoreOutcome]) -> None:
         if set(map(_first, outcomes)) <= {"ok"}:  # the common case: one list, at C speed
             group.rewards = list(map(_second, outcomes))
@@ -259,12 +235,6 @@ class Scorer:
             self._merged_pool_metrics = merge_pool_metrics(list(self._pool_metrics.values()))
         return self._merged_pool_metrics
 
-    def record_failure(self, rollout: Rollout, reason: FailureKind, message: str) -> None:
-        """Mark ``rollout`` failed and count it (``_count_failure``)."""
-        headline = self._count_failure(reason, message)
-        rollout.status, rollout.error, rollout.reward = "failed", headline, None
-        rollout.failure = reason
-
     def _count_failure(self, reason: FailureKind, message: str) -> str:
         """Count a failure; the 1st, 2nd, 4th, 8th ... one of each reason is logged with its
         message (which holds the value), so the log stays short. Its headline, to keep."""
@@ -282,6 +252,18 @@ class Scorer:
                 message if count == 1 else headline,
             )
         return headline
+
+    def failure_counts(self) -> Counter[str]:
+        """Failures so far by reason (a copy: ``rollout/failed_<reason>``)."""
+        return Counter(self.failures_by_reason)
+
+    def count_environment_failures(self, errors: list[str | None]) -> None:
+        """Count episodes their environment failed (``environment``; ``errors`` their
+        messages, the last one kept for the failure-rate limit's message). Their episode
+        logged them where it ended; they are not logged again here."""
+        for error in errors:
+            self.failures_by_reason["environment"] += 1
+            self.last_error = error
 
     def record_ok(self, count: int) -> None:
         """``count`` rollouts scored without a failure, into the failure-rate window (which
