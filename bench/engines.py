@@ -68,7 +68,7 @@ def _tokens_per_s(gen, requests, repeats: int, num_calls: int) -> float:
     tokens, t0 = 0, time.perf_counter()
     for _ in range(repeats):
         for result in _generate(gen, requests, num_calls):
-            tokens += sum(len(c.token_ids) for c in result.completions)
+            tokens += sum(map(len, result.token_ids))
     return tokens / (time.perf_counter() - t0)
 
 

@@ -165,7 +165,7 @@ def time_variant(base, name: str, dtype, knobs: dict, requests, repeats: int, de
         t0 = time.perf_counter()
         results = gen.generate(requests)  # (returns host lists: the device is done when it returns)
         seconds.append(time.perf_counter() - t0)
-        tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+        tokens = sum(len(ids) for r in results for ids in r.token_ids)
         metrics = results[0].engine_metrics or metrics
     best = min(seconds)
     row = dict(

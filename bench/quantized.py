@@ -101,9 +101,9 @@ def mismatch(model_name, args, gen, requests, results) -> dict:
 
     full, _ = build(model_name, args.demo, args.device)
     rollouts = [
-        Rollout(0, req.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0)
+        Rollout(0, req.prompt_ids, ids, lps, [1] * len(ids), 0)
         for req, res in zip(requests, results)
-        for c in res.completions
+        for ids, lps in zip(res.token_ids, res.logprobs)
     ]
     batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, 0).to(args.device)
     with torch.no_grad():
@@ -150,7 +150,7 @@ def run_one(args) -> dict:
         t0 = time.perf_counter()
         results = gen.generate(requests)
         best = min(best, time.perf_counter() - t0)
-    tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+    tokens = sum(len(ids) for r in results for ids in r.token_ids)
     row = dict(
         model=args.model,
         precision=args.one,

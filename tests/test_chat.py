@@ -188,7 +188,7 @@ def test_generation_stops_on_a_stop_string(static_cache):
     )
     with torch.no_grad():
         (result,) = engine.generate([request], apply_newest=False)
-    ids, _, finish, texts = result.columns()
+    ids, finish, texts = result.token_ids, result.finish_reasons, result.texts
     assert all("1" not in t for t in texts)
     stopped = [i for i, f in enumerate(finish) if f == "stop" and tok.eos_token_id not in ids[i]]
     assert stopped  # 40 random characters over ~100: some held a '1'
@@ -214,4 +214,4 @@ def test_sequences_stop_sampling_at_a_stop_string(monkeypatch):
     monkeypatch.setattr(HFGenerator, "_pick", staticmethod(lambda *a: steps.append(1) or pick(*a)))
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=64)
     (result,) = engine.generate([GenerationRequest(tok("1+1=").input_ids, 8, sampling, seed=1)])
-    assert len(steps) < 64 and all(f == "stop" for f in result.columns()[2])
+    assert len(steps) < 64 and all(f == "stop" for f in result.finish_reasons)

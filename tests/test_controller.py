@@ -23,7 +23,7 @@ from loomrl.runtime.local import LocalRuntime
 from loomrl.scoring.client import JobFailedError, Scorer
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
-from loomrl.types import Completion, GenerationResult, Group, Rollout, WeightsApplied
+from loomrl.types import GenerationResult, Group, Rollout, WeightsApplied
 
 
 class Published:
@@ -55,16 +55,15 @@ class FakeGenerator(Generator):
         time.sleep(self.delays[self.calls % len(self.delays)])
         self.calls += 1
         digits = [c for c in range(5, 15)]
-        return [
-            GenerationResult(
-                [
-                    Completion([self.rng.choice(digits) for _ in range(2)], [-1.0, -1.0], "length")
-                    for _ in range(r.num_samples)
-                ],
-                version,
+        results = []
+        for r in requests:
+            ids = [[self.rng.choice(digits) for _ in range(2)] for _ in range(r.num_samples)]
+            results.append(
+                GenerationResult.from_columns(
+                    ids, [[-1.0, -1.0] for _ in ids], ["length"] * len(ids), None, version
+                )
             )
-            for r in requests
-        ]
+        return results
 
 
 class FakeTrainer(TrainerEndpoints):
@@ -172,9 +171,8 @@ class RecordingGenerator(FakeGenerator):
             self.asked = getattr(self, "asked", []) + [(apply_newest, self.published.version)]
         results = super().generate(requests)
         for r in results:
-            for c in r.completions:
-                c.text = "t" + "".join(map(str, c.token_ids))
-                c.finish_reason = "stop"
+            r.texts = ["t" + "".join(map(str, ids)) for ids in r.token_ids]
+            r.finish_reasons = ["stop"] * len(r)
         return results
 
 
@@ -538,13 +536,11 @@ def test_prompt_ids_stay_right_when_the_cache_of_them_is_full(monkeypatch):
         assert len(cache.ids) <= 3
 
 
-def test_rollouts_and_completions_pickle_and_copy_field_for_field():
+def test_rollouts_and_results_pickle_and_copy_field_for_field():
     """They cross process boundaries every step, pickled by their fields (not dataclasses'
     slower getstate): every field, in order, must come back."""
     import copy
     import pickle
-
-    from loomrl.types import Completion
 
     row = {"prompt": "1+2=", "answer": "3"}
     rollout = Rollout(
@@ -564,8 +560,8 @@ def test_rollouts_and_completions_pickle_and_copy_field_for_field():
         2,
         {"episode_s": 0.5},
     )
-    completion = Completion([5, 2], [-0.5, -0.25], "length", "3")
-    for thing in (rollout, completion, Group.of_rollouts(7, 1, [rollout])):
+    result = GenerationResult([[5, 2]], [[-0.5, -0.25]], ["length"], ["3"], 3, 0.25, {"a": 1.0})
+    for thing in (rollout, result, Group.of_rollouts(7, 1, [rollout])):
         for back in (pickle.loads(pickle.dumps(thing, protocol=5)), copy.deepcopy(thing)):
             assert type(back) is type(thing) and back == thing and back is not thing
     shallow = copy.copy(rollout)

@@ -6,7 +6,7 @@ import asyncio
 
 from loomrl.envs.base import Environment, StepResult
 from loomrl.envs.episode import run_group_episodes, turn_seed
-from loomrl.types import Completion, GenerationResult, SamplingParams
+from loomrl.types import GenerationResult, SamplingParams
 
 BOS = 1
 
@@ -33,7 +33,7 @@ class FakeGenerator:
             text = f"a{req.seed % 7}"
             ids = [ord(c) for c in text]
             logprobs = [-(k + 1) / 10 for k in range(len(ids))]
-            results.append(GenerationResult([Completion(ids, logprobs, "stop")], self.version))
+            results.append(GenerationResult([ids], [logprobs], ["stop"], None, self.version))
         self.version += 1
         return results
 

@@ -40,14 +40,14 @@ def test_sampling_is_deterministic_per_seed_and_independent_of_batching(model_an
     b = GenerationRequest(tok("1+1=").input_ids, 2, sp, seed=8)
     alone = gen.generate([a])[0]
     together = gen.generate([b, a])[1]
-    assert [c.token_ids for c in alone.completions] == [c.token_ids for c in together.completions]
+    assert alone.token_ids == together.token_ids
     other_seed = gen.generate([GenerationRequest(a.prompt_ids, 3, sp, seed=9)])[0]
-    assert [c.token_ids for c in other_seed.completions] != [c.token_ids for c in alone.completions]
+    assert other_seed.token_ids != alone.token_ids
     assert alone.version == 0
-    for c in alone.completions:
-        assert len(c.token_ids) == len(c.logprobs) <= 5
-        assert all(lp <= 0 for lp in c.logprobs)
-        assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+    for ids, lps, finish in zip(alone.token_ids, alone.logprobs, alone.finish_reasons):
+        assert len(ids) == len(lps) <= 5
+        assert all(lp <= 0 for lp in lps)
+        assert finish == ("stop" if ids[-1] == tok.eos_token_id else "length")
 
 
 def test_behaviour_logprobs_match_the_trainer_at_equal_weights(model_and_tok):
@@ -61,9 +61,9 @@ def test_behaviour_logprobs_match_the_trainer_at_equal_weights(model_and_tok):
         ]
     )
     rollouts = [
-        Rollout(0, tok(p).input_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0)
+        Rollout(0, tok(p).input_ids, ids, lps, [1] * len(ids), 0)
         for p, res in zip(["45+17=", "3+4="], result)
-        for c in res.completions
+        for ids, lps in zip(res.token_ids, res.logprobs)
     ]
     batch = build_token_batch(rollouts, [0.0] * len(rollouts), 0, tok.pad_token_id)
     with torch.no_grad():
@@ -77,14 +77,15 @@ def test_greedy_is_repeatable_and_a_weight_update_changes_outputs(model_and_tok)
     gen = make_generator(model, tok, dtype="bfloat16")
     greedy = SamplingParams(max_new_tokens=4, greedy=True)
     req = GenerationRequest(tok("9+9=").input_ids, 1, greedy, seed=0)
-    first = gen.generate([req])[0].completions[0]
-    again = gen.generate([req])[0].completions[0]
+    first = gen.generate([req])[0]
+    again = gen.generate([req])[0]
     assert first.token_ids == again.token_ids
     state = {k: v + 0.5 for k, v in gen.mirror.items()}
     assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
     after = gen.generate([req])[0]
     assert after.version == 1
-    assert after.completions[0].logprobs != first.logprobs  # the outputs come from the new weights
+    # the outputs come from the new weights
+    assert after.logprobs[0] != first.logprobs[0]
     for name, param in gen.model.named_parameters():
         assert torch.equal(param.detach(), state[name].float())  # fp32 compute on bf16 weights
 
@@ -110,9 +111,8 @@ def _same_completions(a: list, b: list) -> bool:
     return all(
         x.token_ids == y.token_ids
         and x.logprobs == y.logprobs
-        and x.finish_reason == y.finish_reason
-        for ra, rb in zip(a, b, strict=True)
-        for x, y in zip(ra.completions, rb.completions, strict=True)
+        and x.finish_reasons == y.finish_reasons
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -261,9 +261,9 @@ def test_generation_stops_at_eos_per_sequence(model_and_tok):
     out = gen.generate(
         [GenerationRequest(tok("1+2=").input_ids, 2, SamplingParams(max_new_tokens=8), 3)]
     )[0]
-    for c in out.completions:
-        assert c.token_ids == [5, tok.eos_token_id] and c.finish_reason == "stop"
-        assert c.logprobs[1] > -1e-6  # EOS was near-certain
+    for ids, lps, finish in zip(out.token_ids, out.logprobs, out.finish_reasons):
+        assert ids == [5, tok.eos_token_id] and finish == "stop"
+        assert lps[1] > -1e-6  # EOS was near-certain
 
 
 def test_micro_batching_matches_one_big_batch():

@@ -15,17 +15,20 @@ from loomrl.runtime.endpoints import Endpoint
 from loomrl.scoring.base import per_group_outcomes
 from loomrl.scoring.client import Scorer
 from loomrl.scoring.function import FunctionScorer
-from loomrl.types import Completion, GenerationResult, Group, Rollout
+from loomrl.types import GenerationResult, Group, Rollout
 
 ROW = {"prompt": "1+2=", "answer": "3"}
 
 
-def _completions() -> list[Completion]:
-    return [
-        Completion([5, 2], [-0.5, -0.25], "length", "3"),
-        Completion([7], [-1.5], "stop", "4"),
-        Completion([8, 9, 4], [-0.1, -0.2, -0.3], "length", "x"),
-    ]
+def _result(version: int = 3) -> GenerationResult:
+    """Three completions, with their texts, as an engine gives them."""
+    return GenerationResult.from_columns(
+        [[5, 2], [7], [8, 9, 4]],
+        [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]],
+        ["length", "stop", "length"],
+        ["3", "4", "x"],
+        version,
+    )
 
 
 def _no_decode(ids):
@@ -40,28 +43,31 @@ def _from_result(index: int, epoch: int, result: GenerationResult, decode=_no_de
 
 
 def _columnar(index: int = 7, epoch: int = 1, version: int = 3) -> Group:
-    return _from_result(index, epoch, GenerationResult(_completions(), version))
+    return _from_result(index, epoch, _result(version))
 
 
 def _one_by_one(index: int = 7, version: int = 3) -> list[Rollout]:
     """What the controller built per completion before groups held columns."""
+    result = _result(version)
     return [
         Rollout(
             index,
             [1, 2],
-            c.token_ids,
-            c.logprobs,
-            [1] * len(c.token_ids),
+            ids,
+            logprobs,
+            [1] * len(ids),
             version,
             ROW["prompt"],
-            c.text,
+            text,
             ROW,
             None,
             "ok",
             None,
-            c.finish_reason,
+            finish,
         )
-        for c in _completions()
+        for ids, logprobs, finish, text in zip(
+            result.token_ids, result.logprobs, result.finish_reasons, result.texts
+        )
     ]
 
 
@@ -259,7 +265,7 @@ def test_per_group_outcomes_split_at_the_group_sizes():
 def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
     """``Group.from_results``: group i is result i's completions, for pick i's row and epoch
     and request i's prompt; a result without texts is decoded, alone."""
-    cs = _completions()
+    full = _result(3)
     rows = {3: {"prompt": "2+2=", "answer": "4"}, 7: ROW}
     decoded = []
 
@@ -268,14 +274,10 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
         return [f"d{len(i)}" for i in ids]
 
     results = [
-        GenerationResult(cs, 3),
+        full,
         GenerationResult.from_columns([[4, 4]], [[-0.3, -0.6]], ["stop"], None, 2),
         GenerationResult.from_columns(
-            [c.token_ids for c in cs[:2]],
-            [c.logprobs for c in cs[:2]],
-            ["stop", "length"],
-            ["a", "b"],
-            1,
+            full.token_ids[:2], full.logprobs[:2], ["stop", "length"], ["a", "b"], 1
         ),
     ]
     groups = Group.from_results(
@@ -306,39 +308,25 @@ def test_one_calls_groups_are_built_together_each_as_its_own_result_would_be():
     ) == [groups[0], groups[2]]
 
 
-def test_a_generation_result_reads_the_same_as_columns_or_as_completions():
-    cs = _completions()
-    as_objects = GenerationResult(cs, 3)
-    as_columns = GenerationResult.from_columns(
-        [c.token_ids for c in cs],
-        [c.logprobs for c in cs],
-        [c.finish_reason for c in cs],
-        [c.text for c in cs],
+def test_a_generation_result_is_its_columns_and_pickles_as_them():
+    result = _result(3)
+    assert len(result) == 3 and result.has_texts
+    assert result == GenerationResult(
+        [[5, 2], [7], [8, 9, 4]],
+        [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]],
+        ["length", "stop", "length"],
+        ["3", "4", "x"],
         3,
     )
-    assert len(as_objects) == len(as_columns) == 3 and as_objects == as_columns
-    assert (
-        as_columns.columns()
-        == as_objects.columns()
-        == (
-            [[5, 2], [7], [8, 9, 4]],
-            [[-0.5, -0.25], [-1.5], [-0.1, -0.2, -0.3]],
-            ["length", "stop", "length"],
-            ["3", "4", "x"],
-        )
-    )
-    for back in (pickle.loads(pickle.dumps(as_columns)), copy.deepcopy(as_columns)):
-        assert (
-            back == as_columns and back._columns is not None
-        )  # (still columns: nothing built to pickle)
-    group_a, group_b = _from_result(7, 1, as_objects), _from_result(7, 1, as_columns)
-    assert group_a == group_b == Group.of_rollouts(7, 1, _one_by_one())
-    assert (
-        as_columns.completions == cs and as_columns._columns is None
-    )  # built once, then the result's own
-    as_columns.completions.append(Completion([3], [-0.2], "stop"))
-    assert len(as_columns) == 4
+    result.weight_apply_s, result.engine_metrics = 0.5, {"generation/forwards": 2.0}
+    for back in (pickle.loads(pickle.dumps(result)), copy.deepcopy(result)):
+        assert back == result and back is not result
+        assert back.engine_metrics == {"generation/forwards": 2.0}
+    assert _from_result(7, 1, result) == Group.of_rollouts(7, 1, _one_by_one())
+    # One form: no completion objects to set or read (slotted: no new attribute either).
+    with pytest.raises(AttributeError):
+        result.completions = []
     untexted = GenerationResult.from_columns([[1]], [[-0.1]], ["stop"], None, 0)
-    assert untexted.columns()[3] == [None] and untexted.completions[0].text is None
+    assert untexted.texts is None and not untexted.has_texts
     with pytest.raises(ValueError, match="differ in length"):
         GenerationResult.from_columns([[1], [2]], [[-0.1]], ["stop"], None, 0)

@@ -135,15 +135,14 @@ def test_generation_shares_each_prompt_prefill_and_samples_the_same():
             model.forward = forward
         prefill_rows.append(calls[0][0])
         # a forward per sampled token but the last: none for a token that is never sampled
-        longest = max(len(c.token_ids) for r in outputs[-1] for c in r.completions)
+        longest = max(len(ids) for r in outputs[-1] for ids in r.token_ids)
         assert len(calls) == longest
     assert prefill_rows == [3, 12]
     for shared, plain in zip(*outputs):
-        for a, b in zip(shared.completions, plain.completions):
-            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(
-                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5
-            )
+        assert shared.token_ids == plain.token_ids
+        assert shared.finish_reasons == plain.finish_reasons
+        for a, b in zip(shared.logprobs, plain.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
 
 
 def test_a_sliding_window_model_keeps_the_unshared_forward():
@@ -180,4 +179,4 @@ def test_a_sliding_window_model_keeps_the_unshared_forward():
     out = gen.generate(
         [GenerationRequest([1] + [5] * 6, 3, SamplingParams(max_new_tokens=3), seed=1)]
     )
-    assert len(out[0].completions) == 3 and not gen.share_prefill
+    assert len(out[0]) == 3 and not gen.share_prefill

@@ -10,7 +10,7 @@ import pytest
 from loomrl.envs.episode import run_group_episodes
 from loomrl.envs.tasks import code, countdown
 from loomrl.sandbox import SandboxLimits, SandboxPool, set_default_pool
-from loomrl.types import Completion, GenerationResult, SamplingParams
+from loomrl.types import GenerationResult, SamplingParams
 
 from sandbox_helpers import BACKENDS
 
@@ -76,7 +76,7 @@ def test_countdown_env_multi_turn_with_feedback(pool):
     async def generate(requests):
         text = next(answers)
         return [
-            GenerationResult([Completion([ord(c) for c in text], [-0.5] * len(text), "stop")], 0)
+            GenerationResult([[ord(c) for c in text]], [[-0.5] * len(text)], ["stop"], None, 0)
             for _ in requests
         ]
 

@@ -61,10 +61,7 @@ def _requests(tok, seed: int, max_new_tokens: int = 12, num_samples: int = 3, to
 
 
 def _columns(results):
-    return [
-        ([c.token_ids for c in r.completions], [c.logprobs for c in r.completions], r.version)
-        for r in results
-    ]
+    return [(r.token_ids, r.logprobs, r.version) for r in results]
 
 
 def test_only_the_async_engine_declares_generate_concurrent():
@@ -154,10 +151,9 @@ def test_an_update_waits_for_the_calls_in_flight_and_the_next_calls_use_it(engin
         t.join(120)
     for results, reqs in done:  # every token of theirs made by the old weights
         diffs = [
-            _reference_logprobs(model, old, req.prompt_ids, c.token_ids, 0.7)
-            - torch.tensor(c.logprobs)
+            _reference_logprobs(model, old, req.prompt_ids, ids, 0.7) - torch.tensor(lps)
             for req, result in zip(reqs, results)
-            for c in result.completions
+            for ids, lps in zip(result.token_ids, result.logprobs)
         ]
         assert {r.version for r in results} == {old_version}
         assert float(torch.cat(diffs).abs().mean()) <= PARITY_TOL

@@ -62,9 +62,9 @@ def _parity(gen, model, tok, state, prompts, temperature=1.0, seed=3) -> float:
     diffs = []
     for req, result in zip(reqs, gen.generate(reqs)):
         assert result.version == gen.version
-        for c in result.completions:
-            ref = _reference_logprobs(model, state, req.prompt_ids, c.token_ids, temperature)
-            diffs.append((ref - torch.tensor(c.logprobs)).abs())
+        for ids, lps in zip(result.token_ids, result.logprobs):
+            ref = _reference_logprobs(model, state, req.prompt_ids, ids, temperature)
+            diffs.append((ref - torch.tensor(lps)).abs())
     return float(torch.cat(diffs).mean())
 
 
@@ -149,13 +149,13 @@ def test_samples_are_a_function_of_their_seed_not_their_batch(engine):
     b = GenerationRequest(tok("1+1=").input_ids, 2, sp, seed=8)
     alone = gen.generate([a])[0]
     together = gen.generate([b, a])[1]
-    assert [c.token_ids for c in alone.completions] == [c.token_ids for c in together.completions]
-    assert len({tuple(c.token_ids) for c in alone.completions}) > 1  # samples differ
+    assert alone.token_ids == together.token_ids
+    assert len({tuple(ids) for ids in alone.token_ids}) > 1  # samples differ
     other = gen.generate([GenerationRequest(a.prompt_ids, 3, sp, seed=9)])[0]
-    assert [c.token_ids for c in other.completions] != [c.token_ids for c in alone.completions]
-    for c in alone.completions:
-        assert len(c.token_ids) == len(c.logprobs) <= 6
-        assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+    assert other.token_ids != alone.token_ids
+    for ids, lps, finish in zip(alone.token_ids, alone.logprobs, alone.finish_reasons):
+        assert len(ids) == len(lps) <= 6
+        assert finish == ("stop" if ids[-1] == tok.eos_token_id else "length")
 
 
 def _free_mib(cuda: bool) -> float:

@@ -54,8 +54,8 @@ def _sample(gen: VllmGenerator) -> tuple[list, list]:
         for i, p in enumerate(PROMPTS)
     ]
     results = gen.generate(reqs)
-    ids = [c.token_ids for r in results for c in r.completions]
-    logprobs = [c.logprobs for r in results for c in r.completions]
+    ids = [ids for r in results for ids in r.token_ids]
+    logprobs = [lps for r in results for lps in r.logprobs]
     return ids, logprobs
 
 

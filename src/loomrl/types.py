@@ -50,58 +50,27 @@ class GenerationRequest:
 
 
 @_pickled_by_fields
-@dataclass(slots=True)  # one per completion: cheaper to build and to read
-class Completion:
-    token_ids: list[int]  # generated tokens, EOS included when sampled
-    logprobs: list[float]  # behaviour log-prob of each sampled token at the sampling temperature
-    finish_reason: Literal["stop", "length"]
-    text: str | None = None  # the detokenized completion, when the engine made it (as vLLM does)
-
-
-_token_ids, _logprobs_of, _finish_reason_of, _text_of = (
-    operator.attrgetter(a) for a in ("token_ids", "logprobs", "finish_reason", "text")
-)
-
-
+@dataclass(slots=True)  # one per request, built where the engine ran and pickled to the controller
 class GenerationResult:
-    """One request's completions, made by the weights of policy ``version``.
+    """One request's completions as columns, one entry per completion (no object per
+    completion to build, pickle, read and free on the controller's loop), made by the
+    weights of policy ``version``; the report fields are set on one result of a call."""
 
-    An engine gives them as ``Completion`` objects (``GenerationResult(completions,
-    version)``) or as columns, one list per field (``from_columns``: what the HF generator
-    builds, with no object per completion to build, pickle, read and free on the
-    controller's loop); ``completions`` and ``columns()`` read either form."""
-
-    __slots__ = (
-        "version",
-        "weight_apply_s",
-        "weight_metrics",
-        "engine_metrics",
-        "_completions",
-        "_columns",
-    )
-
-    def __init__(
-        self,
-        completions: list[Completion] | None = None,
-        version: int = 0,
-        weight_apply_s: float = 0.0,
-        weight_metrics: dict[str, float] | None = None,
-        engine_metrics: dict[str, float] | None = None,
-        *,
-        _columns: tuple | None = None,
-    ) -> None:
-        self.version = version  # the policy version of the weights that produced every completion
-        self.weight_apply_s = (
-            weight_apply_s  # seconds the generator paused to apply updates before this call
-        )
-        self.weight_metrics = (
-            {} if weight_metrics is None else weight_metrics
-        )  # the generator's weight_sync/*
-        self.engine_metrics = (
-            {} if engine_metrics is None else engine_metrics
-        )  # the engine's generation/* totals
-        self._completions = [] if completions is None and _columns is None else completions
-        self._columns = _columns
+    # Generated tokens, EOS included when sampled.
+    token_ids: list[list[int]]
+    # The behaviour log-prob of each sampled token, at the sampling temperature.
+    logprobs: list[list[float]]
+    # "stop" or "length".
+    finish_reasons: list[str]
+    # The detokenized completions; None when the engine did not make them.
+    texts: list[str] | None
+    # The policy version of the weights that produced every completion.
+    version: int = 0
+    # Seconds the generator paused to apply updates before this call.
+    weight_apply_s: float = 0.0
+    # The generator's weight_sync/* and the engine's generation/* totals.
+    weight_metrics: dict[str, float] = field(default_factory=dict)
+    engine_metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_columns(
@@ -112,99 +81,28 @@ class GenerationResult:
         texts: list[str] | None,
         version: int,
     ) -> GenerationResult:
-        """The completions as parallel lists (``texts`` None when the engine does not
-        detokenize)."""
+        """The result of these columns, checked to be one entry per completion."""
         if (
             not len(token_ids)
             == len(logprobs)
             == len(finish_reasons)
             == (len(texts) if texts is not None else len(token_ids))
         ):
-            raise ValueError("GenerationResult.from_columns: the columns differ in length")
-        return cls(version=version, _columns=(token_ids, logprobs, finish_reasons, texts))
-
-    @property
-    def completions(self) -> list[Completion]:
-        """As ``Completion`` objects (built once from columns; from then on they are the result)."""
-        if self._completions is None:
-            ids, logprobs, finish, texts = self._columns
-            self._completions = list(
-                map(Completion, ids, logprobs, finish, texts or [None] * len(ids))
+            raise ValueError(
+                f"GenerationResult.from_columns: the columns differ in length ({len(token_ids)} "
+                f"token_ids, {len(logprobs)} logprobs, {len(finish_reasons)} finish_reasons, "
+                f"{'no' if texts is None else len(texts)} texts)"
             )
-            self._columns = None
-        return self._completions
-
-    @completions.setter
-    def completions(self, completions: list[Completion]) -> None:
-        self._completions, self._columns = completions, None
-
-    def columns(self) -> tuple[list[list[int]], list[list[float]], list[str], list[str | None]]:
-        """``(token_ids, logprobs, finish_reasons, texts)``, one entry per completion (a
-        text is None where the engine did not detokenize)."""
-        if self._columns is not None:
-            ids, logprobs, finish, texts = self._columns
-            return ids, logprobs, finish, texts if texts is not None else [None] * len(ids)
-        cs = self._completions
-        return (
-            list(map(_token_ids, cs)),
-            list(map(_logprobs_of, cs)),
-            list(map(_finish_reason_of, cs)),
-            list(map(_text_of, cs)),
-        )
+        return cls(token_ids, logprobs, finish_reasons, texts, version)
 
     @property
     def has_texts(self) -> bool:
         """Every completion carries its text (the engine detokenized them)."""
-        if self._columns is not None:
-            texts = self._columns[3]
-            return texts is not None and None not in texts
-        return None not in map(_text_of, self._completions)
+        return self.texts is not None and None not in self.texts
 
     def __len__(self) -> int:
         """How many completions."""
-        return len(self._columns[0]) if self._columns is not None else len(self._completions)
-
-    def _key(self) -> tuple:
-        return (
-            self.columns(),
-            self.version,
-            self.weight_apply_s,
-            self.weight_metrics,
-            self.engine_metrics,
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            self._key() == other._key() if isinstance(other, GenerationResult) else NotImplemented
-        )
-
-    __hash__ = None  # mutable, as the dataclass it was
-
-    def __repr__(self) -> str:
-        form = (
-            f"columns={self._columns!r}"
-            if self._columns is not None
-            else f"completions={self._completions!r}"
-        )
-        return f"GenerationResult(version={self.version}, {form})"
-
-    def __reduce__(self):
-        return _generation_result, (
-            self._completions,
-            self.version,
-            self.weight_apply_s,
-            self.weight_metrics,
-            self.engine_metrics,
-            self._columns,
-        )
-
-
-def _generation_result(
-    completions, version, weight_apply_s, weight_metrics, engine_metrics, columns
-):
-    return GenerationResult(
-        completions, version, weight_apply_s, weight_metrics, engine_metrics, _columns=columns
-    )
+        return len(self.token_ids)
 
 
 @dataclass
@@ -299,19 +197,16 @@ class Group:
         """The groups of one generate call's results, one per result: ``picks[i]`` is the
         ``(epoch, row index)`` of ``results[i]``, whose prompt is ``prompt_ids[i]`` (and its
         text ``rows[index][prompt_key]``). Each takes its completions' columns as the result
-        holds them (or taken at C speed), with the engine's own texts or, where it gave
-        none, ``decode(token_ids)``: a caller that may not decode (off the loop, where the
+        holds them, with the engine's own texts or, where it gave none,
+        ``decode(token_ids)``: a caller that may not decode (off the loop, where the
         tokenizer is not to be used) passes None and builds only results that all
         ``has_texts``; else this raises. One call a request, with no frame of its own per
         group; it reads nothing but its arguments (the controller runs it off its loop)."""
         groups = []
         for (epoch, index), ids_of_prompt, result in zip(picks, prompt_ids, results):
-            columns = result._columns
-            if columns is None or columns[3] is None:
-                ids, logprobs, finish, texts = result.columns()
-            else:
-                ids, logprobs, finish, texts = columns
-            if None in texts:  # (identity first: no Python frame per completion)
+            ids, texts = result.token_ids, result.texts
+            # (identity first: no Python frame per completion)
+            if texts is None or None in texts:
                 if decode is None:
                     raise ValueError(
                         f"Group.from_results: the result for row {index} has completions "
@@ -327,9 +222,9 @@ class Group:
                     [ids_of_prompt] * n,
                     [row[prompt_key]] * n,
                     ids,
-                    logprobs,
+                    result.logprobs,
                     texts,
-                    finish,
+                    result.finish_reasons,
                     [result.version] * n,
                     [None] * n,
                     num_tokens=sum(map(len, ids)),

@@ -110,12 +110,12 @@ async def _take_turn(
 ) -> None:
     """Record the model's turn, step the environment with it, and append its observation
     (masked out of the loss) when the episode goes on."""
-    completion = result.completions[0]
-    ep.append(list(completion.token_ids), list(completion.logprobs), trained=True)
+    ids, logprobs = result.token_ids[0], result.logprobs[0]
+    ep.append(list(ids), list(logprobs), trained=True)
     ep.versions.append(result.version)
     ep.num_turns += 1
-    ep.finish_reason = completion.finish_reason
-    text = decode(list(completion.token_ids))
+    ep.finish_reason = result.finish_reasons[0]
+    text = decode(list(ids))
     ep.texts.append(text)
     step = await _step(ep, text)
     if step is None:

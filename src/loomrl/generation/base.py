@@ -41,9 +41,8 @@ class Generator(ABC):
     def generate(
         self, requests: list[GenerationRequest], apply_newest: bool = False
     ) -> list[GenerationResult]:
-        """One result per request, each with ``request.num_samples`` completions: as
-        ``Completion`` objects or, cheaper to pickle and for the controller to read, as
-        columns (``GenerationResult.from_columns``, what the HF generator returns).
+        """One result per request, each with ``request.num_samples`` completions as
+        columns (``GenerationResult.from_columns``).
 
         ``apply_newest=True``: first apply the newest weights the transport holds, as
         ``apply_weights`` does, in the same call (one round trip, not two); the first
