@@ -151,6 +151,12 @@ def test_weights_never_import_the_loop():
     assert crossings(import_graph(), {"weights"}, {"control", "controller"}) == []
 
 
+def test_scoring_never_imports_envs():
+    """The scoring role is whole in ``scoring/``; environments and episodes sit above it
+    (an episode takes ``check_value`` from ``scoring/calls.py``), never below it."""
+    assert crossings(import_graph(), {"scoring"}, {"envs"}) == []
+
+
 # -- executor calls are typed ----------------------------------------------------------------
 
 # The forms that take an executor method's name: ``handle.call(name, ...)``,
