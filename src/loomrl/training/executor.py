@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loomrl.config import AlgorithmConfig, ModelConfig
+from loomrl.config_common import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
 from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints

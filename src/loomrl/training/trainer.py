@@ -12,12 +12,13 @@ from itertools import chain
 import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
-from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.config_common import AlgorithmConfig
 from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
 from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
+from loomrl.training.config import TrainerConfig
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
