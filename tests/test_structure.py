@@ -1,8 +1,9 @@
 """The package's shape (docs/architecture.md draws it): no import cycle anywhere in
 ``src/loomrl``; trainer and engines never import each other (they meet only through
 ``loomrl.weights``), nor the scheduler (the device layer owns offload); weights never import
-the loop; no executor call names its method by a string; no file over 500 lines, no function
-over 50, the controller's file under 350. Imports inside functions count too: a lazy import
+the loop nor the rollout types; the device layer never imports the runtime; no executor
+call names its method by a string; no file over 500 lines, no function over 50, the
+controller's file under 350. Imports inside functions count too: a lazy import
 still ties two modules together. Each check is shown to fail on a small made-up case."""
 
 from __future__ import annotations
@@ -149,6 +150,31 @@ def test_generation_and_training_never_import_the_scheduler():
 def test_weights_never_import_the_loop():
     """Publisher, receiver and transports serve the loop; they never reach back into it."""
     assert crossings(import_graph(), {"weights"}, {"control", "controller"}) == []
+
+
+def test_crossings_finds_an_arrow_into_a_top_level_module():
+    graph = {
+        "loomrl.weights.receiver": {"loomrl.types"},
+        "loomrl.device.colocate": {"loomrl.runtime.supervision"},
+    }
+    assert crossings(graph, {"weights"}, {"types"}) == ["loomrl.weights.receiver -> loomrl.types"]
+    assert crossings(graph, {"device"}, {"runtime"}) == [
+        "loomrl.device.colocate -> loomrl.runtime.supervision"
+    ]
+
+
+def test_weights_never_import_the_rollout_types():
+    """Weights know tensors, not rollouts: what a receiver reports (``WeightsApplied``)
+    lives in ``weights/``, and ``types.py`` re-exports nothing of it."""
+    graph = import_graph()
+    assert crossings(graph, {"weights"}, {"types"}) == []
+    assert not any(_subpackage(m) == "weights" for m in graph["loomrl.types"])
+
+
+def test_the_device_layer_never_imports_the_runtime():
+    """The device layer knows devices, not executors: which errors mean an executor was
+    replaced is the runtime's to say (``ColocatedPhases(replaced=...)``)."""
+    assert crossings(import_graph(), {"device"}, {"runtime"}) == []
 
 
 # -- executor calls are typed ----------------------------------------------------------------

@@ -20,15 +20,10 @@ from loomrl.generation.static_decode import StaticDecoder, static_decode_unsuppo
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
 from loomrl.models.traces import ShapeTraces, can_trace
-from loomrl.types import (
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    WeightsApplied,
-)
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
-from loomrl.weights.receiver import WeightReceiver
+from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
 

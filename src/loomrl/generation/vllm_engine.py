@@ -34,10 +34,10 @@ import torch
 from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.engine_config import VllmEngineConfig
 from loomrl.generation.hf import eos_token_ids
-from loomrl.types import GenerationRequest, GenerationResult, SamplingParams, WeightsApplied
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
-from loomrl.weights.receiver import WeightReceiver
+from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
 

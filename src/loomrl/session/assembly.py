@@ -17,7 +17,7 @@ from loomrl.generation.executor import start_generator
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
-from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised
+from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised, was_replaced
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.executor import TrainerSetup, start_trainer
@@ -166,7 +166,7 @@ def job_leases(cfg: JobConfig, trainer: Any, generators: list[Any]):
     if cfg.generation.colocate:
         from loomrl.device.colocate import ColocatedPhases
 
-        return ColocatedPhases(trainer, generators)
+        return ColocatedPhases(trainer, generators, replaced=was_replaced)
     if cfg.scheduler.url is None:
         return None
     from loomrl.scheduler.jobside import JobLeases
