@@ -3,7 +3,7 @@
 A section checks its own keys (beside its role: ``training/config.py``, ...); what needs two
 sections is checked here when ``JobConfig`` is built, each rule raising ``ValueError`` naming
 the keys to change: the weight transport against the runtime, the sharded trainer's needs,
-the colocated mode's and quantized publishing's. The rules read only config.
+the colocated mode's, quantized publishing's and the vLLM engine's. The rules read only config.
 ``loomrl.config`` re-exports ``JobConfig`` and loads it from a job file.
 """
 
@@ -24,6 +24,7 @@ from loomrl.config_common import (
     ModelConfig,
 )
 from loomrl.generation.config import GenerationConfig
+from loomrl.generation.engine_config import vllm_quantize_refusal
 from loomrl.runtime.config import FaultsConfig, RayConfig
 from loomrl.sandbox.config import SandboxConfig
 from loomrl.scheduler.config import SchedulerConfig
@@ -131,6 +132,7 @@ def check_job(cfg: JobConfig) -> None:
     parallel_fits_job(cfg)
     colocate_fits_job(cfg)
     quantized_publish_fits_job(cfg)
+    vllm_fits_job(cfg)
 
 
 def parallel_fits_job(cfg: JobConfig) -> None:
@@ -191,21 +193,22 @@ def quantized_publish_fits_job(cfg: JobConfig) -> None:
     hf engine's quantized Linear layers take."""
     if not cfg.weight_sync.publish_quantized:
         return
-    gen = cfg.generation
-    if gen.quantize == "none":
+    engine = cfg.generation.engine
+    if engine.quantize == "none":
         raise ValueError(
-            "weight_sync.publish_quantized=true with generation.quantize='none': there is nothing "
-            "to publish quantized; set generation.quantize='int8' or 'fp8', or publish_quantized=false"
+            "weight_sync.publish_quantized=true with generation.engine.quantize='none': there is "
+            "nothing to publish quantized; set generation.engine.quantize='int8' or 'fp8', or "
+            "publish_quantized=false"
         )
-    if gen.quantize == "int4":
+    if engine.quantize == "int4":
         raise ValueError(
-            "weight_sync.publish_quantized=true with generation.quantize='int4': the trainer "
+            "weight_sync.publish_quantized=true with generation.engine.quantize='int4': the trainer "
             "publishes int8 or fp8 codes; an int4 generator quantizes what it receives: set "
             "publish_quantized=false"
         )
-    if gen.engine.type != "hf":
+    if engine.type != "hf":
         raise ValueError(
-            f"weight_sync.publish_quantized=true with generation.engine.type={gen.engine.type!r}: "
+            f"weight_sync.publish_quantized=true with generation.engine.type={engine.type!r}: "
             "only the hf engine loads published codes and scales; set publish_quantized=false"
         )
     if cfg.model.lora is not None:
@@ -218,3 +221,33 @@ def quantized_publish_fits_job(cfg: JobConfig) -> None:
             "weight_sync.publish_quantized=true with weight_sync.transport type 'tensor': the tensor "
             "lane publishes one dtype; use a byte lane ('inproc', 'shm', 'files', 'torch_dist')"
         )
+
+
+def vllm_fits_job(cfg: JobConfig) -> None:
+    """``generation.engine.type = "vllm"``: what vLLM cannot run, refused before it starts.
+    The engine checks what only its machine knows (the device; the dtype 'auto' resolves to
+    on an 'auto' device) before vLLM starts."""
+    engine = cfg.generation.engine
+    if engine.type != "vllm":
+        return
+    if cfg.model.lora is not None:
+        raise ValueError("generation.engine.type='vllm' does not take model.lora yet; use 'hf'")
+    if engine.async_engine and cfg.runtime == "process":
+        raise ValueError(
+            "generation.engine.async_engine=true cannot run on runtime='process': its "
+            "executors are daemonic processes, which may not start AsyncLLM's engine-core "
+            "process (and it runs an executor's calls one at a time); use runtime='local'"
+        )
+    refusal = vllm_quantize_refusal(engine.quantize, _known_dtype(cfg.model))
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def _known_dtype(model: ModelConfig) -> str | None:
+    """The generators' compute dtype where the config alone says it (``model.dtype``, or
+    'auto' on a named device: bfloat16 on CUDA, float32 on the CPU), else None."""
+    if model.dtype != "auto":
+        return model.dtype
+    if model.device == "cpu":
+        return "float32"
+    return "bfloat16" if model.device.startswith("cuda") else None

@@ -12,7 +12,7 @@ tensors that changed; this engine reloads them into vLLM (every vLLM call is in
 so the engine is then restarted from the mirror (the last verified weights) and the restart
 is counted (``generation/vllm_restarts``).
 
-``quantize`` ('fp8': ``generation.quantize``) starts vLLM with its own online quantization
+``quantize`` ('fp8': ``generation.engine.quantize``) starts vLLM with its own online quantization
 (``vllm_adapter.VLLM_QUANTIZATION``). The mirror stays unquantized; every reload sends its
 bf16 tensors in checkpoint format, and vLLM's layerwise reload quantizes each layer it
 rebuilds again, so the engine stays quantized and follows every update.

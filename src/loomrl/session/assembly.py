@@ -13,7 +13,7 @@ from typing import Any
 from loomrl.config import JobConfig
 from loomrl.envs.scorer import RewardEndpoints
 from loomrl.generation.base import Generator
-from loomrl.generation.executor import start_generator
+from loomrl.generation.executor import GeneratorSetup, start_generator
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
@@ -69,7 +69,18 @@ def trainer_setup(cfg: JobConfig) -> TrainerSetup:
         temperature=cfg.generation.temperature,
         trace=cfg.uses_traces(cfg.trainer.trace),
         runtime=cfg.runtime,
-        quantize=cfg.generation.quantize,
+        quantize=cfg.generation.engine.quantize,
+    )
+
+
+def generator_setup(cfg: JobConfig) -> GeneratorSetup:
+    """A generator executor's sections of ``cfg``, and the job-wide values it needs."""
+    return GeneratorSetup(
+        model=cfg.model,
+        generation=cfg.generation,
+        weight_sync=cfg.weight_sync,
+        seed=cfg.seed,
+        runtime=cfg.runtime,
     )
 
 
@@ -110,9 +121,12 @@ def start_executors(
         trainer = runtime.start(
             "trainer", partial(start_trainer, setup, ends.trainer), TrainerEndpoints
         )
+    gen_setup = generator_setup(cfg)
     generators = [
         runtime.start(
-            f"generator{i}", partial(start_generator, cfg, ends.generator(i + 1), i), Generator
+            f"generator{i}",
+            partial(start_generator, gen_setup, ends.generator(i + 1), i),
+            Generator,
         )
         for i in range(cfg.generation.num_generators)
     ]

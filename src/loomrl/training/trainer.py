@@ -352,8 +352,10 @@ class Trainer:
     ) -> TokenBatch | PrefixBatch:
         """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
         if self._prefix_ok is None:  # decided once, from the model's own cache
-            self._prefix_ok = self.cfg.shared_prefix and probe_can_repeat(self.model)
-            if self.cfg.shared_prefix and not self._prefix_ok:
+            # 'auto' is on here (the sharded trainer decides it off before any batch)
+            wanted = self.cfg.shared_prefix is not False
+            self._prefix_ok = wanted and probe_can_repeat(self.model)
+            if wanted and not self._prefix_ok:
                 logger.info(
                     "trainer.shared_prefix: this model's KV cache cannot be shared (sliding-window, "
                     "linear-attention or custom layers); every row runs its own prompt"
