@@ -213,7 +213,7 @@ if python3 -c 'import vllm' >/dev/null 2>&1; then
   grep '^|' "$L/engines.log"
   cp "$L/engines.log" "$OUT/engines.log" 2>/dev/null
   row "bench/engines.py (HF vs vLLM)" "exit $rc" "$(( $(date +%s) - t0 ))" "$(grep '^| vllm' "$L/engines.log" | tail -1)"
-  # generation.quantize='fp8' on vLLM (its online fp8_per_channel): weights follow full and
+  # generation.engine.quantize='fp8' on vLLM (its online fp8_per_channel): weights follow full and
   # delta updates through the layerwise reload, log-probs the fp8 model's; three eager
   # in-process engines (the AsyncLLM one and the two jobs left to make test-vllm), with what
   # the budget has left.

@@ -7,7 +7,7 @@ Variants (each where it applies; the table's ratios are against the first one ru
 - ``bf16 eager``: bf16 weights, the dynamic-cache loop (fp32 sampling);
 - ``fp32 static``: the static-cache decode step run eagerly (CPU: what the tests compare);
 - ``fp32 static+graphs`` / ``bf16 static+graphs``: the static cache with each decode step
-  replayed from a CUDA graph (the CUDA default, ``generation.cuda_graphs = "auto"``).
+  replayed from a CUDA graph (the CUDA default, ``generation.engine.cuda_graphs = "auto"``).
 
 Sizes: ``full`` is the 0.36B Qwen2 of issue 35 (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4,864, vocabulary 4,096; random weights), 32 prompts of 32 tokens x 8 completions

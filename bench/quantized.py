@@ -1,4 +1,4 @@
-"""Quantized generation (``generation.quantize``): tokens/s, generator memory and the
+"""Quantized generation (``generation.engine.quantize``): tokens/s, generator memory and the
 behaviour log-prob mismatch for ``none`` vs ``int8`` and ``int4`` (``fp8`` on CUDA), in one run.
 
 Models: ``demo``, the arithmetic demo's tiny Llama (the warm-started checkpoint when

@@ -1,6 +1,6 @@
 """Does the arithmetic demo learn as well with an int8 generator, and what does the loss's
 correction buy? The staleness ablation's method (bench/staleness_ablation.py) with the
-generator's precision (``generation.quantize``) as the axis.
+generator's precision (``generation.engine.quantize``) as the axis.
 
 For every warm-start seed in ``--warmstart-seeds``, every loss in ``--losses`` and every
 precision in ``--precisions``, runs the demo job (``examples/arithmetic/job.toml``) from that
@@ -73,7 +73,7 @@ def run_cell(
         f"seed={job_seed}",
         f'algorithm.loss="{loss}"',
         f"algorithm.max_staleness={args.max_staleness}",
-        f'generation.quantize="{precision}"',
+        f'generation.engine.quantize="{precision}"',
         f"trainer.num_steps={args.steps}",
         "eval.every_steps=100000",
         "checkpoint.every_steps=100000",
@@ -175,7 +175,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--precisions", default="none,int8", help="generation.quantize values")
+    parser.add_argument(
+        "--precisions", default="none,int8", help="generation.engine.quantize values"
+    )
     parser.add_argument("--losses", default="aipo,tis,pg")
     parser.add_argument("--warmstart-seeds", default="0,1", help="warm-start (and job) seeds")
     parser.add_argument(

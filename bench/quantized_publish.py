@@ -1,4 +1,4 @@
-"""Publishing for a quantized generator (``generation.quantize = "int8"``), both ways, in one run:
+"""Publishing for a quantized generator (``generation.engine.quantize = "int8"``), both ways, in one run:
 
 - ``bf16``: the trainer publishes bf16 (``weight_sync.publish_dtype``), the generator keeps a
   bf16 mirror and re-quantizes each changed Linear from it (``publish_quantized = false``);

@@ -11,7 +11,7 @@ import pytest
 from loomrl.config import build_config
 from loomrl.device.colocate import ColocatedPhases
 from loomrl.job import Job
-from loomrl.runtime.supervision import ExecutorLostError
+from loomrl.runtime.supervision import ExecutorLostError, was_replaced
 from loomrl.telemetry.metrics import read_metrics
 from tests.conftest import tiny_job_raw
 
@@ -40,7 +40,7 @@ def _phases(num_generators: int = 2):
     on_device = {"trainer", *(f"gen{i}" for i in range(num_generators))}  # as loaded
     trainer = FakeExecutor("trainer", log, on_device)
     gens = [FakeExecutor(f"gen{i}", log, on_device) for i in range(num_generators)]
-    return ColocatedPhases(trainer, gens), log, on_device
+    return ColocatedPhases(trainer, gens, replaced=was_replaced), log, on_device
 
 
 def test_the_sides_take_turns_and_only_the_side_computing_is_on_the_device():
@@ -193,6 +193,22 @@ def test_an_executor_lost_and_replaced_has_nothing_to_move():
     async def main():
         await phases.run("generate", lambda: asyncio.sleep(0))
         await phases.run("train", lambda: asyncio.sleep(0))  # no error: the fresh one is empty
+
+    asyncio.run(main())
+
+
+def test_an_executor_lost_and_not_replaced_fails_the_phase():
+    phases, _, _ = _phases(num_generators=1)
+
+    async def lost():
+        raise ExecutorLostError("generator0 died", "generator", restarted=False)
+
+    phases.handles["generate"][0].offload = lost
+
+    async def main():
+        await phases.run("generate", lambda: asyncio.sleep(0))
+        with pytest.raises(ExecutorLostError, match="generator0 died"):
+            await phases.run("train", lambda: asyncio.sleep(0))
 
     asyncio.run(main())
 

@@ -44,10 +44,11 @@ def test_wrong_type_and_constraint_errors_name_the_value():
 def test_trace_settings_resolve_auto_by_runtime_and_reject_other_words():
     for runtime, auto in (("local", True), ("process", False), ("ray", False)):
         cfg = build_config({**BASE, "runtime": runtime, "trainer": {"trace": False}})
-        assert cfg.generation.trace == "auto" and cfg.uses_traces(cfg.generation.trace) is auto
+        engine = cfg.generation.engine
+        assert engine.trace == "auto" and cfg.uses_traces(engine.trace) is auto
         assert cfg.uses_traces(cfg.trainer.trace) is False and cfg.uses_traces(True) is True
-    with pytest.raises(ConfigError, match=r"generation\.trace"):
-        build_config({**BASE, "generation": {"trace": "sometimes"}})
+    with pytest.raises(ConfigError, match=r"generation\.engine\.hf\.trace"):
+        build_config({**BASE, "generation": {"engine": {"trace": "sometimes"}}})
 
 
 def test_missing_and_invalid_job_files(tmp_path):

@@ -59,7 +59,9 @@ def test_each_section_lives_beside_its_role_and_loomrl_config_reexports_it():
         "SchedulerConfig": "loomrl.scheduler.config",
         "FaultsConfig": "loomrl.runtime.config",
         "RayConfig": "loomrl.runtime.config",
-        "JobConfig": "loomrl.config",
+        "ModelConfig": "loomrl.config_common",
+        "AlgorithmConfig": "loomrl.config_common",
+        "JobConfig": "loomrl.config_job",
     }
     assert {name: getattr(config, name).__module__ for name in homes} == homes
 

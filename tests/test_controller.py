@@ -23,7 +23,8 @@ from loomrl.runtime.local import LocalRuntime
 from loomrl.scoring.client import JobFailedError, Scorer
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
-from loomrl.types import GenerationResult, Group, Rollout, WeightsApplied
+from loomrl.types import GenerationResult, Group, Rollout
+from loomrl.weights.receiver import WeightsApplied
 
 
 class Published:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loomrl.config import GenerationConfig
+from loomrl.generation.engine_config import HFEngineConfig
 from loomrl.generation.hf import HFGenerator
 from loomrl.generation.static_decode import (
     LENGTH_BUCKET,
@@ -235,16 +235,16 @@ def test_models_the_static_step_cannot_take_decode_on_the_dynamic_cache():
 
 
 def test_engine_knobs_resolve_per_device():
-    auto = GenerationConfig()
+    auto = HFEngineConfig()
     assert (
         auto.resolve_trace("local", "cpu") is True and auto.resolve_trace("local", "cuda") is False
     )
     assert auto.resolve_trace("process", "cpu") is False
-    assert GenerationConfig(trace=True).resolve_trace("process", "cuda") is True
+    assert HFEngineConfig(trace=True).resolve_trace("process", "cuda") is True
     assert auto.resolve_cuda_graphs("cuda") is True and auto.resolve_cuda_graphs("cpu") is False
-    assert GenerationConfig(cuda_graphs=False).resolve_cuda_graphs("cuda") is False
+    assert HFEngineConfig(cuda_graphs=False).resolve_cuda_graphs("cuda") is False
     with pytest.raises(ValueError, match="cuda_graphs"):
-        GenerationConfig(cuda_graphs="sometimes")
+        HFEngineConfig(cuda_graphs="sometimes")
 
 
 def test_a_job_with_cuda_graphs_on_a_cpu_decodes_on_the_static_cache(tiny_job):
@@ -257,8 +257,7 @@ def test_a_job_with_cuda_graphs_on_a_cpu_decodes_on_the_static_cache(tiny_job):
             generation={
                 "max_new_tokens": 3,
                 "prompts_per_request": 2,
-                "cuda_graphs": True,
-                "trace": False,
+                "engine": {"type": "hf", "cuda_graphs": True, "trace": False},
             },
         )
     ).run()

@@ -1,4 +1,4 @@
-"""Quantized generation (generation.quantize): the generator's quantized Linear layers follow
+"""Quantized generation (generation.engine.quantize): the generator's quantized Linear layers follow
 every weight update, a delta update equals a full one, and a quantized job runs."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_fp8_on_the_cpu_is_a_clear_error(trainer_model, tiny_job):
     with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):
         HFGenerator(copy.deepcopy(model), tok, quantize="fp8")
     with pytest.raises(ValueError, match="quantize='fp8' needs a CUDA device"):  # at start
-        Job(tiny_job(generation={"quantize": "fp8"}, model={"device": "cpu"})).run()
+        Job(tiny_job(generation={"engine": {"quantize": "fp8"}}, model={"device": "cpu"})).run()
 
 
 def test_int4_off_the_cpu_is_a_clear_error():
@@ -182,7 +182,9 @@ def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
     ("kind", "runtime"), [("int8", "local"), ("int8", "process"), ("int4", "local")]
 )
 def test_a_quantized_job_runs_end_to_end(tiny_job, kind, runtime):
-    cfg = tiny_job(generation={"quantize": kind}, trainer={"num_steps": 2}, runtime=runtime)
+    cfg = tiny_job(
+        generation={"engine": {"quantize": kind}}, trainer={"num_steps": 2}, runtime=runtime
+    )
     result = Job(cfg).run()
     assert result.summary["trained"] == 2 * 4 * 4
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]

@@ -190,11 +190,20 @@ def test_cuda_generator_loads_published_codes_as_they_are(kind):
 @pytest.mark.parametrize(
     "sections, match",
     [
-        ({}, "generation.quantize='none'"),
-        ({"generation": {"quantize": "int4"}}, "quantize='int4'"),
-        ({"generation": {"quantize": "int8", "engine": "vllm"}}, "engine.type='vllm'"),
-        ({"generation": {"quantize": "int8"}, "model": {"lora": {"r": 4}}}, "model.lora"),
-        ({"generation": {"quantize": "int8"}, "weight_sync_transport": "tensor"}, "tensor lane"),
+        ({}, "generation.engine.quantize='none'"),
+        ({"generation": {"engine": {"quantize": "int4"}}}, "quantize='int4'"),
+        (
+            {"generation": {"engine": {"type": "vllm", "quantize": "fp8"}}},
+            "engine.type='vllm'",
+        ),
+        (
+            {"generation": {"engine": {"quantize": "int8"}}, "model": {"lora": {"r": 4}}},
+            "model.lora",
+        ),
+        (
+            {"generation": {"engine": {"quantize": "int8"}}, "weight_sync_transport": "tensor"},
+            "tensor lane",
+        ),
     ],
 )
 def test_the_config_rejects_jobs_that_cannot_publish_quantized(tiny_job, sections, match):
@@ -217,7 +226,7 @@ def test_the_config_rejects_jobs_that_cannot_publish_quantized(tiny_job, section
 def test_a_quantized_publishing_job_runs(tiny_job, runtime, parallel):
     shards = {"type": parallel} | ({"dp_shard": 2} if parallel == "fsdp2" else {})
     cfg = tiny_job(
-        generation={"quantize": "int8"},
+        generation={"engine": {"quantize": "int8"}},
         weight_sync={"publish_quantized": True, "codec": "delta"},
         trainer={"num_steps": 2, "parallel": shards},
         runtime=runtime,

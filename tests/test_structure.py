@@ -1,9 +1,10 @@
 """The package's shape (docs/architecture.md draws it): no import cycle anywhere in
 ``src/loomrl``; trainer and engines never import each other (they meet only through
 ``loomrl.weights``), nor the scheduler (the device layer owns offload); weights never import
-the loop; no executor call names its method by a string; no file over 500 lines, no function
-over 50, the controller's file under 350. Imports inside functions count too: a lazy import
-still ties two modules together. Each check is shown to fail on a small made-up case."""
+the loop nor the rollout types; the device layer never imports the runtime; a role imports
+its config section from beside it, not through ``loomrl.config``; no executor call names its
+method by a string; no file over 500 lines, no function over 50, the controller's file under
+350. Imports inside functions count too: a lazy import still ties two modules together. Each check is shown to fail on a small made-up case."""
 
 from __future__ import annotations
 
@@ -155,6 +156,80 @@ def test_scoring_never_imports_envs():
     """The scoring role is whole in ``scoring/``; environments and episodes sit above it
     (an episode takes ``check_value`` from ``scoring/calls.py``), never below it."""
     assert crossings(import_graph(), {"scoring"}, {"envs"}) == []
+
+
+def test_crossings_finds_an_arrow_into_a_top_level_module():
+    graph = {
+        "loomrl.weights.receiver": {"loomrl.types"},
+        "loomrl.device.colocate": {"loomrl.runtime.supervision"},
+    }
+    assert crossings(graph, {"weights"}, {"types"}) == ["loomrl.weights.receiver -> loomrl.types"]
+    assert crossings(graph, {"device"}, {"runtime"}) == [
+        "loomrl.device.colocate -> loomrl.runtime.supervision"
+    ]
+
+
+def test_weights_never_import_the_rollout_types():
+    """Weights know tensors, not rollouts: what a receiver reports (``WeightsApplied``)
+    lives in ``weights/``, and ``types.py`` re-exports nothing of it."""
+    graph = import_graph()
+    assert crossings(graph, {"weights"}, {"types"}) == []
+    assert not any(_subpackage(m) == "weights" for m in graph["loomrl.types"])
+
+
+def test_the_device_layer_never_imports_the_runtime():
+    """The device layer knows devices, not executors: which errors mean an executor was
+    replaced is the runtime's to say (``ColocatedPhases(replaced=...)``)."""
+    assert crossings(import_graph(), {"device"}, {"runtime"}) == []
+
+
+# -- each role reads its own config section from beside it -----------------------------------
+
+# The role packages whose modules import their sections from where they live (``scoring/`` and
+# ``envs/`` join when the scoring role is gathered into ``scoring/``).
+ROLES_READING_THEIR_OWN_CONFIG = (
+    "generation",
+    "training",
+    "weights",
+    "sandbox",
+    "scheduler",
+    "runtime",
+    "device",
+    "models",
+    "scoring",
+)
+
+
+def sections_through_the_root(source: str) -> list[str]:
+    """Config sections ``source`` imports through ``loomrl.config`` (the job's re-exports)."""
+    return [
+        f"line {node.lineno}: {alias.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module == "loomrl.config"
+        for alias in node.names
+        if alias.name.endswith("Config")
+    ]
+
+
+def test_sections_through_the_root_are_found_and_the_rest_are_not():
+    bad = "def f():\n    from loomrl.config import SandboxConfig\n"
+    assert sections_through_the_root(bad) == ["line 2: SandboxConfig"]
+    good = (
+        "from loomrl.sandbox.config import SandboxConfig\nfrom loomrl.config import load_config\n"
+    )
+    assert sections_through_the_root(good) == []
+
+
+def test_each_role_imports_its_config_section_from_beside_it():
+    """A role's section lives beside it (``training/config.py``); importing it through
+    ``loomrl.config`` runs an arrow back up to the module that knows every role."""
+    found = [
+        f"{rel} {hit}"
+        for rel, path in _source_files()
+        if rel.split("/")[0] in ROLES_READING_THEIR_OWN_CONFIG
+        for hit in sections_through_the_root(path.read_text())
+    ]
+    assert found == []
 
 
 # -- executor calls are typed ----------------------------------------------------------------

@@ -172,9 +172,6 @@ def test_a_multi_turn_job_on_the_async_vllm_engine_sends_turns_as_they_come(tiny
 
 
 def test_the_async_vllm_engine_is_refused_on_the_process_runtime(tiny_job, tmp_path):
-    from loomrl.generation.executor import build_vllm_generator
-
     engine = {**VLLM, "async_engine": True}
-    cfg = _vllm_job(tiny_job, tmp_path, runtime="process", generation={"engine": engine})
     with pytest.raises(ValueError, match="async_engine=true cannot run on runtime='process'"):
-        build_vllm_generator(cfg, None)
+        _vllm_job(tiny_job, tmp_path, runtime="process", generation={"engine": engine})

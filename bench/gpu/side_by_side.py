@@ -603,7 +603,7 @@ def main() -> None:
         "--transport", default="tensor", help="weight_sync.transport (default: the tensor lane)"
     )
     lm.add_argument(
-        "overrides", nargs="*", help="loomrl dotted overrides, e.g. generation.trace=false"
+        "overrides", nargs="*", help="loomrl dotted overrides, e.g. generation.engine.trace=false"
     )
     r = sub.add_parser("report")
     r.add_argument("--res-dir", required=True)

@@ -105,17 +105,6 @@ class GenerationResult:
         return len(self.token_ids)
 
 
-@dataclass
-class WeightsApplied:
-    """What a generator's ``apply_weights`` did: the version it holds after it, and the
-    seconds it paused for (0.0 when nothing was applied)."""
-
-    version: int
-    apply_s: float = 0.0
-    num_updates: int = 0
-    weight_metrics: dict[str, float] = field(default_factory=dict)  # the subscriber's weight_sync/*
-
-
 RolloutStatus = Literal["ok", "failed"]
 # Why a rollout failed: its reward raised, returned no number or timed out (``RewardFailure``'s
 # reasons), every scorer executor was lost while scoring it, or its environment failed the episode.

@@ -10,8 +10,9 @@ is on the device at a time: the natural setup of a user with one GPU.
 
 Turns are fair: once a phase of the other side waits, no new phase of the side holding the
 device starts, so an async job's generation loops cannot starve its trainer (nor the
-reverse). A call that ends with its executor lost and replaced is not retried here: the
-fresh executor holds nothing to move.
+reverse). A call whose executor was lost and replaced is not retried here: the fresh
+executor holds nothing to move. Which errors mean that is the runtime's to say (``replaced``,
+given by whoever builds the phases): this layer knows devices, not executors.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class ColocatedPhases:
 
     publish_in_train_phase = True  # a step and its publish in one trainer turn (no switch between)
 
-    def __init__(self, trainer: Any, generators: list[Any]) -> None:
+    def __init__(
+        self, trainer: Any, generators: list[Any], replaced: Callable[[BaseException], bool]
+    ) -> None:
         self.handles = {TRAIN: [trainer], GENERATE: list(generators)}
+        # whether an offload's or restore's error means its executor was replaced (empty)
+        self.replaced = replaced
         self.holder: str | None = None  # the side whose state is on the device
         self.running = 0  # phases of ``holder`` in progress
         self.waiting = {TRAIN: 0, GENERATE: 0}
@@ -114,8 +119,9 @@ class ColocatedPhases:
     async def _move(self, side: str) -> None:
         # at the first phase both sides are on the device (as loaded): the other one leaves
         leaving = self.holder or other_side(side)
-        self.stats["offload_s"] += await _on_all(self.handles[leaving], lambda h: h.offload())
-        self.stats["restore_s"] += await _on_all(self.handles[side], lambda h: h.restore())
+        offload, restore = (lambda h: h.offload()), (lambda h: h.restore())
+        self.stats["offload_s"] += await _on_all(self.handles[leaving], offload, self.replaced)
+        self.stats["restore_s"] += await _on_all(self.handles[side], restore, self.replaced)
         self.stats["switches"] += 1
         logger.debug("colocated device: %s -> %s", self.holder, side)
 
@@ -133,16 +139,20 @@ class ColocatedPhases:
         return None
 
 
-async def _on_all(handles: list[Any], call: Callable[[Any], Awaitable[Any]]) -> float:
+async def _on_all(
+    handles: list[Any],
+    call: Callable[[Any], Awaitable[Any]],
+    replaced: Callable[[BaseException], bool],
+) -> float:
     """``call(handle)`` (its ``offload()`` or ``restore()``) on every handle at once; the
-    seconds they took, summed (an engine without a real offload answers None, counted as 0)."""
-    from loomrl.runtime.supervision import ExecutorLostError
+    seconds they took, summed (an engine without a real offload answers None, counted as 0;
+    a handle whose executor was ``replaced`` while it ran, as 0 too)."""
 
     async def one(handle: Any) -> float:
         try:
             return await call(handle) or 0.0
-        except ExecutorLostError as err:  # replaced: the fresh executor holds nothing to move
-            if not err.restarted:
+        except Exception as err:
+            if not replaced(err):
                 raise
             return 0.0
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loomrl.runtime.endpoints import endpoint
-from loomrl.types import GenerationRequest, GenerationResult, SamplingParams, WeightsApplied
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    # in signatures only: the receiver imports torch, this interface does not
+    from loomrl.weights.receiver import WeightsApplied
 
 # (prompts, seeds, sampling) -> (token ids, log-probs, finish reasons), one row a sample
 SampleFn = Callable[

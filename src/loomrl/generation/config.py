@@ -1,20 +1,81 @@
-"""``[generation]``: the generators' engine, sampling and decode settings."""
+"""``[generation]``: the generators' engine, sampling and decode settings.
+
+The engine's own keys live in its table (``[generation.engine] type = "hf"``: ``trace``,
+``cuda_graphs``, ``quantize``). The old keys ``generation.trace``, ``generation.cuda_graphs``
+and ``generation.quantize`` are moved into it with a ``FutureWarning``; one the job's engine
+does not take (it had no effect) is an error naming the engine that takes it.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from loomrl.config_base import Section
 from loomrl.generation.engine_config import EngineConfig, HFEngineConfig
+
+# The engine keys that sat in [generation]: their old default, and the engines that take them.
+_MOVED_KEYS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "trace": ("auto", ("hf",)),
+    "cuda_graphs": ("auto", ("hf",)),
+    "quantize": ("none", ("hf", "vllm")),
+}
+
+
+def _engine_table(engine: Any) -> dict[str, Any]:
+    """``generation.engine`` as a table: from its type alone, a table, or a built section."""
+    if isinstance(engine, str):
+        return {"type": engine}
+    if isinstance(engine, BaseModel):
+        return {"type": engine.type, **engine.model_dump(exclude_unset=True)}
+    return dict(engine)
+
+
+def _engine_keys_moved(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a ``[generation]`` table) with the old engine keys moved into
+    ``[generation.engine]`` (a ``FutureWarning`` names each move). A key at its old default
+    moves nowhere: an old config.json lists every key."""
+    flat = {key: data.pop(key) for key in list(data) if key in _MOVED_KEYS}
+    if not flat:
+        return data
+    table = _engine_table(data.get("engine", "hf"))
+    kind, moved = table.get("type", "hf"), []
+    for key, value in flat.items():
+        old_default, kinds = _MOVED_KEYS[key]
+        if value == old_default:
+            continue
+        if kind not in kinds:
+            raise ValueError(
+                f"generation.{key}={value!r} is a key of the {' and '.join(map(repr, kinds))} "
+                f"engine (now generation.engine.{key}), and this job's engine is {kind!r}: remove it"
+            )
+        if key in table and table[key] != value:
+            raise ValueError(
+                f"generation.{key}={value!r} and generation.engine.{key}={table[key]!r}: "
+                f"keep only generation.engine.{key}"
+            )
+        table[key] = value
+        moved.append(f"generation.{key} -> generation.engine.{key}")
+    if not moved:
+        return data
+    warnings.warn(
+        "old generation keys, moved into the [generation.engine] table: "
+        + ", ".join(moved)
+        + "; write them there (the old keys will stop working)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return {**data, "engine": table}
 
 
 class GenerationConfig(Section):
     engine: EngineConfig = Field(
         default_factory=HFEngineConfig,
         description="Generation engine: "
-        "[generation.engine] type = 'hf' or 'vllm' with its settings (docs/engines.md); engine = 'hf' too.",
+        "[generation.engine] type = 'hf' or 'vllm' with its settings (trace, cuda_graphs, quantize ...; "
+        "docs/engines.md); engine = 'hf' too.",
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -26,14 +87,6 @@ class GenerationConfig(Section):
         "training; finish reason 'stop'). "
         "Generation also stops on every EOS id of the model's generation_config.",
     )
-
-    @model_validator(mode="after")
-    def _stop_strings_not_empty(self) -> GenerationConfig:
-        if "" in self.stop:
-            raise ValueError(
-                "generation.stop holds an empty string, which every completion holds; remove it"
-            )
-        return self
 
     prompts_per_request: int = Field(
         4, gt=0, description="Prompt groups batched into one generate call."
@@ -48,43 +101,16 @@ class GenerationConfig(Section):
         "overlap, even with max_staleness > 0; the colocate/* metrics say what the turns cost "
         "(docs/engines.md).",
     )
-    trace: bool | Literal["auto"] = Field(
-        "auto",
-        description="Forward passes from TorchScript traces, one per batch shape: bit-identical "
-        "to eager, and no GIL held while they run. 'auto': on where executors share a process "
-        "(runtime='local') and the model is on the CPU, the one place that pays for the tracing; "
-        "off on CUDA, where the GIL is not what limits a forward and the traces cost time (26% of "
-        "a 0.36B Qwen2 RL step on an H200). Eager for PEFT and non-DynamicCache models, or after a "
-        "trace fails.",
-    )
-    cuda_graphs: bool | Literal["auto"] = Field(
-        "auto",
-        description="Decode on a preallocated (static) key/value cache with each decode step "
-        "replayed from a CUDA graph: one launch a token instead of hundreds. 'auto': on where the "
-        "model is on a CUDA device. On a CPU device, true decodes on the static cache without graphs "
-        "(for tests); the default there is the dynamic-cache loop. Dynamic cache for PEFT, sliding-"
-        "window or non-sdpa/eager attention models, and after a capture fails (docs/engines.md).",
-    )
 
-    quantize: Literal["none", "int8", "fp8", "int4"] = Field(
-        "none",
-        description="Weight precision of the generators' Linear layers (not the output head, not "
-        "the embeddings): 'int8' per-output-channel int8 (CPU: torch's dynamic int8 matmuls; CUDA: "
-        "weight-only), 'fp8' e4m3 with per-channel scales through torch._scaled_mm (CUDA only: a "
-        "start error elsewhere), 'int4' weight-only, a scale and zero point per 128 inputs (CPU "
-        "only: torch's int4 CPU kernel). With the vllm engine: 'fp8' only, vLLM's own online "
-        "fp8_per_channel on CUDA (sm89+, model.dtype bf16/fp16), kept through its layerwise "
-        "reload on every update; the rest is a start error there. The generator keeps the published weights unquantized and "
-        "re-quantizes what each update changes; the behaviour log-probs are the quantized model's, "
-        "so the loss's importance ratio ('aipo', 'tis') corrects the mismatch (docs/engines.md).",
-    )
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_engine_keys(cls, data: Any) -> Any:
+        return _engine_keys_moved(dict(data)) if isinstance(data, dict) else data
 
-    def resolve_trace(self, runtime: str, device_type: str) -> bool:
-        """``trace`` for a generator whose model is on ``device_type`` ('cpu', 'cuda')."""
-        if self.trace == "auto":
-            return runtime == "local" and device_type == "cpu"
-        return bool(self.trace)
-
-    def resolve_cuda_graphs(self, device_type: str) -> bool:
-        """``cuda_graphs`` for a generator whose model is on ``device_type``."""
-        return device_type == "cuda" if self.cuda_graphs == "auto" else bool(self.cuda_graphs)
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self) -> GenerationConfig:
+        if "" in self.stop:
+            raise ValueError(
+                "generation.stop holds an empty string, which every completion holds; remove it"
+            )
+        return self

@@ -20,15 +20,10 @@ from loomrl.generation.static_decode import StaticDecoder, static_decode_unsuppo
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
 from loomrl.models.traces import ShapeTraces, can_trace
-from loomrl.types import (
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    WeightsApplied,
-)
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
-from loomrl.weights.receiver import WeightReceiver
+from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +122,7 @@ class HFGenerator(Generator):
         return StaticDecoder(self.model, cuda_graphs=cuda_graphs and self.device.type == "cuda")
 
     def _quantize(self, kind: str, publish_quantized: bool = False):
-        """The model's Linear layers quantized from the mirror (``generation.quantize``), or
+        """The model's Linear layers quantized from the mirror (``generation.engine.quantize``), or
         None for full precision. The mirror stays unquantized: updates apply to it, and
         ``load_weights`` re-quantizes the layers each one changed; with ``publish_quantized``
         the mirror holds codes and scales instead, as the trainer publishes them."""
@@ -139,7 +134,7 @@ class HFGenerator(Generator):
 
         if is_peft_model(self.model):
             raise ValueError(
-                f"generation.quantize={kind!r} does not take a LoRA model (model.lora); use 'none'"
+                f"generation.engine.quantize={kind!r} does not take a LoRA model (model.lora); use 'none'"
             )
         selected = QuantizedPublish.of_model(self.model, kind) if publish_quantized else None
         if selected is not None:  # codes and scales in the mirror, as the trainer publishes them

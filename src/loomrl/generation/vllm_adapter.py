@@ -19,7 +19,7 @@ What this wraps, and why so:
   either engine; calls from several threads overlap and vLLM batches them continuously.
 - Prefix-cache entries never outlive the weights that computed them: each request's cache
   is salted by the policy version, and the cache is reset after every reload.
-- ``generation.quantize = "fp8"`` is vLLM's own online quantization, ``quantization=
+- ``generation.engine.quantize = "fp8"`` is vLLM's own online quantization, ``quantization=
   "fp8_per_channel"`` (``VLLM_QUANTIZATION``): the engine loads the bf16/fp16 checkpoint and
   quantizes each Linear layer (e4m3 weights with per-output-channel scales, activations
   quantized per token at run time; not the embeddings or the output head). A reload in
@@ -52,7 +52,7 @@ WORKER_EXTENSION = "loomrl.generation.vllm_adapter.LoomrlWorkerExtension"
 RESET_RETRIES = 50  # reset_prefix_cache is refused while a request holds blocks
 RESET_RETRY_S = 0.01
 
-# ``generation.quantize`` -> vLLM's ``quantization`` (its online methods, vLLM 0.32:
+# ``generation.engine.quantize`` -> vLLM's ``quantization`` (its online methods, vLLM 0.32:
 # ``vllm/config/quantization.py`` ``_ONLINE_SHORTHANDS``). vLLM's own "fp8" takes only
 # fp8 checkpoints now; its online int8 ("int8_per_channel_weight_only") quantizes MoE
 # experts only, so 'int8' has no entry (refused at start: ``executor.vllm_quantize_refusal``).
@@ -166,7 +166,7 @@ def _engine_kwargs(
     quantize: str = "none",
 ) -> dict[str, Any]:
     """The engine arguments ``vllm.LLM`` and ``AsyncEngineArgs`` both take (``quantize``:
-    ``generation.quantize``, as ``VLLM_QUANTIZATION`` maps it)."""
+    ``generation.engine.quantize``, as ``VLLM_QUANTIZATION`` maps it)."""
     kwargs: dict[str, Any] = dict(
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -181,7 +181,7 @@ def _engine_kwargs(
         kwargs["max_model_len"] = max_model_len
     if quantize not in VLLM_QUANTIZATION:
         raise ValueError(
-            f"generation.quantize={quantize!r} has no vLLM online quantization here; "
+            f"generation.engine.quantize={quantize!r} has no vLLM online quantization here; "
             f"the vllm engine takes {sorted(VLLM_QUANTIZATION)}"
         )
     if VLLM_QUANTIZATION[quantize] is not None:

@@ -26,7 +26,8 @@ import torch
 
 from loomrl.generation.vllm_engine import VllmGenerator
 from loomrl.runtime.endpoints import endpoint
-from loomrl.types import GenerationRequest, GenerationResult, WeightsApplied
+from loomrl.types import GenerationRequest, GenerationResult
+from loomrl.weights.receiver import WeightsApplied
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ tensors that changed; this engine reloads them into vLLM (every vLLM call is in
 so the engine is then restarted from the mirror (the last verified weights) and the restart
 is counted (``generation/vllm_restarts``).
 
-``quantize`` ('fp8': ``generation.quantize``) starts vLLM with its own online quantization
+``quantize`` ('fp8': ``generation.engine.quantize``) starts vLLM with its own online quantization
 (``vllm_adapter.VLLM_QUANTIZATION``). The mirror stays unquantized; every reload sends its
 bf16 tensors in checkpoint format, and vLLM's layerwise reload quantizes each layer it
 rebuilds again, so the engine stays quantized and follows every update.
@@ -34,10 +34,10 @@ import torch
 from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.engine_config import VllmEngineConfig
 from loomrl.generation.hf import eos_token_ids
-from loomrl.types import GenerationRequest, GenerationResult, SamplingParams, WeightsApplied
+from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
-from loomrl.weights.receiver import WeightReceiver
+from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl
 from loomrl.models.tiny import TINY_DEFAULTS, build_tiny_model
 
 if TYPE_CHECKING:
-    from loomrl.config import ModelConfig
+    from loomrl.config_common import ModelConfig
 
 
 class ModelLoadError(ValueError):

@@ -1,4 +1,4 @@
-"""Weight quantization of a generator's Linear layers (``generation.quantize``).
+"""Weight quantization of a generator's Linear layers (``generation.engine.quantize``).
 
 What: every ``nn.Linear`` of the model but the output head (and any Linear whose weight is
 tied to an embedding) is replaced by a module that holds its weight quantized per output
@@ -186,21 +186,21 @@ def check_quantize(kind: str, device: torch.device) -> None:
     """A clear error for a precision the device cannot run."""
     if kind not in ("none", "int8", "fp8", "int4"):
         raise ValueError(
-            f"generation.quantize must be 'none', 'int8', 'fp8' or 'int4', got {kind!r}"
+            f"generation.engine.quantize must be 'none', 'int8', 'fp8' or 'int4', got {kind!r}"
         )
     if kind == "int4" and device.type != "cpu":
         raise ValueError(
-            f"generation.quantize='int4' runs on the CPU only (torch's int4 weight-only CPU "
+            f"generation.engine.quantize='int4' runs on the CPU only (torch's int4 weight-only CPU "
             f"kernel); the generator's model is on {device.type!r}: use 'fp8' or 'int8' there"
         )
     if kind == "fp8" and device.type != "cuda":
         raise ValueError(
-            f"generation.quantize='fp8' needs a CUDA device (fp8 matmuls through torch._scaled_mm); "
+            f"generation.engine.quantize='fp8' needs a CUDA device (fp8 matmuls through torch._scaled_mm); "
             f"the generator's model is on {device.type!r}: use 'int8' there, or 'none'"
         )
     if kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(
-            f"generation.quantize='fp8' needs compute capability 8.9 or later (torch._scaled_mm's "
+            f"generation.engine.quantize='fp8' needs compute capability 8.9 or later (torch._scaled_mm's "
             f"rowwise fp8), got {torch.cuda.get_device_capability(device)}: use 'int8' or 'none'"
         )
 
@@ -235,7 +235,7 @@ def _kept_unquantized(linear: torch.nn.Linear, kind: str) -> str | None:
 
 
 def quantized_linear_paths(model: torch.nn.Module, kind: str) -> list[str]:
-    """The module paths of the Linear layers ``generation.quantize = kind`` quantizes: all
+    """The module paths of the Linear layers ``generation.engine.quantize = kind`` quantizes: all
     but the output head, embedding-tied ones and those the kernel cannot take. The one
     selection rule: ``quantize_linears`` replaces these, and a trainer that publishes
     quantized weights selects them with it."""

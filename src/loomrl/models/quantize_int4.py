@@ -1,4 +1,4 @@
-"""int4 weight-only quantization of a generator's Linear layers (``generation.quantize="int4"``).
+"""int4 weight-only quantization of a generator's Linear layers (``generation.engine.quantize="int4"``).
 
 Group-wise and asymmetric, as GPTQ/AWQ-style int4 generation is: along each output row the
 input dimension is cut into groups of ``INT4_GROUP`` values; each group gets a scale

@@ -47,7 +47,7 @@ from loomrl.runtime.endpoints import check_implements
 from loomrl.telemetry import trace
 
 if TYPE_CHECKING:
-    from loomrl.config import RayConfig
+    from loomrl.runtime.config import RayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class RayRuntime(Runtime):
     ) -> None:
         import torch
 
-        from loomrl.config import RayConfig
+        from loomrl.runtime.config import RayConfig
 
         torch.set_num_threads(torch_threads)
         self.config = config if config is not None else RayConfig()

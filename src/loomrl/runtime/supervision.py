@@ -55,6 +55,13 @@ class TrainerLostError(ExecutorLostError):
     """The trainer died or hung; the job restarts from its last checkpoint (or fails)."""
 
 
+def was_replaced(err: BaseException) -> bool:
+    """Whether ``err`` says a call's executor was lost and replaced by a fresh one, which
+    holds none of the old one's state (what a layer that moves state, such as
+    ``loomrl.device.colocate``, is given to tell a lost executor from a failed move)."""
+    return isinstance(err, ExecutorLostError) and err.restarted
+
+
 class RestartLimitError(RuntimeError):
     """More executors died than ``faults.max_executor_restarts`` allows in one run."""
 

@@ -40,7 +40,7 @@ def default_pool() -> SandboxPool:
     global _pool, _owned
     with _lock:
         if _pool is None:
-            from loomrl.config import SandboxConfig
+            from loomrl.sandbox.config import SandboxConfig
 
             _pool = SandboxPool.from_config(_config or SandboxConfig())
             _owned = True

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 from typing import Any
 
-from loomrl.config import SchedulerConfig
 from loomrl.scheduler.client import Lease, SchedulerClient, pinned, pinned_threads
+from loomrl.scheduler.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

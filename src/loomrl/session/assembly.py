@@ -12,11 +12,11 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.generation.base import Generator
-from loomrl.generation.executor import start_generator
+from loomrl.generation.executor import GeneratorSetup, start_generator
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
-from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised
+from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised, was_replaced
 from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
@@ -69,7 +69,18 @@ def trainer_setup(cfg: JobConfig) -> TrainerSetup:
         temperature=cfg.generation.temperature,
         trace=cfg.uses_traces(cfg.trainer.trace),
         runtime=cfg.runtime,
-        quantize=cfg.generation.quantize,
+        quantize=cfg.generation.engine.quantize,
+    )
+
+
+def generator_setup(cfg: JobConfig) -> GeneratorSetup:
+    """A generator executor's sections of ``cfg``, and the job-wide values it needs."""
+    return GeneratorSetup(
+        model=cfg.model,
+        generation=cfg.generation,
+        weight_sync=cfg.weight_sync,
+        seed=cfg.seed,
+        runtime=cfg.runtime,
     )
 
 
@@ -110,9 +121,12 @@ def start_executors(
         trainer = runtime.start(
             "trainer", partial(start_trainer, setup, ends.trainer), TrainerEndpoints
         )
+    gen_setup = generator_setup(cfg)
     generators = [
         runtime.start(
-            f"generator{i}", partial(start_generator, cfg, ends.generator(i + 1), i), Generator
+            f"generator{i}",
+            partial(start_generator, gen_setup, ends.generator(i + 1), i),
+            Generator,
         )
         for i in range(cfg.generation.num_generators)
     ]
@@ -166,7 +180,7 @@ def job_leases(cfg: JobConfig, trainer: Any, generators: list[Any]):
     if cfg.generation.colocate:
         from loomrl.device.colocate import ColocatedPhases
 
-        return ColocatedPhases(trainer, generators)
+        return ColocatedPhases(trainer, generators, replaced=was_replaced)
     if cfg.scheduler.url is None:
         return None
     from loomrl.scheduler.jobside import JobLeases

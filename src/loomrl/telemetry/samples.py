@@ -96,7 +96,7 @@ class MismatchWatch:
                 "step %d: the trainer's and the generators' log-probs of the same tokens at the same "
                 "policy version differ by %.3g nats on average (max %.3g, KL %.3g; warning above %.3g): "
                 "the engine does not compute the trainer's policy. Look for a precision or kernel "
-                "difference (weight_sync.publish_dtype, generation.quantize, model.dtype, the engine), "
+                "difference (weight_sync.publish_dtype, generation.engine.quantize, model.dtype, the engine), "
                 "or weights that did not arrive (said at most every %d steps; "
                 "logging.logprob_mismatch_warning sets the threshold)",
                 step,

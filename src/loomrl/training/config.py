@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from loomrl.config_base import Section
 
@@ -77,10 +77,12 @@ class TrainerConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_size: int = Field(64, gt=0, description="Rollouts per forward/backward.")
-    shared_prefix: bool = Field(
-        True,
+    shared_prefix: bool | Literal["auto"] = Field(
+        "auto",
         description="Run each distinct prompt of a micro-batch once and its completions on its "
-        "key/value cache (same loss up to float order, far less work with groups of short completions).",
+        "key/value cache (same loss up to float order, far less work with groups of short completions). "
+        "'auto': on, except under parallel.type='fsdp2' (one forward per micro-batch on every rank), "
+        "where true is an error.",
     )
     fused_optimizer: bool = Field(
         True,
@@ -92,9 +94,9 @@ class TrainerConfig(Section):
         "auto",
         description="The training forward from TorchScript traces, one per batch shape: the "
         "same loss and gradients bit for bit, and no GIL held while it runs. 'auto': on for "
-        "runtime='local' (see generation.trace). Eager for PEFT models, gradient checkpointing, "
+        "runtime='local' (see generation.engine.trace). Eager for PEFT models, gradient checkpointing, "
         "chunked log-probs (trainer.chunked_logprobs), precisions other than fp32, "
-        "or after a trace fails.",
+        "or after a trace fails. Off under parallel.type='fsdp2', where true is an error.",
     )
     num_steps: int = Field(100, gt=0, description="Optimizer steps in the job.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -120,7 +122,9 @@ class TrainerConfig(Section):
         description="Log-probs and entropy from the final hidden states a chunk of tokens at a "
         "time (logits in fp32 per chunk, recomputed in backward), never the [tokens, vocabulary] "
         "log-softmax of a whole micro-batch. 'auto': on, except fp32 training on the CPU, which keeps "
-        "the full computation (its sums round in another order, and the golden record is bit-exact).",
+        "the full computation (its sums round in another order, and the golden record is bit-exact), "
+        "and under parallel.type='fsdp2' (the output projection is a shard outside the root's "
+        "forward), where true is an error.",
     )
     logprob_chunk_tokens: int = Field(
         512,
@@ -151,3 +155,28 @@ class TrainerConfig(Section):
     @classmethod
     def _parallel_tagged(cls, table: Any) -> Any:
         return _tagged_parallel(table)
+
+    @model_validator(mode="after")
+    def _sharded_takes_its_own_path(self) -> TrainerConfig:
+        # a sharded step runs one forward and one backward per micro-batch on every rank
+        # (collectives in lockstep): these would be silently off there
+        if self.parallel.type != "fsdp2":
+            return self
+        asked = [k for k in _SINGLE_ONLY if k in self.model_fields_set and getattr(self, k) is True]
+        if asked:
+            raise ValueError(
+                "trainer.parallel.type='fsdp2' runs without "
+                + ", ".join(f"trainer.{k}" for k in asked)
+                + f" ({'; '.join(_SINGLE_ONLY[k] for k in asked)}): set "
+                + ", ".join(f"{k}='auto'" for k in asked)
+                + " (off there), or parallel.type='single'"
+            )
+        return self
+
+
+# What the fsdp2 trainer cannot run, and why (loomrl.training.fsdp.ShardedTrainer).
+_SINGLE_ONLY = {
+    "shared_prefix": "a shared-prompt forward is a second forward per micro-batch",
+    "trace": "no traces of a sharded model are built",
+    "chunked_logprobs": "the output projection is still a shard outside the root's forward",
+}

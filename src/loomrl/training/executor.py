@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loomrl.config import AlgorithmConfig, ModelConfig
+from loomrl.config_common import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
 from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
@@ -41,7 +41,9 @@ class TrainerSetup:
     temperature: float  # generation.temperature: the behaviour policy's log-probs are at it
     trace: bool  # trainer.trace resolved for the runtime
     runtime: str  # 'local', 'process' or 'ray'
-    quantize: str = "none"  # generation.quantize: what weight_sync.publish_quantized publishes
+    quantize: str = (
+        "none"  # generation.engine.quantize: what weight_sync.publish_quantized publishes
+    )
 
 
 class TrainerExecutor(TrainerEndpoints):

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from loomrl.config import TrainerConfig
+from loomrl.training.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,13 @@ from itertools import chain
 import torch
 
 from loomrl.algorithms import group_advantages, kl_penalty, policy_loss_with_stats
-from loomrl.config import AlgorithmConfig, TrainerConfig
+from loomrl.config_common import AlgorithmConfig
 from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
 from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
+from loomrl.training.config import TrainerConfig
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
@@ -351,8 +352,10 @@ class Trainer:
     ) -> TokenBatch | PrefixBatch:
         """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
         if self._prefix_ok is None:  # decided once, from the model's own cache
-            self._prefix_ok = self.cfg.shared_prefix and probe_can_repeat(self.model)
-            if self.cfg.shared_prefix and not self._prefix_ok:
+            # 'auto' is on here (the sharded trainer decides it off before any batch)
+            wanted = self.cfg.shared_prefix is not False
+            self._prefix_ok = wanted and probe_can_repeat(self.model)
+            if wanted and not self._prefix_ok:
                 logger.info(
                     "trainer.shared_prefix: this model's KV cache cannot be shared (sliding-window, "
                     "linear-attention or custom layers); every row runs its own prompt"

@@ -154,7 +154,7 @@ class WeightSyncConfig(Section):
     )
     publish_quantized: bool = Field(
         False,
-        description="With generation.quantize 'int8' or 'fp8' (hf engine): the trainer publishes "
+        description="With generation.engine.quantize 'int8' or 'fp8' (hf engine): the trainer publishes "
         "the weights the generators quantize as codes plus per-channel fp32 scales, computed from "
         "its fp32 masters (about half the bytes of bf16; deltas stay lossless, on the codes); "
         "false: it publishes publish_dtype and each generator quantizes from that (docs/weights.md).",

@@ -1,6 +1,6 @@
 """Publishing quantized weights (``weight_sync.publish_quantized``).
 
-The trainer quantizes the weights the generators quantize (``generation.quantize``: every
+The trainer quantizes the weights the generators quantize (``generation.engine.quantize``: every
 Linear but the output head and embedding-tied ones, selected by parameter name from the
 trainer's model with ``loomrl.models.quantize.quantized_linear_paths``) from its fp32
 master weights, with the generators' own per-channel functions, and publishes for each one:
@@ -50,7 +50,7 @@ class QuantizedPublish:
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, kind: str) -> QuantizedPublish:
-        """The weights ``generation.quantize = kind`` quantizes in a generator of ``model``."""
+        """The weights ``generation.engine.quantize = kind`` quantizes in a generator of ``model``."""
         from loomrl.models.quantize import quantized_linear_paths
 
         if kind not in ("int8", "fp8"):

@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from loomrl.telemetry import trace
-from loomrl.types import WeightsApplied
 from loomrl.weights.publisher import Subscriber
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[NamedTensors], None]  # an engine's load_weights
+
+
+@dataclass
+class WeightsApplied:
+    """What a generator's ``apply_weights`` did: the version it holds after it, and the
+    seconds it paused for (0.0 when nothing was applied)."""
+
+    version: int
+    apply_s: float = 0.0
+    num_updates: int = 0
+    weight_metrics: dict[str, float] = field(default_factory=dict)  # the subscriber's weight_sync/*
 
 
 class WeightReceiver:
