@@ -40,9 +40,9 @@ from loomrl.control.step_record import BatchFacts, Counters, RunClock, StepRecor
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.data import PromptStream
 from loomrl.envs.scorer import Scorer
-from loomrl.runtime.base import release_later
 from loomrl.runtime.replicas import Replicas
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
+from loomrl.runtime.threads import release_later
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import PublishAfterStepError
 

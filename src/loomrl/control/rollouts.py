@@ -20,7 +20,7 @@ from typing import Any
 from loomrl.config import JobConfig
 from loomrl.control.prompts import PromptCache
 from loomrl.envs.scorer import group_payload
-from loomrl.runtime.base import release_later
+from loomrl.runtime.threads import release_later
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 
 # (read per result with map, at C speed: a request has up to a few hundred results)

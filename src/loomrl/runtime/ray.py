@@ -34,16 +34,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 import ray.exceptions
 
-from loomrl.runtime.base import (
-    BusyClock,
-    CallTracker,
-    ExecutorDiedError,
-    ExecutorHandle,
-    RemoteError,
-    Runtime,
-)
+from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, RemoteError, Runtime
 from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.endpoints import check_implements
+from loomrl.runtime.threads import BusyClock, CallTracker
 from loomrl.telemetry import trace
 
 if TYPE_CHECKING:
