@@ -332,3 +332,38 @@ def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
     assert [m for m, deps in import_graph().items() if "loomrl.runtime.ray_actor" in deps] == [
         "loomrl.runtime.ray"
     ]
+
+
+# Capabilities declared on loomrl's own classes (``Sender.carries_tensors``,
+# ``ExecutorHandle.restartable``, ``Policy.on_grant``, ...): read plainly, never probed
+# with getattr/hasattr, which would hide a misspelling behind the default.
+DECLARED_CAPABILITIES = frozenset(
+    {"carries_tensors", "restartable", "on_grant", "last_snapshot", "peak_requests", "_swap"}
+)
+
+
+def capability_probes(source: str) -> list[str]:
+    """``getattr(x, "name", ...)`` or ``hasattr(x, "name")`` calls on a declared capability."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in DECLARED_CAPABILITIES
+        ):
+            found.append(f"{node.func.id}(..., {node.args[1].value!r}) at line {node.lineno}")
+    return found
+
+
+def test_declared_capabilities_are_read_plainly():
+    assert capability_probes('if getattr(sender, "carries_tensors", False): pass') != []
+    assert capability_probes("if sender.carries_tensors: pass") == []
+    probes = {
+        rel: found
+        for rel, path in _source_files()
+        if (found := capability_probes(path.read_text()))
+    }
+    assert probes == {}

@@ -119,7 +119,7 @@ class Controller:
             cfg, eval_rows, self.rollouts, self.generators[0], self.scorer, self.env_factory
         )
         for generator in self.generators:
-            if getattr(generator, "restartable", False):
+            if generator.restartable:
                 generator.on_restart = self._refresh_restarted_generator
 
     def _build_reporting(self, version: int, history: dict | None, extra_metrics) -> None:

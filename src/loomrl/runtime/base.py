@@ -73,6 +73,9 @@ class ExecutorHandle(ABC):
     calls: CallTracker  # what is running there now (the controller's stall watchdog reads it)
     interface: type | None = None
     factory: Callable[[], Any] | None = None  # what built the executor (a restart builds it again)
+    # Whether a lost executor is started again in its place: a bare handle is not, a
+    # supervised slot (``loomrl.runtime.supervision.Supervised``) with a runtime is
+    restartable: bool = False
 
     def _bind_interface(self, interface: type | None) -> None:
         """Give this handle the interface's endpoints as ``Endpoint`` attributes."""
