@@ -12,7 +12,7 @@ import time
 import pytest
 
 from loomrl.job import Job
-from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, Runtime
 from loomrl.runtime.supervision import (
     Deadlines,
     ExecutorLostError,
@@ -21,6 +21,7 @@ from loomrl.runtime.supervision import (
     Supervised,
     TrainerLostError,
 )
+from loomrl.runtime.threads import CallTracker
 from loomrl.telemetry.metrics import read_metrics
 
 pytestmark = pytest.mark.timeout(240)

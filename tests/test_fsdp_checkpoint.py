@@ -12,6 +12,7 @@ import shutil
 import signal
 
 import pytest
+from step_checks import assert_same_step
 from test_fsdp import SYNC, TINY, _configs, _uneven_groups
 
 from loomrl.job import Job, resume_job
@@ -109,8 +110,7 @@ def test_a_sharded_checkpoint_resumes_bit_identically_on_two_ranks_and_on_one_tr
     single.load_state_dict(state["trainer"])
     assert single.version == 1
     step = single.train_step(_uneven_groups())
-    for key in STEP_KEYS:
-        assert step[key] == pytest.approx(got["uninterrupted"][key], rel=1e-5), key
+    assert_same_step(step, got["uninterrupted"], STEP_KEYS)
 
     # a corrupted shard is refused, by name, before anything loads
     shard = path / "trainer" / "__1_0.distcp"
@@ -171,7 +171,7 @@ def test_a_two_rank_job_resumes_exactly_on_two_ranks_and_closely_on_one(tiny_job
             if name == "two":  # the same rank count: bit-identical, not approximately equal
                 assert got[key] == want[key], (name, key)
             else:  # another reduction order: fp32 rounding (the equivalence test's bounds)
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, key)
+                assert_same_step(got, want, (key,))
     assert not multiprocessing.active_children()
 
 

@@ -382,6 +382,9 @@ def test_the_controller_file_stays_short():
 
 
 def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
+    # The ray runtime is two modules: the runtime (ray.py) and the actor with its handle
+    # (ray_actor.py), which only the runtime imports.
+    ray_runtime = {"loomrl.runtime.ray", "loomrl.runtime.ray_actor"}
     mods = _modules()
     importers, eager = [], []
     for name, (path, _) in mods.items():
@@ -399,7 +402,49 @@ def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 importers.append(name)
         for node in tree.body:  # module-level statements: imported whenever the module is
-            if isinstance(node, ast.ImportFrom) and node.module == "loomrl.runtime.ray":
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module in ray_runtime
+                and name not in ray_runtime
+            ):
                 eager.append(name)
-    assert sorted(set(importers)) == ["loomrl.runtime.ray"]
+    assert sorted(set(importers)) == sorted(ray_runtime)
     assert eager == [] and "loomrl.runtime.ray" in import_graph()["loomrl.session.assembly"]
+    assert [m for m, deps in import_graph().items() if "loomrl.runtime.ray_actor" in deps] == [
+        "loomrl.runtime.ray"
+    ]
+
+
+# Capabilities declared on loomrl's own classes (``Sender.carries_tensors``,
+# ``ExecutorHandle.restartable``, ``Policy.on_grant``, ...): read plainly, never probed
+# with getattr/hasattr, which would hide a misspelling behind the default.
+DECLARED_CAPABILITIES = frozenset(
+    {"carries_tensors", "restartable", "on_grant", "last_snapshot", "peak_requests", "_swap"}
+)
+
+
+def capability_probes(source: str) -> list[str]:
+    """``getattr(x, "name", ...)`` or ``hasattr(x, "name")`` calls on a declared capability."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in DECLARED_CAPABILITIES
+        ):
+            found.append(f"{node.func.id}(..., {node.args[1].value!r}) at line {node.lineno}")
+    return found
+
+
+def test_declared_capabilities_are_read_plainly():
+    assert capability_probes('if getattr(sender, "carries_tensors", False): pass') != []
+    assert capability_probes("if sender.carries_tensors: pass") == []
+    probes = {
+        rel: found
+        for rel, path in _source_files()
+        if (found := capability_probes(path.read_text()))
+    }
+    assert probes == {}

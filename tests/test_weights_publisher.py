@@ -75,6 +75,20 @@ def test_full_codec_and_fp32_publishing_are_exact():
         assert all(torch.equal(mirror[k], state[k]) for k in state)
 
 
+def test_the_last_snapshot_is_the_next_deltas_base_and_the_tensor_lane_keeps_none():
+    """What an offloading trainer moves off with the model (``TrainerExecutor.offload``)."""
+    pub = Publisher(make_transport("inproc").sender(), codec="delta", publish_dtype="float32")
+    assert not pub.sender.carries_tensors and pub.last_snapshot is None
+    states = list(master_states(2))
+    for v, state in enumerate(states):
+        pub.publish(state, v)
+        assert all(torch.equal(pub.last_snapshot[k], state[k]) for k in state)
+    lane = Publisher(make_transport("tensor", mode="local").sender(), publish_dtype="float32")
+    assert lane.sender.carries_tensors
+    lane.publish(states[0], 0)
+    assert lane.last_snapshot is None
+
+
 def test_a_generator_that_polls_rarely_catches_up_exactly():
     t = make_transport("inproc")
     pub = Publisher(t.sender(), codec="delta", full_every=4)

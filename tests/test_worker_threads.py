@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from loomrl.runtime.base import WorkerThreads, on_thread
+from loomrl.runtime.threads import WorkerThreads, on_thread
 
 
 def test_calls_run_on_one_thread_in_order_and_deliver_results_and_errors():

@@ -39,9 +39,9 @@ from loomrl.control.rollouts import Rollouts, Versions
 from loomrl.control.step_record import BatchFacts, Counters, RunClock, StepRecord
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.data import PromptStream
-from loomrl.runtime.base import release_later
 from loomrl.runtime.replicas import Replicas
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
+from loomrl.runtime.threads import release_later
 from loomrl.scoring.client import Scorer
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.base import PublishAfterStepError
@@ -119,7 +119,7 @@ class Controller:
             cfg, eval_rows, self.rollouts, self.generators[0], self.scorer, self.env_factory
         )
         for generator in self.generators:
-            if getattr(generator, "restartable", False):
+            if generator.restartable:
                 generator.on_restart = self._refresh_restarted_generator
 
     def _build_reporting(self, version: int, history: dict | None, extra_metrics) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.prompts import PromptCache
-from loomrl.runtime.base import release_later
+from loomrl.runtime.threads import release_later
 from loomrl.scoring.base import group_payload
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 

@@ -64,6 +64,9 @@ class HFGenerator(Generator):
     (``loomrl.weights.quantized``): the mirror holds those, and the layers load them as they are.
     """
 
+    # loomrl.device.offload.Swappable, made at the first offload
+    _swap = None
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -204,7 +207,7 @@ class HFGenerator(Generator):
 
     def offload(self) -> float:
         """Move the model and the weight mirror off the device; returns the seconds."""
-        if getattr(self, "_swap", None) is None:
+        if self._swap is None:
             from loomrl.device.offload import Swappable
 
             self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
@@ -216,7 +219,7 @@ class HFGenerator(Generator):
 
     def restore(self) -> float:
         """Bring back what ``offload`` moved, bit for bit; returns the seconds it took."""
-        return self._swap.restore() if getattr(self, "_swap", None) is not None else 0.0
+        return self._swap.restore() if self._swap is not None else 0.0
 
     def close(self) -> None:
         """Stop the receiver's background work (prefetch thread), if any."""

@@ -203,5 +203,5 @@ class AsyncVllmGenerator(VllmGenerator):
     def metrics(self) -> dict[str, float]:
         """``VllmGenerator.metrics`` and ``generation/vllm_peak_requests``: the most requests
         vLLM held at once (counted as each one ended: a lower bound)."""
-        peak = getattr(self.llm, "peak_requests", 0)
+        peak = self.llm.peak_requests if self.llm is not None else 0
         return {**super().metrics(), "generation/vllm_peak_requests": float(peak)}

@@ -36,7 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from loomrl.runtime.base import CallTracker, ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.threads import CallTracker
 
 logger = logging.getLogger(__name__)
 

@@ -15,15 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loomrl.runtime.base import (
-    BusyClock,
-    CallTracker,
-    ExecutorHandle,
-    Runtime,
-    WorkerThreads,
-    on_thread,
-)
+from loomrl.runtime.base import ExecutorHandle, Runtime
 from loomrl.runtime.endpoints import MissingEndpointError, check_implements
+from loomrl.runtime.threads import BusyClock, CallTracker, WorkerThreads, on_thread
 
 CONCURRENT_WORKERS = 16  # threads for the endpoints an executor declares concurrent
 

@@ -33,17 +33,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from loomrl.runtime.base import (
-    BusyClock,
-    CallTracker,
     ExecutorDiedError,
     ExecutorHandle,
     RemoteError,
     Runtime,
-    WorkerThreads,
-    on_thread,
     then,
 )
 from loomrl.runtime.endpoints import check_implements
+from loomrl.runtime.threads import BusyClock, CallTracker, WorkerThreads, on_thread
 from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)

@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 FORKSERVER_PATH = str(Path(__file__).with_name("forkserver.py"))
 CLEANUP_PATH = str(Path(__file__).with_name("forkserver_cleanup.py"))
 IO_PATH = str(Path(__file__).with_name("forkserver_io.py"))
+CHILD_PATH = str(Path(__file__).with_name("forkserver_child.py"))
 SANDBOX_SERVER_PATH = "/opt/loomrl/forkserver.py"
 SANDBOX_CLEANUP_PATH = "/opt/loomrl/forkserver_cleanup.py"
 SANDBOX_IO_PATH = "/opt/loomrl/forkserver_io.py"
+SANDBOX_CHILD_PATH = "/opt/loomrl/forkserver_child.py"
 CHILD_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -139,6 +141,7 @@ def bwrap_launch(
     args += ["--dir", "/opt/loomrl"]
     args += ["--ro-bind", FORKSERVER_PATH, SANDBOX_SERVER_PATH]
     args += ["--ro-bind", CLEANUP_PATH, SANDBOX_CLEANUP_PATH, "--ro-bind", IO_PATH, SANDBOX_IO_PATH]
+    args += ["--ro-bind", CHILD_PATH, SANDBOX_CHILD_PATH]
     args += ["--hostname", "sandbox"]
     args += ["--clearenv", "--chdir", "/tmp", "--cap-drop", "ALL"]
     for cap in SERVER_CAPS:

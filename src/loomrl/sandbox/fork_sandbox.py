@@ -48,6 +48,9 @@ def _read_frame_until(fd: int, deadline: float) -> dict:
 class ForkServerSandbox(Sandbox):
     """One sandbox: a fork server in ``bwrap`` or a plain process, under a dedicated uid."""
 
+    # the server's stderr, for the message when it fails (None until the server starts)
+    _stderr_file = None
+
     def __init__(
         self,
         backend: str = "auto",
@@ -263,7 +266,7 @@ class ForkServerSandbox(Sandbox):
             if not forkserver_cleanup.remove_tree(self._host_work_dir, time.monotonic() + 60):
                 logger.error("could not remove sandbox work dir %s", self._host_work_dir)
             self._host_work_dir = None
-        if hasattr(self, "_stderr_file"):
+        if self._stderr_file is not None:
             self._stderr_file.close()
 
 

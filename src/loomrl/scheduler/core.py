@@ -338,8 +338,7 @@ class Scheduler(SchedulerBooks):
         job.num_grants += 1
         self.save(job)
         self.save(lease)
-        if hasattr(self.policy, "on_grant"):
-            self.policy.on_grant(job)
+        self.policy.on_grant(job)
         self.event(
             now,
             "grant",

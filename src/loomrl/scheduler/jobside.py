@@ -130,9 +130,7 @@ class JobLeases:
         if not (self.cfg.pin and cores):
             yield
             return
-        pids = sorted(
-            {h.pid for h in self.handles if getattr(h, "pid", None) not in (None, os.getpid())}
-        )
+        pids = sorted({h.pid for h in self.handles if h.pid not in (None, os.getpid())})
         with pinned(cores, whole_process=True), _pinned_pids(cores, pids):
             yield
 

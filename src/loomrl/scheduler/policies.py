@@ -23,6 +23,9 @@ class Policy(Protocol):
         self, device: str, waiters: list[Request], sched: Scheduler, now: float
     ) -> Request | None: ...
 
+    def on_grant(self, job: Job) -> None:
+        """``job`` was just granted a lease (a round-robin policy moves past it)."""
+
     def on_charge(self, job: Job, seconds: float) -> None: ...
 
 
@@ -35,6 +38,9 @@ class Fifo:
         self, device: str, waiters: list[Request], sched: Scheduler, now: float
     ) -> Request | None:
         return min(waiters, key=lambda r: (r.requested_at, r.id)) if waiters else None
+
+    def on_grant(self, job: Job) -> None:
+        pass
 
     def on_charge(self, job: Job, seconds: float) -> None:
         pass
@@ -65,6 +71,9 @@ class PriorityBackfill:
             if fits and sched.devices_free(request, exclude=device):
                 return request
         return head  # nothing fits before it: the device waits for the head
+
+    def on_grant(self, job: Job) -> None:
+        pass
 
     def on_charge(self, job: Job, seconds: float) -> None:
         pass

@@ -135,7 +135,7 @@ class TrainerExecutor(TrainerEndpoints):
             with self._swap.lend([self.trainer.model]):
                 state = synced_params(self.trainer.model)
                 read_bytes = sum(t.nbytes for t in state.values())
-                if getattr(self.publisher.sender, "carries_tensors", False):
+                if self.publisher.sender.carries_tensors:
                     state = {k: t.to(self.trainer.device) for k, t in state.items()}
                 metrics = self.publisher.publish(state, self.trainer.version, full=full)
                 del state
@@ -182,8 +182,8 @@ class TrainerExecutor(TrainerEndpoints):
         """The publisher's last snapshot (replaced at every publish) leaves the process with
         the rest on a CPU, where host memory is the device's. On CUDA it is host memory
         already: copying it into shared memory at every offload would free nothing."""
-        last = self.publisher._last
-        if not isinstance(last, dict) or self.trainer.device.type != "cpu":
+        last = self.publisher.last_snapshot
+        if last is None or self.trainer.device.type != "cpu":
             return 0.0
         if self._snapshot_swap is None or self._snapshot_swap.tensor_dicts[0] is not last:
             from loomrl.device.offload import Swappable

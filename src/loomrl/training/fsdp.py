@@ -324,7 +324,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
             for _ in params.values():  # join each gather rank 0's publisher makes
                 pass
             return {}
-        if getattr(self.publisher.sender, "carries_tensors", False):
+        if self.publisher.sender.carries_tensors:
             # the tensor lane reads the state more than once (sizes, then the pack): gather
             # it first, in the published dtype, as the lane's buffer will hold it
             dtype = self.publisher.dtype

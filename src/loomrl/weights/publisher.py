@@ -83,6 +83,12 @@ class Publisher:
         self.num_send_failures = 0
         self.num_fulls = 0
 
+    @property
+    def last_snapshot(self) -> dict[str, torch.Tensor] | None:
+        """The state last published on a byte lane, kept as the next delta's base (None
+        before the first publish, and on the tensor lane, which keeps none)."""
+        return self._last
+
     def _cast(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.quantized is not None:
             return self.quantized.cast(state, self.dtype)
@@ -117,7 +123,7 @@ class Publisher:
     ) -> dict[str, float]:
         """Cast, encode and send ``state`` as ``version`` (``full``: as a full snapshot,
         whatever the codec); returns ``weight_sync/*`` metrics."""
-        if getattr(self.sender, "carries_tensors", False):
+        if self.sender.carries_tensors:
             if self.quantized is not None:
                 raise ValueError(
                     "publishing quantized weights needs a byte lane (inproc, shm, files, "

@@ -105,6 +105,9 @@ class Sender(ABC):
     """Trainer side: makes each update available to every receiver."""
 
     stats: TransferStats
+    # True where the publisher hands this sender device tensors to ``pack`` instead of an
+    # encoded ``WeightUpdate`` (the tensor lane, ``transports/tensor.py``)
+    carries_tensors: bool = False
 
     def send(self, update: WeightUpdate) -> None:
         """Make ``update`` available to every receiver; raises ``TransportError`` on failure
