@@ -39,14 +39,27 @@ def default_token_file(port: int) -> Path:
 
 
 def _private_folder(folder: Path) -> None:
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Make ``folder`` (0700) or check that the one there is this user's alone to write.
+    The mode of a folder loomrl did not create is never changed: a shared one (``/tmp``,
+    ``/dev/shm``: sticky and world-writable) is refused, not made private."""
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
     info = folder.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(f"token folder {folder} is not a folder")
     if info.st_uid != os.getuid():
         raise PermissionError(
             f"token folder {folder} belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
         )
-    if info.st_mode & 0o022:  # others could swap the file: make it ours alone
-        os.chmod(folder, 0o700)
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            f"token folder {folder} is writable by others (mode {stat.S_IMODE(info.st_mode):o}): "
+            f"another user could replace or remove the daemon's token there; give --token-file "
+            f"(or {TOKEN_FILE_ENV}) a path in a folder of your own, e.g. "
+            f"~/.cache/loomrl/scheduler/, which loomrl creates with mode 700"
+        )
 
 
 def write_token_file(path: Path) -> str:

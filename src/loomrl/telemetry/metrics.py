@@ -1,5 +1,9 @@
 """Metrics sinks: one JSON line per record in ``metrics.jsonl``, and TensorBoard scalars;
-completion samples in ``samples.jsonl`` (and TensorBoard text)."""
+completion samples in ``samples.jsonl`` (and TensorBoard text).
+
+``metrics.jsonl`` and ``samples.jsonl`` are the record; TensorBoard and W&B are views of it,
+fed without blocking (``loomrl.telemetry.views``): a view that hangs or fails never stops
+the job, and every wait on the writer thread is bounded."""
 
 from __future__ import annotations
 
@@ -12,9 +16,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from loomrl.telemetry.views import Views
+
 logger = logging.getLogger(__name__)
 _INVALID_TAG = re.compile(r"[^-/\w\.]")  # what TensorBoard's own writers replace in a tag
 WRITE_EVERY_S = 0.2  # how often the writer looks for records (flush and close wake it at once)
+FLUSH_TIMEOUT_S = 120.0  # how long flush waits for metrics.jsonl (a hung filesystem)
+CLOSE_TIMEOUT_S = 30.0  # how long close waits for the writer thread
 
 
 class MetricsLogger:
@@ -44,6 +52,11 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
             except ImportError:  # optional sink
                 logger.info("tensorboardX not installed; TensorBoard logs disabled")
+            except OSError as err:  # a full disk: a view is optional
+                logger.warning(
+                    "TensorBoard logs disabled: cannot write %s (%s)", run_dir / "tb", err
+                )
+        self._views = Views(self._tb, self._sinks, _write_tb_scalars, _write_tb_text)
 
         # Records are written on a thread of their own: JSON for metrics.jsonl, and one
         # TensorBoard event per step (one per scalar cost ~50 us each). On the controller's
@@ -74,13 +87,15 @@ class MetricsLogger:
         self._raise_write_error()
         self._queue.put((_Samples(samples), step))
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         """Wait until every record logged so far is in ``metrics.jsonl`` (before a
-        checkpoint: resume keeps the record up to the checkpoint's step)."""
+        checkpoint: resume keeps the record up to the checkpoint's step); at most
+        ``timeout_s`` (TimeoutError). The views are not waited for."""
         written = threading.Event()
         self._queue.put(written)
         self._kick.set()
-        written.wait()
+        if not written.wait(timeout_s):
+            raise TimeoutError(f"{self.path} was not written within {timeout_s:.0f} s")
         self._raise_write_error()
 
     def _raise_write_error(self) -> None:
@@ -103,7 +118,6 @@ class MetricsLogger:
                 pass
 
     def _write(self) -> None:
-        tb_failed = False
         for item in self._items():
             if isinstance(item, threading.Event):
                 item.set()
@@ -124,31 +138,9 @@ class MetricsLogger:
                 self._file.write(line + "\n")
             except Exception as err:  # noqa: BLE001 - raised on the caller's next log or flush
                 self._error = self._error or err
-            if self._tb is None and not self._sinks:
-                continue
-            scalars = [
-                (k, v)
-                for k, v in record.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            ]
-            for sink in self._sinks:
-                sink.log(dict(scalars), step)
-            if self._tb is None:
-                continue
-            try:
-                self._write_step(scalars, step)
-            except Exception as err:  # noqa: BLE001 - keep draining; metrics.jsonl has every record
-                if not tb_failed:
-                    logger.warning(
-                        "TensorBoard write failed at step %d (%s); metrics.jsonl is complete",
-                        step,
-                        err,
-                    )
-                tb_failed = True
+            self._views.offer("scalars", _finite_scalars(record), step)
 
     def _write_samples(self, samples: list[dict[str, Any]], step: int) -> None:
-        for sink in self._sinks:
-            sink.log_samples(samples, step)
         lines = "".join(json.dumps({"step": step, **s}, default=str) + "\n" for s in samples)
         try:
             if self._samples_file is None:
@@ -156,41 +148,53 @@ class MetricsLogger:
             self._samples_file.write(lines)
         except Exception as err:  # noqa: BLE001 - raised on the caller's next log or flush
             self._error = self._error or err
-        if self._tb is not None and hasattr(self._tb, "add_text"):
-            try:  # markdown: a prompt and its completion per sample, as code blocks
-                self._tb.add_text("samples", "\n\n".join(_as_markdown(s) for s in samples), step)
-            except Exception as err:  # noqa: BLE001 - samples.jsonl has them
-                logger.warning(
-                    "TensorBoard text write failed at step %d (%s); samples.jsonl has the samples",
-                    step,
-                    err,
-                )
+        self._views.offer("samples", samples, step)
 
-    def _write_step(self, scalars: list[tuple[str, float]], step: int) -> None:
-        """A step's scalars as one event of many values (TensorBoard reads it as the same
-        scalar series as one event per scalar; one event costs about what one scalar did)."""
-        from tensorboardX.proto.summary_pb2 import Summary
-
-        summary = Summary(
-            value=[
-                Summary.Value(tag=_INVALID_TAG.sub("_", key), simple_value=float(value))
-                for key, value in scalars
-            ]
-        )
-        self._tb._get_file_writer().add_summary(summary, step)
-
-    def close(self) -> None:
-        """Write what is queued, then close the sinks."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued, then close the sinks; waits at most ``timeout_s`` for the
+        writer and a bounded time for the views (a hung one is left behind, warned)."""
         self._queue.put(None)
         self._kick.set()
-        self._thread.join()
-        self._file.close()
-        if self._samples_file is not None:
-            self._samples_file.close()
-        if self._tb is not None:
-            self._tb.close()
-        for sink in self._sinks:
-            sink.close()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error(
+                "the metrics writer did not finish within %.0f s; %s may miss its last records",
+                timeout_s,
+                self.path,
+            )
+        else:
+            self._file.close()
+            if self._samples_file is not None:
+                self._samples_file.close()
+        self._views.close()
+
+
+def _finite_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's finite numbers: what a view plots."""
+    return {
+        k: v
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def _write_tb_scalars(tb, scalars: dict[str, float], step: int) -> None:
+    """A step's scalars as one event of many values (TensorBoard reads it as the same
+    scalar series as one event per scalar; one event costs about what one scalar did)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    summary = Summary(
+        value=[
+            Summary.Value(tag=_INVALID_TAG.sub("_", key), simple_value=float(value))
+            for key, value in scalars.items()
+        ]
+    )
+    tb._get_file_writer().add_summary(summary, step)
+
+
+def _write_tb_text(tb, samples: list[dict[str, Any]], step: int) -> None:
+    """A step's samples as one markdown text entry: a prompt and its completion per sample."""
+    tb.add_text("samples", "\n\n".join(_as_markdown(s) for s in samples), step)
 
 
 class _Samples:

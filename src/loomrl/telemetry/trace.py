@@ -191,9 +191,14 @@ def merge(folder: str | Path, out: str | Path) -> Path | None:
         return None
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0)))
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(
-        json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")),
-        encoding="utf-8",
-    )
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(
+            json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")),
+            encoding="utf-8",
+        )
+        os.replace(tmp, out)
+    except OSError:
+        # a full disk: no partial (often 0-byte) temporary file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return out

@@ -161,10 +161,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
     trainer = state.get("trainer") if isinstance(state, dict) else None
     if isinstance(trainer, dict) and trainer.get("format") == SHARDED_FORMAT:
-        if not manifest.get("files"):
+        if f"{SHARDS_DIR}/.metadata" not in manifest.get("files", {}):
             raise CheckpointError(
                 f"checkpoint {path}: its trainer state is sharded but {MANIFEST_FILE} lists no "
-                f"digests of {SHARDS_DIR}/; refusing to load shards it cannot verify"
+                f"digests of {SHARDS_DIR}/.metadata; refusing to load shards it cannot verify"
             )
         trainer["path"] = str(path / SHARDS_DIR)  # where this folder is now
     return state

@@ -10,6 +10,9 @@ Loading (``load_shards``) asks DCP for the state this trainer holds, and DCP rea
 rank's pieces from whichever files hold them: a checkpoint of N ranks loads on M ranks
 (resharding) and on the single trainer (no process group: DCP reads it whole).
 
+A checkpoint folder may be handed over by someone else: its ``.metadata`` and plain values
+are read without running code (``loomrl.training.dcp_reader``).
+
 Each file's sha256 is taken right after the write by the ranks (each hashes a share of the
 files, ``file_digests``) and recorded in the checkpoint's ``manifest.json``;
 ``loomrl.training.checkpoint.load_checkpoint`` verifies every one before anything loads
@@ -27,7 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loomrl.training.checkpoint import SHARDED_FORMAT, SHARDS_DIR, save_checkpoint, sha256_file
+from loomrl.training.checkpoint import (
+    SHARDED_FORMAT,
+    SHARDS_DIR,
+    CheckpointError,
+    save_checkpoint,
+    sha256_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +124,28 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder
     """Load this trainer's shards of the model and optimizer state from a DCP ``folder``
     written on any number of ranks (verified by the checkpoint's manifest beforehand)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from loomrl.training.dcp_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"sharded trainer state {folder} has no .metadata")
+    # the folder may come from someone else: its metadata and plain values are read without
+    # running code (loomrl.training.dcp_reader), its tensors with weights_only as DCP does;
+    # the metadata is checked first so that a refusal names the file, not DCP's fallbacks
+    read_dcp_metadata(folder / ".metadata")
     state = _state(model, optimizer)
-    with warnings.catch_warnings():  # (DCP warns that a single process loads: it is meant)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
+    reader, planner = SafeFileSystemReader(folder), SafeLoadPlanner()
+    try:
+        with warnings.catch_warnings():  # (DCP warns that a single process loads: it is meant)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _distributed())
+    except CheckpointException as err:
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
     set_state_dict(
         model,
         optimizer,

@@ -34,6 +34,7 @@ count, and on ``type = "single"``. The full (gathered) ``state_dict`` remains fo
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from loomrl.device import resolve_device
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import ExecutorGroup, start_group
+from loomrl.runtime.group_store import init_process_group
 from loomrl.training import precision as prec
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.checkpoint import SHARDED_FORMAT
@@ -257,8 +259,10 @@ class ShardedTrainerExecutor(TrainerExecutor):
         rank: int,
         world_size: int,
         rendezvous: str,
+        group_secret: str | None = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
+        self.group_secret = group_secret
         cfg = self._join_group(cfg, rendezvous)
         super().__init__(cfg, sender, owned_transport)
 
@@ -302,13 +306,10 @@ class ShardedTrainerExecutor(TrainerExecutor):
             backend = "nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=rendezvous,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=cfg.trainer.parallel.collective_timeout_s),
-        )
+        # a store of loomrl's own: on loopback where every rank is local, keys under the
+        # job's secret (loomrl.runtime.group_store, docs/security.md)
+        timeout = timedelta(seconds=cfg.trainer.parallel.collective_timeout_s)
+        init_process_group(backend, rendezvous, rank, world_size, self.group_secret, timeout)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world_size,))
@@ -358,7 +359,12 @@ class ShardedTrainerExecutor(TrainerExecutor):
 
 
 def start_sharded_trainer(
-    cfg: TrainerSetup, transport: TransportSpec | None, rank: int, world_size: int, rendezvous: str
+    cfg: TrainerSetup,
+    transport: TransportSpec | None,
+    group_secret: str,
+    rank: int,
+    world_size: int,
+    rendezvous: str,
 ) -> ShardedTrainerExecutor:
     """Rank ``rank`` of the sharded trainer; ``transport`` (rank 0's only) is the sending end
     of weight sync (module-level, so that a ``functools.partial`` of it pickles)."""
@@ -366,26 +372,42 @@ def start_sharded_trainer(
     if transport is not None:
         opened, is_owned = open_transport(transport)
         sender, owned = opened.sender(), (opened if is_owned else None)
-    return ShardedTrainerExecutor(cfg, sender, owned, rank, world_size, rendezvous)
+    return ShardedTrainerExecutor(
+        cfg, sender, owned, rank, world_size, rendezvous, group_secret=group_secret
+    )
 
 
 def sharded_trainer_rank(
-    cfg: TrainerSetup, transport: TransportSpec, rank: int, world_size: int, rendezvous: str
+    cfg: TrainerSetup,
+    transport: TransportSpec,
+    group_secret: str,
+    rank: int,
+    world_size: int,
+    rendezvous: str,
 ):
     """The ``rank_factory`` of ``start_group``: rank 0 gets the weight sender."""
     return partial(
-        start_sharded_trainer, cfg, transport if rank == 0 else None, rank, world_size, rendezvous
+        start_sharded_trainer,
+        cfg,
+        transport if rank == 0 else None,
+        group_secret,
+        rank,
+        world_size,
+        rendezvous,
     )
 
 
 def start_trainer_group(
     runtime: Runtime, cfg: TrainerSetup, transport: TransportSpec
 ) -> ExecutorGroup:
-    """``trainer.parallel.dp_shard`` ranks behind one trainer handle."""
+    """``trainer.parallel.dp_shard`` ranks behind one trainer handle. The ranks share a
+    fresh secret that hides their store's keys; it reaches them as the transport does (in
+    the pickled factory), never in the rendezvous URL or the run folder."""
+    group_secret = secrets.token_hex(32)
     return start_group(
         runtime,
         "trainer",
-        partial(sharded_trainer_rank, cfg, transport),
+        partial(sharded_trainer_rank, cfg, transport, group_secret),
         cfg.trainer.parallel.dp_shard,
         TrainerEndpoints,
     )

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
-import socket
 import threading
 import warnings
 from datetime import timedelta
@@ -35,6 +33,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from loomrl.runtime.group_store import store_prefix, tcp_store
 from loomrl.weights.transports.base import (
     BufferPool,
     Receiver,
@@ -60,42 +59,15 @@ def _as_uint8(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def _is_loopback(host: str | None) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
-
-
 def _tcp_store(host: str, port: int, t: TorchDistTransport, timeout: timedelta) -> dist.TCPStore:
-    """The rendezvous store at ``host:port``, hosted by rank 0. torch's own server binds the
-    wildcard address; when the group meets on a loopback address, rank 0 binds the socket
-    to it itself and hands it over, so the store is not reachable from other hosts."""
-    if t.rank != 0 or not _is_loopback(host):
-        return dist.TCPStore(host, port, t.world_size, t.rank == 0, timeout)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(max(128, t.world_size))
-    except OSError as err:
-        sock.close()
-        raise OSError(
-            f"torch_dist: cannot listen on {host}:{port} for the weight group's store: {err}"
-        ) from None
-    fd = sock.detach()  # the store owns the listening socket from here on
-    return dist.TCPStore(host, port, t.world_size, True, timeout, master_listen_fd=fd)
+    """The rendezvous store at ``host:port``, hosted by rank 0, on loopback alone where the
+    group meets there (``loomrl.runtime.group_store``)."""
+    return tcp_store(host, port, t.rank, t.world_size, timeout)
 
 
 def _store_prefix(secret: str | None) -> str:
-    """Keys under a name only the job's ranks can derive (not the secret itself: the store's
-    traffic is plain text on a cluster, and the secret also signs the announcements)."""
-    if secret is None:
-        return _PREFIX
-    return f"{_PREFIX}/{hashlib.sha256(f'prefix:{secret}'.encode()).hexdigest()[:32]}"
+    """Keys under a name only the job's ranks can derive (``group_store.store_prefix``)."""
+    return store_prefix(_PREFIX, secret)
 
 
 def _sign(secret: str | None, count: int, body: str) -> str:
