@@ -44,6 +44,7 @@ from loomrl.runtime.base import (
 )
 from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.endpoints import check_implements
+from loomrl.safe_text import SafeFormatter
 from loomrl.telemetry import trace
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class _ExecutorActor:
     ) -> None:
         root = logging.getLogger()
         handler = logging.StreamHandler()  # Ray forwards the actor's stderr to the driver
-        handler.setFormatter(logging.Formatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
+        handler.setFormatter(SafeFormatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
         root.handlers[:] = [handler]
         root.setLevel(log_level)
         trace.configure_from_env(name)
