@@ -55,3 +55,23 @@ def test_message_prompts_are_counted_whole_before_rendering(messages, what):
     rows = [{"prompt": messages}]
     with pytest.raises(DatasetError, match=rf"train.jsonl:1: .*{what}.*max_prompt_bytes"):
         check_prompts(rows, ["train.jsonl:1"], _never_encode, "prompt", 100, False, 1 << 20)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran at load time",))
+
+
+def test_a_pickled_weights_file_is_refused_naming_the_file_and_folder(tmp_path):
+    import torch
+
+    from loomrl.models.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("llama", hidden_size=32, num_layers=1, num_heads=2)
+    folder = tmp_path / "handed-model"
+    model.config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    state = dict(model.state_dict(), extra=_RunsCode())
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"handed-model: pytorch_model.bin holds more than"):
+        load_model_and_tokenizer(str(folder))

@@ -91,15 +91,34 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
                 "use a folder written by save_pretrained, or a 'tiny:llama' spec"
             )
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype or torch.float32
-        )
+        model = _from_pretrained(AutoModelForCausalLM, path, dtype or torch.float32)
     if dtype is not None and dtype != torch.float32:
         model = model.to(dtype)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval()
     return model, tok
+
+
+def _from_pretrained(auto_class, path: Path, dtype):
+    """``auto_class.from_pretrained`` of a local folder; a pickled weights file that
+    ``torch.load(weights_only=True)`` refuses (it would run code) is a ``ModelLoadError``
+    naming the file and the folder, not torch's traceback."""
+    import pickle
+
+    try:
+        return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except pickle.UnpicklingError as err:
+        reason = next(
+            (line.strip() for line in str(err).splitlines() if "WeightsUnpickler" in line),
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        files = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "a .bin file"
+        raise ModelLoadError(
+            f"model folder {path}: {files} holds more than tensors and plain data, refused "
+            f"unloaded (torch.load(weights_only=True): {reason}); loading it would run code: "
+            "use weights in .safetensors from a source you trust"
+        ) from None
 
 
 def load_tokenizer(spec: str):
