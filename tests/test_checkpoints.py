@@ -164,3 +164,28 @@ def test_a_run_stopped_while_saving_its_final_model_is_not_taken_as_finished(tin
     assert (
         not resumed.summary["interrupted"] and (result.run_dir / "final" / "config.json").is_file()
     )
+
+
+def test_torch_saves_short_write_reads_as_a_checkpoint_not_written(tmp_path, monkeypatch):
+    # A full disk under torch's zip writer is a RuntimeError, not an OSError.
+    from loomrl.training import checkpoint as ckpt
+
+    root = tmp_path / "run" / "checkpoints"
+    ckpt.save_checkpoint(root, 2, {"trainer": {"version": 2}}, keep=5)
+
+    def full_disk(obj, path):
+        Path(path).write_bytes(b"PK partial")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374\n"
+            "frame #0: c10::ThrowEnforceNotMet"
+        )
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint of step 4 could not be written .*torch.save.*unexpected pos 4480 vs 4374"
+        r".*a full disk\?.*newest checkpoint that verifies is step_000002: `loomrl resume .* --from 2`",
+    ) as err:
+        ckpt.save_checkpoint(root, 4, {"trainer": {"version": 4}}, keep=5)
+    assert "frame #0" not in str(err.value)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]

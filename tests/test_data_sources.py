@@ -110,3 +110,63 @@ def test_job_trains_from_a_datasets_object(tmp_path, monkeypatch, tiny_data):
     assert job.config.data.train.startswith(str(tmp_path / "cache"))
     result = job.run()
     assert result.summary["steps"] == 2
+
+
+@pytest.mark.parametrize("where", ["../secret.jsonl", "{outside}", "sub/../../secret.jsonl"])
+def test_a_readme_pointing_data_files_outside_the_folder_is_refused(tmp_path, where):
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text('{"prompt": "the secret"}\n')
+    folder = tmp_path / "handed"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "train.jsonl").write_text('{"prompt": "ok"}\n')
+    target = where.format(outside=secret)
+    (folder / "README.md").write_text(
+        f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        f"    path: {target}\n---\n# a dataset\n"
+    )
+    with pytest.raises(DatasetError, match=r"handed: its README.md .*outside the folder"):
+        load_rows(folder)
+
+
+def test_a_data_file_linked_from_outside_the_folder_is_refused(tmp_path):
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text('{"prompt": "the secret"}\n')
+    folder = tmp_path / "handed"
+    folder.mkdir()
+    (folder / "train.jsonl").symlink_to(secret)
+    with pytest.raises(DatasetError, match=r"train.jsonl.*outside the folder"):
+        load_rows(folder)
+
+
+def test_a_readme_with_data_files_inside_the_folder_still_reads(tmp_path):
+    folder = tmp_path / "ok"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "mine.jsonl").write_text('{"prompt": "ok"}\n')
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: data/*.jsonl\n---\n"
+    )
+    assert load_rows(folder) == [{"prompt": "ok"}]
+
+
+def test_a_folder_linked_from_outside_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "train.jsonl").write_text('{"prompt": "the secret"}\n')
+    folder = tmp_path / "handed"
+    folder.mkdir()
+    (folder / "data").symlink_to(tmp_path / "elsewhere")
+    (folder / "x.jsonl").write_text('{"prompt": "ok"}\n')
+    with pytest.raises(DatasetError, match=r"data.*outside the folder"):
+        load_rows(folder)
+
+
+def test_a_saved_dataset_whose_state_names_a_file_outside_is_refused(tmp_path):
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "other"))
+    folder = tmp_path / "handed"
+    datasets.Dataset.from_list(ROWS[:1]).save_to_disk(str(folder))
+    state = json.loads((folder / "state.json").read_text())
+    arrow = next((tmp_path / "other").glob("*.arrow")).name
+    state["_data_files"] = [{"filename": f"../other/{arrow}"}]
+    (folder / "state.json").write_text(json.dumps(state))
+    with pytest.raises(DatasetError, match=r"state.json names data files .*outside the folder"):
+        load_rows(folder)

@@ -99,3 +99,26 @@ def test_cli_report_and_status(run_dir, tmp_path):
     assert bad.returncode == 2 and "no metrics.jsonl" in bad.stderr
     with pytest.raises(ReportError):
         build_report(tmp_path)
+
+
+def test_a_metric_key_with_dollars_is_drawn_as_text(run_dir):
+    # matplotlib reads "$...$" as mathtext; "\frac" without arguments made it raise
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(records[-1])
+    last["reward/$\\frac$_mean"] = 0.5
+    records[-1] = json.dumps(last)
+    (run_dir / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    page = build_report(run_dir).read_text()
+    assert "Reward over steps" in page
+
+
+def test_a_report_that_cannot_be_drawn_is_a_clear_error_and_leaves_no_stale_page(run_dir):
+    old = build_report(run_dir)
+    events = json.loads((run_dir / "trace.json").read_text())
+    for event in events["traceEvents"]:
+        if event.get("ph") == "X":
+            event["ts"] = "not a time"
+    (run_dir / "trace.json").write_text(json.dumps(events))
+    with pytest.raises(ReportError, match=r"could not draw .*Executor timeline.*removed"):
+        build_report(run_dir)
+    assert not old.exists()

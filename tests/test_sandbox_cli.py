@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from loomrl.sandbox.cli import cmd_sandbox_exec, escape_controls
+from loomrl.safe_text import escape_controls
+from loomrl.sandbox.cli import cmd_sandbox_exec
 
 
 def test_escape_controls_keeps_text_and_escapes_terminal_controls():

@@ -9,11 +9,49 @@ its training distribution). The reward still gets the prompt as the dataset hold
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from loomrl.config import DataConfig
 from loomrl.data import DatasetError
 from loomrl.prompt_fit import encode_texts
+
+# The longest one prompt's chat template may render for. jinja's sandbox caps one range()
+# but not nested loops: a template from a handed model folder can run for hours.
+TEMPLATE_BUDGET_S = 10.0
+
+
+class TemplateTimeout(Exception):
+    """Raised inside a template's frames when its render ran past its budget."""
+
+
+def render_within(render, budget_s: float) -> str:
+    """``render()``, stopped with ``TemplateTimeout`` once it has run ``budget_s`` seconds.
+
+    Every line a compiled jinja template (code named ``<template>``) runs checks the clock:
+    a trace on this thread for the render alone, frames of other code are not traced line
+    by line. Where a tracer is already installed (a debugger, coverage) it is left alone
+    and the render is not bounded."""
+    if sys.gettrace() is not None:
+        return render()
+    deadline = time.monotonic() + budget_s
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeout
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    sys.settrace(on_call)
+    try:
+        return render()
+    finally:
+        sys.settrace(None)
+
 
 Prompt = (
     str | list[dict[str, str]]
@@ -31,6 +69,7 @@ class PromptEncoder:
             data.system_prompt,
         )
         self.model = model  # for messages: the model path
+        self.template_budget_s = TEMPLATE_BUDGET_S
 
     def templated(self, prompt: Prompt) -> bool:
         """Whether ``prompt`` goes through the chat template."""
@@ -61,9 +100,34 @@ class PromptEncoder:
                 "data.system_prompt or data.chat_template=true: use an instruct model's folder (its "
                 "tokenizer_config.json has 'chat_template'), or plain-text prompts"
             )
-        return self.tokenizer.apply_chat_template(
-            self.messages(prompt), tokenize=False, add_generation_prompt=True
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return render_within(
+                lambda: self.tokenizer.apply_chat_template(
+                    self.messages(prompt), tokenize=False, add_generation_prompt=True
+                ),
+                self.template_budget_s,
+            )
+        except TemplateTimeout:
+            raise DatasetError(
+                f"{self._template_name()} rendered one prompt for more than "
+                f"{self.template_budget_s:g} s and was stopped (loops inside loops?); fix or "
+                "replace the template"
+            ) from None
+        except TemplateError as err:
+            raise DatasetError(
+                f"{self._template_name()} could not render a prompt: {type(err).__name__}: {err} "
+                "(jinja's sandbox refuses templates that reach past plain data)"
+            ) from None
+
+    def _template_name(self) -> str:
+        """Where the model's chat template comes from, for errors."""
+        folder = Path(self.model)
+        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+            if (folder / name).is_file():
+                return f"the chat template of {self.model} ({folder / name})"
+        return f"the chat template of {self.model}"
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         """Each prompt's ids: plain ones as the tokenizer encodes them (its BOS added),

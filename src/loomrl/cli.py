@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from loomrl import __version__
+from loomrl.safe_text import SafeFormatter, escape_controls
 
 EPILOG = """examples:
   loomrl run examples/arithmetic/job.toml
@@ -133,7 +134,7 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
         # `loomrl -v ...` shows the traceback too.
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.getLogger(__name__).exception("job failed")
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        _print_error(f"{type(err).__name__}: {err}")
         return 2
     _print_summary(result)
     if result.summary.get(
@@ -141,6 +142,22 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     ):  # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
         return _report_interrupt(run_dir, result.summary.get("stopped_by"))
     return 0
+
+
+def _print_error(text: str) -> None:
+    """One ``error: ...`` line on stderr. Errors quote outside text (a completion in a
+    reward's error, a dataset row, a handed run folder's config), so it is escaped."""
+    print(f"error: {escape_controls(text)}", file=sys.stderr)
+
+
+def console_log_handler() -> logging.Handler:
+    """The CLI's console handler, its output escaped (``SafeFormatter``): the root logger's,
+    so executors' records, forwarded to the controller, come through it too."""
+    from rich.logging import RichHandler
+
+    handler = RichHandler(show_path=False)
+    handler.setFormatter(SafeFormatter("%(message)s"))
+    return handler
 
 
 def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
@@ -169,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(str(err))
         return 2
     if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
         cfg.output_dir = args.output_dir
@@ -187,7 +204,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         cfg = load_run_config(args.run_dir, list(args.overrides))
     except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(str(err))
         return 2
     return _execute(
         lambda cb: resume_job(
@@ -204,12 +221,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         out = build_report(args.run_dir, args.out)
     except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(str(err))
         return 2
     except ImportError as err:
-        print(f"error: the report draws with matplotlib: {err}", file=sys.stderr)
+        _print_error(f"the report draws with matplotlib: {err}")
         return 2
-    print(out)
+    print(escape_controls(str(out)))
     return 0
 
 
@@ -219,7 +236,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         status = run_status(args.run_dir)
     except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _print_error(str(err))
         return 2
     print(json.dumps(status) if args.json else format_status(status))
     return 0
@@ -318,12 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from rich.logging import RichHandler
-
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(show_path=False)],
+        level=logging.DEBUG if args.verbose else logging.INFO, handlers=[console_log_handler()]
     )
     fn = getattr(args, "fn", None)
     if fn is None:

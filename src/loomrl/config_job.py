@@ -54,6 +54,14 @@ class JobConfig(Section):
         gt=0,
         description="Warn when one executor call (generate, train_step, publish ...) runs longer than this.",
     )
+    no_step_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="Stop the job, naming the reason (the last rollout failure, stale drops, rollouts in "
+        "flight), when no training step completes for this long (every rollout failing with "
+        "task.max_failure_rate=1.0, generators that never return); None: never. Raise it where a step, "
+        "an eval or a wait for the scheduler's lease can take longer.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     task: TaskConfig

@@ -40,6 +40,7 @@ def read_folder(path: Path, split: str) -> tuple[list[dict[str, Any]], list[str]
     """The rows of ``split`` in a dataset folder, and where each one is (``PATH[split] row N``,
     counted from 1)."""
     datasets = _import_datasets(path)
+    _check_inside(path)
     with _quiet(datasets):
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             loaded = datasets.load_from_disk(str(path))
@@ -74,6 +75,84 @@ def _load_data_files(datasets, path: Path, split: str):
                 "data.eval_split"
             ) from None
         raise DatasetSourceError(f"{path}: datasets could not read this folder: {err}") from None
+
+
+def _check_inside(path: Path) -> None:
+    """Refuse a folder that makes ``datasets`` read files outside it: a ``README.md`` whose
+    ``configs: data_files`` (or ``data_dir``) names a path outside (``../``, absolute, a URL)
+    or a link (to a file or a folder) to somewhere outside. A handed dataset folder must not
+    read the user's other files."""
+    root = path.resolve()
+    for file in path.rglob("*"):
+        # (a link to a folder is not descended into by rglob, but datasets' globs may be)
+        if file.is_symlink() and not _within(file.resolve(), root):
+            raise DatasetSourceError(
+                f"{file}: leads outside the folder {path} (to {file.resolve()}); refused"
+            )
+    for pattern in _readme_data_files(path / "README.md") + _saved_data_files(path):
+        where = os.path.normpath(os.path.join(root, pattern))
+        if "://" in pattern or pattern.startswith("hf:") or not _within(Path(where), root):
+            raise DatasetSourceError(
+                f"{path}: its README.md or state.json names data files {pattern!r} outside the "
+                f"folder; refused (a dataset folder reads only its own files)"
+            )
+
+
+def _within(file: Path, root: Path) -> bool:
+    return file == root or root in file.parents
+
+
+def _saved_data_files(path: Path) -> list[str]:
+    """The files a ``save_to_disk`` folder's ``state.json`` files (and its
+    ``dataset_dict.json`` splits) name, relative to ``path``."""
+    found: list[str] = []
+    for name in ("state.json", "dataset_dict.json"):
+        for file in path.rglob(name):
+            try:
+                state = json.loads(file.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+                continue
+            if not isinstance(state, dict):
+                continue
+            entries = state.get("_data_files") or [{"filename": s} for s in state.get("splits", [])]
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and isinstance(entry.get("filename"), str):
+                    found.append(str(file.parent.relative_to(path) / entry["filename"]))
+    return found
+
+
+def _readme_data_files(readme: Path) -> list[str]:
+    """Every path or pattern a dataset card's YAML header gives ``datasets`` to read
+    (``configs[].data_files`` in each of its forms, and ``configs[].data_dir``)."""
+    if not readme.is_file():
+        return []
+    import yaml
+
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return []
+    try:
+        header = yaml.safe_load(text[3:].partition("\n---")[0])
+    except yaml.YAMLError:
+        return []
+    configs = header.get("configs") if isinstance(header, dict) else None
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item if key != "split" else None)
+
+    for config in configs if isinstance(configs, list) else [configs]:
+        if isinstance(config, dict):
+            walk(config.get("data_files"))
+            walk(config.get("data_dir"))
+    return found
 
 
 def _import_datasets(path: Path):

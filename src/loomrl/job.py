@@ -8,13 +8,14 @@ result = job.run()
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import JobConfig, apply_overrides, build_config, load_config
+from loomrl.config import JobConfig, apply_overrides, build_config, load_config, parse_override
 from loomrl.data_sources import materialize
 from loomrl.run_folder import JobResult, default_run_dir
 from loomrl.scoring.calls import callable_path, is_registered
@@ -140,8 +141,8 @@ def check_reward_reachable(config: JobConfig) -> None:
 
 
 # Keys a resume cannot change: the checkpoint holds weights of this model (and adapter), in
-# this sharding, in this run folder.
-RESUME_FIXED = ("model.", "trainer.parallel.", "name", "output_dir", "seed")
+# this sharding, in this run folder. Compared as parsed key paths and as resulting values.
+RESUME_FIXED = (("model",), ("trainer", "parallel"), ("name",), ("output_dir",), ("seed",))
 # Keys a resume may change without changing what the run computes.
 RESUME_NEUTRAL = (
     "trainer.num_steps",
@@ -154,6 +155,42 @@ RESUME_NEUTRAL = (
     "scheduler.",
     "event_loop",
 )
+_MISSING = object()
+
+
+def _value_at(raw: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(raw, dict) or part not in raw:
+            return _MISSING
+        raw = raw[part]
+    return raw
+
+
+def _check_fixed_keys(before: dict[str, Any], after: dict[str, Any], overrides: list[str]) -> None:
+    """Refuse overrides that change a ``RESUME_FIXED`` value, however they are spelt
+    (``.seed=7``, ``model={...}``, ``trainer={parallel=...}``): the values before and after
+    are compared, as written and, where they differ, as validated (``parallel = "single"``
+    is the table it stands for)."""
+    moved = [p for p in RESUME_FIXED if _value_at(before, p) != _value_at(after, p)]
+    if not moved:
+        return
+    try:
+        old, new = build_config(before).model_dump(), build_config(after).model_dump()
+    except ValueError:  # the override does not even validate: it changed the value
+        old = new = None
+    moved = [p for p in moved if old is None or _value_at(old, p) != _value_at(new, p)]
+    if not moved:
+        return
+    fixed = moved[0]
+    for text in overrides:
+        path = tuple(parse_override(text)[0])
+        if path[: len(fixed)] == fixed or fixed[: len(path)] == path:
+            key = ".".join(path if len(path) > len(fixed) else fixed)
+            raise ValueError(
+                f"resume override {text!r}: {key} cannot change on resume (the checkpoints hold "
+                "this run's model, sharding and folder); start a new run instead"
+            )
+    raise AssertionError(f"{fixed} changed without an override naming it")
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> JobConfig:
@@ -165,20 +202,18 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
         raise FileNotFoundError(f"{run_dir} is not a loomrl run folder (no config.json)")
     raw = json.loads(path.read_text())
     raw["output_dir"] = str(run_dir)
-    for text in overrides or []:
-        key = text.partition("=")[0].strip()
-        if key.startswith(RESUME_FIXED) or key in {k.rstrip(".") for k in RESUME_FIXED}:
-            raise ValueError(
-                f"resume override {text!r}: {key} cannot change on resume (the checkpoints hold "
-                "this run's model, sharding and folder); start a new run instead"
-            )
+    overrides = list(overrides or [])
+    changed = apply_overrides(copy.deepcopy(raw), overrides)
+    _check_fixed_keys(raw, changed, overrides)
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
         if not key.startswith(RESUME_NEUTRAL):
             logger.warning(
                 "resume override %s changes what the run computes: the steps after the checkpoint "
                 "are not those the run would have taken",
                 text,
             )
-    return build_config(apply_overrides(raw, list(overrides or [])), str(path))
+    return build_config(changed, str(path))
 
 
 def resume_job(

@@ -106,13 +106,50 @@ def _check_prompt_bytes(
         )
 
 
-def _check_message_bytes(messages: list[dict[str, str]], place: str, max_bytes: int) -> None:
-    size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+# What a message costs beyond its strings once rendered and tokenized (the template's role
+# markers, separators, special tokens), counted against data.max_prompt_bytes so that many
+# empty messages are not free; and the most messages one prompt may hold.
+MESSAGE_ALLOWANCE_BYTES = 64
+MAX_PROMPT_MESSAGES = 4096
+
+
+def _check_message_bytes(messages: list[dict[str, Any]], place: str, max_bytes: int) -> None:
+    """Refuse a message list before it is rendered: past ``MAX_PROMPT_MESSAGES`` messages,
+    or past ``max_bytes`` counting every string in it (roles, contents, names, keys) plus
+    ``MESSAGE_ALLOWANCE_BYTES`` a message."""
+    if len(messages) > MAX_PROMPT_MESSAGES:
+        raise DatasetError(
+            f"{place}: the prompt holds {len(messages)} messages, more than {MAX_PROMPT_MESSAGES}; "
+            "refused before rendering it (data.max_prompt_bytes bounds one prompt); shorten it"
+        )
+    size = len(messages) * MESSAGE_ALLOWANCE_BYTES + _string_bytes(messages, max_bytes)
     if size > max_bytes:
         raise DatasetError(
-            f"{place}: the prompt's messages hold {size} bytes, more than data.max_prompt_bytes={max_bytes}; "
-            "refused before tokenizing them (a message list is never cut); shorten them or raise max_prompt_bytes"
+            f"{place}: the prompt's {len(messages)} messages hold {size} bytes (every string, and "
+            f"{MESSAGE_ALLOWANCE_BYTES} a message), more than data.max_prompt_bytes={max_bytes}; "
+            "refused before rendering and tokenizing them (a message list is never cut); shorten "
+            "them or raise max_prompt_bytes"
         )
+
+
+def _string_bytes(value: Any, stop_at: int) -> int:
+    """UTF-8 bytes of every string (keys included) in ``value``'s lists and dicts; other
+    values count 8. Stops counting once past ``stop_at``."""
+    if isinstance(value, str):
+        # (a string longer than stop_at characters is past it in bytes too: not encoded)
+        return len(value) if len(value) > stop_at else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        parts: Any = (part for pair in value.items() for part in pair)
+    elif isinstance(value, list):
+        parts = value
+    else:
+        return 8
+    total = 0
+    for part in parts:
+        total += _string_bytes(part, stop_at - total)
+        if total > stop_at:
+            break
+    return total
 
 
 def truncate_ids(ids: list[int], budget: int | None, bos_id: int | None) -> list[int]:

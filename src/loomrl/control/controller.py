@@ -134,6 +134,8 @@ class Controller:
                 self.requeues.drops_since_step,
                 self.in_flight,
             ),
+            stop_after_s=self.cfg.no_step_timeout_s,
+            last_failure=lambda: self.scorer.last_error,
         )
         self.step_record = StepRecord(
             self.cfg, self.metrics, self.trainer, self.generators, self.scorer, self.faults
@@ -227,7 +229,7 @@ class Controller:
             self.background.watch(asyncio.create_task(self._generation_loop(g)))
             for g in self.generators
         ]
-        background.append(asyncio.create_task(self.watchdog.run()))
+        background.append(self.background.watch(asyncio.create_task(self.watchdog.run())))
         clock = RunClock(self.history, self.trainer, self.generators, self.scorer)
         self.watchdog.step_done()
         try:

@@ -34,7 +34,39 @@ def parse_tiny_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise ModelLoadError(
                 f"{spec!r}: option {key} must be an integer, got {value!r}"
             ) from None
+    _check_tiny_size(spec, opts)
     return arch or "llama", opts
+
+
+# The largest ``tiny:`` model built (parameters): 1 G, 4 GB of fp32 weights before gradients and
+# AdamW's state triple it. A spec past it is a typo or a hostile job file; real models load
+# from a folder.
+TINY_MAX_PARAMS = 1_000_000_000
+
+
+def tiny_num_params(opts: dict[str, Any]) -> int:
+    """The parameters a ``tiny:`` model of ``opts`` has (tied embeddings over the character
+    vocabulary; q, k, v, o; a gated MLP; two norms a layer and a final one), computed from
+    the spec alone, before anything is allocated."""
+    sizes = {**TINY_DEFAULTS, **opts}
+    hidden, inner, layers = sizes["hidden_size"], sizes["intermediate_size"], sizes["num_layers"]
+    vocab = 128  # the character tokenizer's ~104 tokens, rounded up
+    per_layer = 4 * hidden * hidden + 3 * hidden + 3 * hidden * inner + 2 * hidden
+    return layers * per_layer + vocab * hidden + hidden
+
+
+def _check_tiny_size(spec: str, opts: dict[str, Any]) -> None:
+    for key, value in opts.items():
+        if value < 1:
+            raise ModelLoadError(f"{spec!r}: option {key} must be at least 1, got {value}")
+    params = tiny_num_params(opts)
+    if params > TINY_MAX_PARAMS:
+        raise ModelLoadError(
+            f"{spec!r}: a tiny model of about {params / 1e9:.3g} G parameters "
+            f"({params * 4 / 2**30:.3g} GiB in fp32) is over the limit of "
+            f"{TINY_MAX_PARAMS / 1e9:g} G (models.loading.TINY_MAX_PARAMS); refused before "
+            "building it. Load a larger model from a folder (model.path)"
+        )
 
 
 def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
@@ -59,15 +91,34 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
                 "use a folder written by save_pretrained, or a 'tiny:llama' spec"
             )
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype or torch.float32
-        )
+        model = _from_pretrained(AutoModelForCausalLM, path, dtype or torch.float32)
     if dtype is not None and dtype != torch.float32:
         model = model.to(dtype)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval()
     return model, tok
+
+
+def _from_pretrained(auto_class, path: Path, dtype):
+    """``auto_class.from_pretrained`` of a local folder; a pickled weights file that
+    ``torch.load(weights_only=True)`` refuses (it would run code) is a ``ModelLoadError``
+    naming the file and the folder, not torch's traceback."""
+    import pickle
+
+    try:
+        return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except pickle.UnpicklingError as err:
+        reason = next(
+            (line.strip() for line in str(err).splitlines() if "WeightsUnpickler" in line),
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        files = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "a .bin file"
+        raise ModelLoadError(
+            f"model folder {path}: {files} holds more than tensors and plain data, refused "
+            f"unloaded (torch.load(weights_only=True): {reason}); loading it would run code: "
+            "use weights in .safetensors from a source you trust"
+        ) from None
 
 
 def load_tokenizer(spec: str):

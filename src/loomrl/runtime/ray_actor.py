@@ -24,6 +24,7 @@ import ray.exceptions
 
 from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, RemoteError
 from loomrl.runtime.endpoints import check_implements
+from loomrl.safe_text import SafeFormatter
 from loomrl.runtime.threads import BusyClock, CallTracker
 from loomrl.telemetry import trace
 
@@ -72,7 +73,7 @@ class _ExecutorActor:
     ) -> None:
         root = logging.getLogger()
         handler = logging.StreamHandler()  # Ray forwards the actor's stderr to the driver
-        handler.setFormatter(logging.Formatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
+        handler.setFormatter(SafeFormatter(f"%(levelname)s [{name}] %(name)s: %(message)s"))
         root.handlers[:] = [handler]
         root.setLevel(log_level)
         trace.configure_from_env(name)

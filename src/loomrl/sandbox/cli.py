@@ -8,27 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import unicodedata
 from pathlib import Path
 
-
-def escape_controls(text: str) -> str:
-    """Show control characters (ESC, CR, BEL, C1, bidi overrides ...) as escapes.
-
-    The sandboxed code's output is untrusted: raw, it could drive the terminal (retitle
-    it, rewrite earlier lines, hide text). Newlines and tabs are kept.
-    """
-    out = []
-    for ch in text:
-        if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp"):
-            out.append(ch)
-        elif ord(ch) < 0x100:
-            out.append(f"\\x{ord(ch):02x}")
-        elif ord(ch) <= 0xFFFF:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(f"\\U{ord(ch):08x}")
-    return "".join(out)
+from loomrl.safe_text import escape_controls
 
 
 def add_sandbox_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -18,6 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from loomrl.safe_text import escape_controls
+
 logger = logging.getLogger(__name__)
 
 REPORT_FILE = "report.html"
@@ -29,24 +31,29 @@ class ReportError(ValueError):
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records (a last line cut short by a killed run is skipped)."""
+    """metrics.jsonl's records (a last line cut short by a killed run, and a line that is
+    not a JSON object, are skipped)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"{run_dir}: no metrics.jsonl; is this a loomrl run folder?")
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or {} when it is missing, unreadable or not an object."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]:
@@ -225,33 +232,57 @@ LINE_FIGURES = [
 ]
 
 
+def _draw(title: str, fn, *args):
+    """``fn(*args)``, or a ``ReportError`` naming the figure it could not draw (a run folder
+    may come from elsewhere: any value in it may be of the wrong type)."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - named and raised again as the report's error
+        raise ReportError(
+            f"could not draw the figure {title!r} ({type(err).__name__}: {err})"
+        ) from err
+
+
 def _figures(run_dir: Path, records: list[dict], summary: dict) -> list[tuple[str, str | None]]:
     rewards = _reward_keys(records)
     trace_events = _read_json(run_dir / "trace.json").get("traceEvents", [])
-    timeline, busy_from_trace = _timeline_figure(trace_events)
+    timeline, busy_from_trace = _draw("Executor timeline", _timeline_figure, trace_events)
     busy = {
         k.removeprefix("executor/").removesuffix("_busy_frac"): v
         for k, v in (records[-1] if records else {}).items()
         if k.endswith("_busy_frac")
     } or busy_from_trace
     lines = {
-        title: _line_figure(records, keys, x, xlabel, ylabel, title.lower())
+        title: _draw(title, _line_figure, records, keys, x, xlabel, ylabel, title.lower())
         for title, keys, x, xlabel, ylabel in LINE_FIGURES
     }
+    by_step = (records, rewards, "step", "step", "reward", "reward")
+    by_time = (records, rewards, "timing/elapsed_s", "wall time (s)", "reward", "reward")
     return [
-        ("Reward over steps", _line_figure(records, rewards, "step", "step", "reward", "reward")),
-        (
-            "Reward over wall time",
-            _line_figure(records, rewards, "timing/elapsed_s", "wall time (s)", "reward", "reward"),
-        ),
+        ("Reward over steps", _draw("Reward over steps", _line_figure, *by_step)),
+        ("Reward over wall time", _draw("Reward over wall time", _line_figure, *by_time)),
         ("Throughput", lines["Throughput"]),
         ("Staleness", lines["Staleness"]),
         ("Executor timeline", timeline),
-        ("Busy fraction", _bar_figure(busy, "fraction of the run busy", "busy fraction")),
+        (
+            "Busy fraction",
+            _draw("Busy fraction", _bar_figure, busy, "fraction of the run busy", "busy fraction"),
+        ),
         ("Weight sync bytes", lines["Weight sync bytes"]),
         ("Weight sync time", lines["Weight sync time"]),
-        ("Failures by reason", _bar_figure(_failures(summary, records), "count", "failures")),
+        (
+            "Failures by reason",
+            _draw(
+                "Failures by reason", _bar_figure, _failures(summary, records), "count", "failures"
+            ),
+        ),
     ]
+
+
+def _text(value: Any) -> str:
+    """``value`` as HTML text: control characters escaped (``escape_controls``), then
+    HTML's own (a run folder's name, config and summary may come from elsewhere)."""
+    return html.escape(escape_controls(str(value)))
 
 
 def _summary_rows(summary: dict, records: list[dict]) -> list[tuple[str, str]]:
@@ -272,38 +303,54 @@ def _summary_rows(summary: dict, records: list[dict]) -> list[tuple[str, str]]:
     return rows
 
 
+def _all_figures(run_dir: Path, records: list[dict], summary: dict, out: Path) -> list:
+    """Every figure, its text drawn as text (a metric key with ``$...$`` is not mathtext).
+    On failure the page at ``out`` is removed, so no report of an earlier state stays in
+    place, and the ``ReportError`` says so."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    try:
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return _figures(run_dir, records, summary)
+    except ReportError as err:
+        removed = out.is_file()
+        out.unlink(missing_ok=True)
+        raise ReportError(
+            f"{run_dir}: {err}; no report written"
+            + (f" (the old {out} was removed)" if removed else "")
+        ) from err
+
+
 def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``out`` (default ``RUN_DIR/report.html``) and return its path."""
     run_dir = Path(run_dir)
     records = [r for r in read_records(run_dir) if "step" in r]
     summary = _read_json(run_dir / "summary.json")
     config = _read_json(run_dir / "config.json")
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    figures = _figures(run_dir, records, summary)
+    out = Path(out) if out is not None else run_dir / REPORT_FILE
+    figures = _all_figures(run_dir, records, summary, out)
     parts = [
         "<!doctype html><meta charset=utf-8>",
-        f"<title>loomrl report: {html.escape(run_dir.name)}</title>",
+        f"<title>loomrl report: {_text(run_dir.name)}</title>",
         "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
         "img{max-width:100%;border:1px solid #ddd;margin:.3em 0}td{padding:2px 12px}"
         "h2{font-size:1.1em;margin-top:1.6em}</style>",
-        f"<h1>Run {html.escape(config.get('name', run_dir.name))}</h1>",
-        f"<p>{html.escape(str(run_dir))}: {len(records)} step records"
+        f"<h1>Run {_text(config.get('name', run_dir.name))}</h1>",
+        f"<p>{_text(run_dir)}: {len(records)} step records"
         + (", still running or stopped early" if not summary else "")
         + ". The timeline comes from <code>trace.json</code> (open it in ui.perfetto.dev).</p>",
         "<table>"
         + "".join(
-            f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+            f"<tr><td>{_text(k)}</td><td>{_text(v)}</td></tr>"
             for k, v in _summary_rows(summary, records)
         )
         + "</table>",
     ]
     for title, png in figures:
         if png is not None:
-            alt = html.escape(title)
+            alt = _text(title)
             parts.append(f'<h2>{alt}</h2><img alt="{alt}" src="data:image/png;base64,{png}">')
-    out = Path(out) if out is not None else run_dir / REPORT_FILE
     tmp = out.with_suffix(".html.tmp")
     tmp.write_text("\n".join(parts), encoding="utf-8")
     tmp.replace(out)

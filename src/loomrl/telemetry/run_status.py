@@ -3,14 +3,43 @@
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from loomrl.safe_text import escape_controls
 from loomrl.telemetry.report import ReportError, _read_json, read_records
 
 LOCK_FILE = ".lock"  # loomrl.run_folder.LOCK_FILE: a running run holds an flock on it
+# The fields of a status that must be numbers; a run folder may come from someone else, so
+# each is checked, and one that is not a finite number is listed under "invalid".
+NUMBER_FIELDS = (
+    "step",
+    "num_steps",
+    "reward_mean",
+    "eval_reward",
+    "completions_per_s",
+    "elapsed_s",
+    "failed",
+    "restarts",
+)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (a bool, a string or NaN is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_numbers(status: dict[str, Any]) -> None:
+    """Set each of ``NUMBER_FIELDS`` that holds something other than a number (or None) to
+    None and name it in ``status["invalid"]``."""
+    invalid = [k for k in NUMBER_FIELDS if status[k] is not None and not _is_number(status[k])]
+    for key in invalid:
+        status[key] = None
+    if invalid:
+        status["invalid"] = invalid
 
 
 def running_pid(run_dir: Path) -> int | None:
@@ -39,7 +68,8 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
     config = _read_json(run_dir / "config.json")
     summary = _read_json(run_dir / "summary.json")
     pid = running_pid(run_dir)
-    total = config.get("trainer", {}).get("num_steps")
+    trainer = config.get("trainer")
+    total = trainer.get("num_steps") if isinstance(trainer, dict) else None
     last = steps[-1] if steps else {}
     evals = [r for r in records if "eval/mean_reward" in r]
     status: dict[str, Any] = {
@@ -56,26 +86,43 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "restarts": last.get("executor/restarts", 0),
         "updated_s_ago": time.time() - (run_dir / "metrics.jsonl").stat().st_mtime,
     }
-    if status["state"] == "running" and total and status["elapsed_s"] and status["step"]:
-        status["eta_s"] = status["elapsed_s"] / status["step"] * (total - status["step"])
+    _check_numbers(status)
+    if (
+        status["state"] == "running"
+        and status["num_steps"]
+        and status["elapsed_s"]
+        and status["step"]
+    ):
+        status["eta_s"] = (
+            status["elapsed_s"] / status["step"] * (status["num_steps"] - status["step"])
+        )
     return status
 
 
 def format_status(status: dict[str, Any]) -> str:
-    def num(value: Any, fmt: str = ".3f") -> str:
+    """The status as lines for a terminal: numbers formatted, a field that held no number
+    shown as ``invalid``, the folder's name escaped (``escape_controls``)."""
+    invalid = set(status.get("invalid", ()))
+
+    def num(key: str, fmt: str = ".3f") -> str:
+        value = status[key]
+        if key in invalid:
+            return "invalid"
         return "-" if value is None else format(value, fmt)
 
     lines = [
-        f"{status['run_dir']}: {status['state']}"
+        f"{escape_controls(status['run_dir'])}: {status['state']}"
         + (f" (pid {status['pid']})" if status["pid"] else ""),
-        f"  step          {status['step']}"
-        + (f" / {status['num_steps']}" if status["num_steps"] else ""),
-        f"  train reward  {num(status['reward_mean'])}",
-        f"  eval reward   {num(status['eval_reward'])}",
-        f"  completions/s {num(status['completions_per_s'], '.1f')}",
-        f"  elapsed       {num(status['elapsed_s'], '.0f')} s"
+        f"  step          {num('step', '.0f')}"
+        + (
+            f" / {num('num_steps', '.0f')}" if status["num_steps"] or "num_steps" in invalid else ""
+        ),
+        f"  train reward  {num('reward_mean')}",
+        f"  eval reward   {num('eval_reward')}",
+        f"  completions/s {num('completions_per_s', '.1f')}",
+        f"  elapsed       {num('elapsed_s', '.0f')} s"
         + (f", about {status['eta_s']:.0f} s to go" if "eta_s" in status else ""),
-        f"  failed        {status['failed']} rollouts, {status['restarts']} executor restarts",
+        f"  failed        {num('failed', '.0f')} rollouts, {num('restarts', '.0f')} executor restarts",
         f"  last record   {status['updated_s_ago']:.0f} s ago",
     ]
     return "\n".join(lines)

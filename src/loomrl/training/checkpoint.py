@@ -95,7 +95,13 @@ def _write_folder(
         folder, digests = shards
         os.replace(folder, tmp / SHARDS_DIR)
         files = {f"{SHARDS_DIR}/{name}": digest for name, digest in digests.items()}
-    torch.save(state, tmp / STATE_FILE)
+    try:
+        torch.save(state, tmp / STATE_FILE)
+    except RuntimeError as err:
+        # torch's zip writer reports a short write (a full disk, a quota) as a RuntimeError
+        # ("[enforce fail at inline_container.cc:672] . unexpected pos ..."): a write failure.
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"torch.save failed: {first_line}; a full disk?") from err
     with (tmp / STATE_FILE).open("rb") as f:
         os.fsync(f.fileno())
     manifest = {
