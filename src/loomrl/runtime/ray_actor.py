@@ -24,8 +24,8 @@ import ray.exceptions
 
 from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, RemoteError
 from loomrl.runtime.endpoints import check_implements
-from loomrl.safe_text import SafeFormatter
 from loomrl.runtime.threads import BusyClock, CallTracker
+from loomrl.safe_text import SafeFormatter
 from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
