@@ -1,6 +1,6 @@
 """Fixed-seed synchronous jobs whose per-step losses, grad norms and rewards are kept in
 ``tests/data/golden_sync.json``; ``test_golden_sync.py`` runs them again and compares
-exactly. A refactor must not change a bit of them (CONVENTIONS.md).
+exactly. A refactor must not change a bit of them.
 
 Regenerate only on purpose, for a change that is meant to move the numbers, and say so in
 the commit: ``PYTHONPATH=src python tests/golden_sync.py`` (one torch thread), and once more

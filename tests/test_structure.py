@@ -346,7 +346,7 @@ def test_long_functions_counts_from_def_to_last_line():
 
 
 def test_no_function_over_50_lines():
-    """A function that long is doing two jobs: split it by job (CONVENTIONS.md)."""
+    """A function that long is doing two jobs: split it by job, not by size."""
     found = [
         f"{rel}: {fn}" for rel, path in _source_files() for fn in long_functions(path.read_text())
     ]

@@ -1,4 +1,4 @@
-"""The staleness gate and the rollout buffer (see shared ASYNC.md for the exact rules)."""
+"""The staleness gate and the rollout buffer (docs/async.md states the exact rules)."""
 
 from __future__ import annotations
 

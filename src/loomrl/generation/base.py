@@ -86,14 +86,15 @@ class Generator(ABC):
             results[0].weight_metrics = applied.weight_metrics
 
     @endpoint
-    def offload(self) -> None:
-        """Release accelerator memory until ``restore`` (a no-op until the time-slicing
-        scheduler uses it)."""
-        return None  # a hook: nothing to release yet
+    def offload(self) -> float | None:
+        """Release accelerator memory until ``restore``; the time-slicing scheduler and
+        colocated turns call it. Implementations return the seconds it took; this default
+        holds nothing on a device and releases nothing."""
+        return None
 
     @endpoint
-    def restore(self) -> None:
-        """Reacquire what ``offload`` released (a no-op until the scheduler uses it)."""
+    def restore(self) -> float | None:
+        """Reacquire what ``offload`` released; implementations return the seconds it took."""
         return None
 
 
