@@ -22,7 +22,7 @@ def _pickled_by_fields(cls: type) -> type:
     trainer (on its critical path) every step of the ``process`` and ``ray`` runtimes."""
     get = operator.attrgetter(*(f.name for f in fields(cls)))
 
-    def __reduce__(self):  # noqa: N807 - the pickle protocol's name
+    def __reduce__(self):  # the pickle protocol's name
         return type(self), get(self)
 
     cls.__reduce__ = __reduce__

@@ -103,7 +103,7 @@ class ColocatedPhases:
         except asyncio.CancelledError:
             cancelled = True
             await asyncio.wait([task])
-        except Exception:  # noqa: S110 - read from the task below
+        except Exception:  # noqa: BLE001 - read from the task below
             pass
         moved = not task.cancelled() and task.exception() is None
         async with self._changed:

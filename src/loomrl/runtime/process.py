@@ -58,7 +58,7 @@ def _error_reply(err: BaseException, busy_s: float) -> bytes:
     tb = "".join(traceback.format_exception(err))
     try:
         return _dumps(("error", err, tb, busy_s))
-    except Exception:  # an exception that does not pickle still arrives, as its text
+    except Exception:  # noqa: BLE001 - an exception that does not pickle still arrives, as its text
         return _dumps(("error", RemoteError(f"{type(err).__name__}: {err}"), tb, busy_s))
 
 

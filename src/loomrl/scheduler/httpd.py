@@ -193,7 +193,7 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+    def do_GET(self) -> None:  # the http.server API
         self.server.mark(self.connection, True)
         try:
             self._answer_get(self.path.split("?", 1)[0])
@@ -225,7 +225,7 @@ class Handler(BaseHTTPRequestHandler):
                 "InternalError",
             )
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         route = self.path.split("?", 1)[0][:100]
         try:
             body = self._read_body()

@@ -197,7 +197,7 @@ class SchedulerDaemon:
                 with self.lock:
                     self.core.tick(time.time())
                     self.lock.notify_all()
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - counted and reported by _tick_failed
                 self._tick_failed(err)
             else:
                 self.last_tick_ok = time.time()

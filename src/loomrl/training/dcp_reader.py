@@ -80,7 +80,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
             metadata = MetadataUnpickler(f, str(path)).load()
     except CheckpointError:
         raise
-    except Exception as err:  # a cut or garbled pickle raises many kinds
+    except Exception as err:  # noqa: BLE001 - a cut or garbled pickle raises many kinds
         raise CheckpointError(f"{path} is not readable DCP metadata ({err!r:.200})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")

@@ -255,7 +255,7 @@ class TorchDistReceiver(Receiver):
                 self.stats.failures += 1
                 logger.warning("torch_dist: rejected an update: %s", err)
                 continue
-            except Exception as err:  # the group is broken (peer gone, timeout): stop here
+            except Exception as err:  # noqa: BLE001 - the group is broken (peer gone, timeout): stop here
                 self.stats.failures += 1
                 self.error = f"{type(err).__name__}: {err}"
                 logger.error(
