@@ -61,6 +61,20 @@ def json_to_toml(raw: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_job_file(tmp_path: Path, raw: dict) -> Path:
+    """``raw`` as ``tmp_path/job.toml``, for a job run by the CLI in a child process."""
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(json_to_toml(raw))
+    return job_file
+
+
+def child_env(*extra_paths: Path) -> dict[str, str]:
+    """The environment of a job run in a child process: loomrl's src/, the repo root (the
+    examples' rewards) and ``extra_paths`` importable, one thread."""
+    paths = [str(ROOT / "src"), str(ROOT), *map(str, extra_paths)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture
 def tiny_job(tmp_path: Path, tiny_data):
     """``tiny_job(**sections)`` -> a JobConfig for a 4-step job on 400 arithmetic rows."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from loomrl.telemetry import views
 from loomrl.telemetry.metrics import MetricsLogger, read_metrics
 from loomrl.training.checkpoint import checkpoint_step, latest_checkpoint
 
-from conftest import ROOT, json_to_toml, tiny_job_raw
+from conftest import ROOT, child_env, tiny_job_raw, write_job_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,13 +118,8 @@ def test_sigterm_ends_a_job_whose_tensorboard_died_on_a_full_disk(tmp_path, tiny
     raw = tiny_job_raw(
         tmp_path, train, None, trainer={"num_steps": 500}, checkpoint={"every_steps": 1000}
     )
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(json_to_toml(raw))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "OMP_NUM_THREADS": "1",
-    }
+    job_file = write_job_file(tmp_path, raw)
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-c", _FULL_DISK_RUN, str(job_file)],
         cwd=ROOT,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from loomrl.job import Job
 from loomrl.scoring.client import JobFailedError
 from loomrl.training.checkpoint import latest_checkpoint
 
-from conftest import ROOT, json_to_toml, tiny_job_raw
+from conftest import ROOT, child_env, tiny_job_raw, write_job_file
 
 BASE = {"data": {"train": "t.jsonl"}, "task": {"reward": "m:f"}}
 
@@ -82,13 +81,9 @@ def test_first_ctrl_c_stops_a_run_waiting_for_a_batch_that_never_comes(tmp_path,
         trainer={"num_steps": 50},
         checkpoint={"every_steps": 1000},
     )
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(json_to_toml(raw))
+    job_file = write_job_file(tmp_path, raw)
     run_dir = Path(raw["output_dir"])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), str(tmp_path)]),
-    }
+    env = child_env(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
         cwd=ROOT,

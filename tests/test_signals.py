@@ -18,7 +18,7 @@ import pytest
 
 from loomrl.training.checkpoint import checkpoint_step, latest_checkpoint
 
-from conftest import ROOT, json_to_toml, tiny_job_raw
+from conftest import ROOT, child_env, tiny_job_raw, write_job_file
 
 
 def _default_signals() -> None:
@@ -39,13 +39,8 @@ def _start(
         checkpoint={"every_steps": 1000},
         **sections,
     )
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(json_to_toml(raw))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "OMP_NUM_THREADS": "1",
-    }
+    job_file = write_job_file(tmp_path, raw)
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
         cwd=ROOT,
@@ -110,11 +105,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path, tin
     config = json.loads((run_dir / "config.json").read_text())
     config["trainer"]["num_steps"] = checkpoint_step(last) + 1  # a short resume
     (run_dir / "config.json").write_text(json.dumps(config))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = child_env()
     resumed = subprocess.run(
         [sys.executable, "-m", "loomrl.cli", "resume", str(run_dir)],
         cwd=ROOT,

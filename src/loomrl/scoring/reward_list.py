@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from loomrl.scoring.calls import RewardFailure, UserCodeError, check_value, load_object
@@ -139,13 +140,9 @@ def combine(specs: list[RewardSpec]) -> Callable[..., Any]:
         async def total_async(prompt: Any, completion: str, **row: Any) -> float:
             values = []
             for name, _, fn in parts:
-                try:
+                with _named_part(name):
                     value = fn(prompt, completion, **row)
                     value = await value if inspect.isawaitable(value) else value
-                except RewardFailure:
-                    raise
-                except Exception as err:  # noqa: BLE001 - user code: reported with the part's name
-                    raise RewardPartError(name) from err
                 values.append(_checked(name, value))
             return finish(values)
 
@@ -155,17 +152,25 @@ def combine(specs: list[RewardSpec]) -> Callable[..., Any]:
     def total(prompt: Any, completion: str, **row: Any) -> float:
         values = []
         for name, _, fn in parts:
-            try:
+            with _named_part(name):
                 value = fn(prompt, completion, **row)
-            except RewardFailure:
-                raise
-            except Exception as err:  # noqa: BLE001 - user code: reported with the part's name
-                raise RewardPartError(name) from err
             values.append(_checked(name, value))
         return finish(values)
 
     total.reward_stats = stats  # type: ignore[attr-defined]
     return total
+
+
+@contextmanager
+def _named_part(name: str) -> Iterator[None]:
+    """A part's own error becomes a ``RewardPartError`` naming it; a ``RewardFailure``
+    (a timeout, a value that is not a number) passes unchanged."""
+    try:
+        yield
+    except RewardFailure:
+        raise
+    except Exception as err:  # noqa: BLE001 - user code: reported with the part's name
+        raise RewardPartError(name) from err
 
 
 def _checked(name: str, value: Any) -> float:

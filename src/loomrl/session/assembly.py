@@ -58,30 +58,32 @@ def make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
     return LocalRuntime(torch_threads=1)
 
 
+def _job_wide(cfg: JobConfig) -> dict[str, Any]:
+    """What every executor's setup takes from the job: the model, the weight transport, the
+    seed and the runtime's kind."""
+    return {
+        "model": cfg.model,
+        "weight_sync": cfg.weight_sync,
+        "seed": cfg.seed,
+        "runtime": cfg.runtime,
+    }
+
+
 def trainer_setup(cfg: JobConfig) -> TrainerSetup:
     """The trainer executor's sections of ``cfg``, and the job-wide values it needs."""
     return TrainerSetup(
-        model=cfg.model,
+        **_job_wide(cfg),
         trainer=cfg.trainer,
         algorithm=cfg.algorithm,
-        weight_sync=cfg.weight_sync,
-        seed=cfg.seed,
         temperature=cfg.generation.temperature,
         trace=cfg.uses_traces(cfg.trainer.trace),
-        runtime=cfg.runtime,
         quantize=cfg.generation.engine.quantize,
     )
 
 
 def generator_setup(cfg: JobConfig) -> GeneratorSetup:
     """A generator executor's sections of ``cfg``, and the job-wide values it needs."""
-    return GeneratorSetup(
-        model=cfg.model,
-        generation=cfg.generation,
-        weight_sync=cfg.weight_sync,
-        seed=cfg.seed,
-        runtime=cfg.runtime,
-    )
+    return GeneratorSetup(**_job_wide(cfg), generation=cfg.generation)
 
 
 def open_transport_ends(cfg: JobConfig, runtime: Runtime, run_dir: Path) -> TransportEnds:

@@ -55,9 +55,9 @@ class TrainerEndpoints(ABC):
 
     @endpoint
     def offload(self) -> float | None:
-        """Release accelerator memory (weights, optimizer state) until ``restore``; the time-slicing scheduler and
-        colocated turns call it. Implementations return the seconds it took; this default
-        holds nothing on a device and releases nothing."""
+        """Release accelerator memory (weights, optimizer state) until ``restore``; the
+        time-slicing scheduler and colocated turns call it. Implementations return the
+        seconds it took; this default holds nothing on a device and releases nothing."""
         return None
 
     @endpoint

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from loomrl.weights.transports.base import Receiver, Sender, TransferStats, Transport, UpdateRef
-from loomrl.weights.transports.store import UpdateStore
+from loomrl.weights.transports.base import Sender, TransferStats, Transport
+from loomrl.weights.transports.store import StoreReceiver, UpdateStore
 from loomrl.weights.update import WeightUpdate
 
 __all__ = ["InprocReceiver", "InprocSender", "InprocTransport", "UpdateStore"]
@@ -26,19 +26,10 @@ class InprocSender(Sender):
         self.store.put(update)
 
 
-class InprocReceiver(Receiver):
+class InprocReceiver(StoreReceiver):
     def __init__(self, store: UpdateStore) -> None:
         self.store = store
         self.stats = TransferStats()
-
-    def _list(self) -> list[UpdateRef]:
-        return self.store.refs()
-
-    def _fetch(self, ref: UpdateRef) -> WeightUpdate | None:
-        return self.store.get(ref)
-
-    def _wait(self, seconds: float) -> None:
-        self.store.wait(seconds)
 
 
 class InprocTransport(Transport):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from loomrl.weights.transports.base import UpdateRef
+from loomrl.weights.transports.base import Receiver, UpdateRef
 from loomrl.weights.update import WeightUpdate
 
 
@@ -37,3 +37,19 @@ class UpdateStore:
     def wait(self, seconds: float) -> None:
         with self.cond:
             self.cond.wait(seconds)
+
+
+class StoreReceiver(Receiver):
+    """A receiver whose updates are filed in an ``UpdateStore`` in this process
+    (``self.store``): it lists, reads and waits on the store."""
+
+    store: UpdateStore
+
+    def _list(self) -> list[UpdateRef]:
+        return self.store.refs()
+
+    def _fetch(self, ref: UpdateRef) -> WeightUpdate | None:
+        return self.store.get(ref)
+
+    def _wait(self, seconds: float) -> None:
+        self.store.wait(seconds)

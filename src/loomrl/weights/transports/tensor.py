@@ -45,7 +45,7 @@ from loomrl.weights.transports.base import (
     UpdateRef,
 )
 from loomrl.weights.transports.shm import _check_private, _default_root
-from loomrl.weights.transports.store import UpdateStore
+from loomrl.weights.transports.store import StoreReceiver, UpdateStore
 from loomrl.weights.transports.torch_dist import (
     TorchDistReceiver,
     TorchDistSender,
@@ -80,18 +80,9 @@ class LocalTensorSender(TensorSender):
         self.store.put(update)
 
 
-class LocalTensorReceiver(Receiver):
+class LocalTensorReceiver(StoreReceiver):
     def __init__(self, store: UpdateStore) -> None:
         self.store, self.stats = store, TransferStats()
-
-    def _list(self) -> list[UpdateRef]:
-        return self.store.refs()
-
-    def _fetch(self, ref: UpdateRef) -> TensorUpdate | None:
-        return self.store.get(ref)
-
-    def _wait(self, seconds: float) -> None:
-        self.store.wait(seconds)
 
 
 # -- ipc: other processes, same device ---------------------------------------------------

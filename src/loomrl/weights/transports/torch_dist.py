@@ -36,14 +36,12 @@ import torch.distributed as dist
 from loomrl.runtime.group_store import store_prefix, tcp_store
 from loomrl.weights.transports.base import (
     BufferPool,
-    Receiver,
     Sender,
     TransferStats,
     Transport,
     TransportError,
-    UpdateRef,
 )
-from loomrl.weights.transports.store import UpdateStore
+from loomrl.weights.transports.store import StoreReceiver, UpdateStore
 from loomrl.weights.update import WeightUpdate, WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -169,7 +167,7 @@ class TorchDistSender(Sender):
             self._announce("close")
 
 
-class TorchDistReceiver(Receiver):
+class TorchDistReceiver(StoreReceiver):
     secret: str | None = None  # the job's secret; None: the store is trusted as it is
     rejected_keys = 0  # announcements that did not verify (forged, or from before a restart)
 
@@ -274,15 +272,6 @@ class TorchDistReceiver(Receiver):
                 "(restart the job; `loomrl resume` continues it)"
             )
         return update
-
-    def _list(self) -> list[UpdateRef]:
-        return self.store.refs()
-
-    def _fetch(self, ref: UpdateRef) -> WeightUpdate | None:
-        return self.store.get(ref)
-
-    def _wait(self, seconds: float) -> None:
-        self.store.wait(seconds)
 
     def close(self) -> None:
         self.stop.set()
