@@ -91,9 +91,8 @@ class Scorer:
         self._pool_metrics: dict[str, dict[str, float]] = {}
         self._merged_pool_metrics: dict[str, float] | None = None
         self.failures_by_reason: Counter[str] = Counter()
-        self.first_errors: dict[
-            str, str
-        ] = {}  # each failure reason's first message (with its traceback)
+        # each failure reason's first message (with its traceback)
+        self._first_errors: dict[str, str] = {}
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
@@ -108,7 +107,7 @@ class Scorer:
             None,
             0.0,
         )
-        twin._reward_sums, twin.first_errors = {}, {}
+        twin._reward_sums, twin._first_errors = {}, {}
         return twin
 
     def attach(self, executors: list[Any], fault_stats: Any) -> None:
@@ -241,7 +240,7 @@ class Scorer:
         headline = message.partition("\n")[0]  # (a raised error's traceback follows its first line)
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
-        self.first_errors.setdefault(reason, message)
+        self._first_errors.setdefault(reason, message)
         if (
             count & (count - 1) == 0
         ):  # the first one of a reason with its traceback, the later ones without
@@ -256,6 +255,11 @@ class Scorer:
     def failure_counts(self) -> Counter[str]:
         """Failures so far by reason (a copy: ``rollout/failed_<reason>``)."""
         return Counter(self.failures_by_reason)
+
+    def first_failures(self) -> dict[str, str]:
+        """Each failure reason's first message, traceback and all (a copy: summary.json's
+        ``first_failures``)."""
+        return dict(self._first_errors)
 
     def count_environment_failures(self, errors: list[str | None]) -> None:
         """Count episodes their environment failed (``environment``; ``errors`` their

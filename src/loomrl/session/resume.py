@@ -171,7 +171,7 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
         counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
-        summary["first_failures"] = dict(controller.scorer.first_errors)
+        summary["first_failures"] = controller.scorer.first_failures()
     write_json_atomically(run_dir / "summary.json", summary)
 
 
