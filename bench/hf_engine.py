@@ -96,12 +96,10 @@ OPTIONAL_VARIANTS = [
         {"cpu"},
     ),
 ]
-WARMUP_CALLS = {
-    "fp32 traced": 3
-}  # a decode shape is traced on its third use; the others need one call
-WARMUP_NEW_TOKENS = (
-    16  # a dynamic-cache variant warms up on short completions (no shape to capture)
-)
+# a decode shape is traced on its third use; the others need one call
+WARMUP_CALLS = {"fp32 traced": 3}
+# a dynamic-cache variant warms up on short completions (no shape to capture)
+WARMUP_NEW_TOKENS = 16
 
 
 class _IdsOnly:
@@ -152,9 +150,8 @@ def time_variant(base, name: str, dtype, knobs: dict, requests, repeats: int, de
     if gen._static is not None:
         gen._static.grouped_attention = grouped
     warmup = requests
-    if gen._static is None and not knobs.get(
-        "trace"
-    ):  # (static: the graph is captured at the timed shape)
+    # (static: the graph is captured at the timed shape)
+    if gen._static is None and not knobs.get("trace"):
         short = dataclasses.replace(requests[0].sampling, max_new_tokens=WARMUP_NEW_TOKENS)
         warmup = [dataclasses.replace(r, sampling=short) for r in requests]
     for _ in range(WARMUP_CALLS.get(name, 1)):

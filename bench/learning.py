@@ -102,9 +102,8 @@ def run_cell(seed: int, threads: int, isa: str, mode: str, args, work: Path) -> 
     env = {**os.environ, **ISA_ENV[isa]}
     name = f"s{seed}-t{threads}-{isa}"
     model = work / f"warmstart-{name}"
-    if (
-        model not in _BUILT
-    ):  # built fresh by this run (the sync row reuses its async row's), never an old one
+    # built fresh by this run (the sync row reuses its async row's), never an old one
+    if model not in _BUILT:
         warmstart(seed, threads, env, model, args.warmstart_arg)
         _BUILT.add(model)
     run_dir = (

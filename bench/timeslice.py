@@ -93,9 +93,8 @@ def run(
                 raise RuntimeError("a bench job failed during warm-up")
             time.sleep(0.05)
         start = time.time() + 0.5
-        (sync / "go").write_text(
-            json.dumps([start, start + window_s + 3.0])
-        )  # jobs run on past the window
+        # jobs run on past the window
+        (sync / "go").write_text(json.dumps([start, start + window_s + 3.0]))
         for p in procs:
             if p.wait(timeout=window_s + 300) != 0:
                 raise RuntimeError(f"bench job exited with {p.returncode}")
@@ -226,9 +225,8 @@ def main() -> None:
     p.add_argument("--quantum-s", type=float, default=0.5)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = p.parse_args()
-    os.sched_setaffinity(
-        0, {c for c in os.sched_getaffinity(0) if c != 0} or {0}
-    )  # keep core 0 for leases
+    # keep core 0 for leases
+    os.sched_setaffinity(0, {c for c in os.sched_getaffinity(0) if c != 0} or {0})
     tool_s = args.tool_s if args.tool_s is not None else calibrate(args)
     names = args.scenarios.split(",")
     if "solo" not in names:

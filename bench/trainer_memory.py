@@ -131,9 +131,8 @@ def child(variant: str, layers: int, device_name: str) -> dict:
     trainer = Trainer(
         model, type("Tok", (), {"pad_token_id": 0})(), AlgorithmConfig(group_size=ROWS), cfg, 1.0
     )
-    trainer.train_step(
-        _groups(PROMPT_TOKENS + 8, ROWS, PROMPT_TOKENS)
-    )  # gradients and AdamW state exist now
+    # gradients and AdamW state exist now
+    trainer.train_step(_groups(PROMPT_TOKENS + 8, ROWS, PROMPT_TOKENS))
     groups = _groups(ROW_TOKENS, ROWS, PROMPT_TOKENS)
     out = {
         "variant": variant,

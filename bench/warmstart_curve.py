@@ -70,9 +70,8 @@ def curve(
         )
 
     rows = _rows("train.jsonl", fmt)
-    rows = (
-        rows[:-holdout] if holdout else rows
-    )  # as the demo's warm-start, which holds out its probe rows
+    # as the demo's warm-start, which holds out its probe rows
+    rows = rows[:-holdout] if holdout else rows
     supervised_warmstart("tiny:llama", rows, None, steps=steps, seed=seed, on_step=probe, **recipe)
     return points
 

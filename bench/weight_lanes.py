@@ -133,9 +133,8 @@ def run_lane(lane: str, kind: str, kwargs: dict, trainer: torch.nn.Module, args)
             published_state(gen, torch.bfloat16), _loader(gen), Subscriber(transport.receiver(1))
         )
     times, publish_s = [], []
-    steps = (
-        args.steps if kind == "tensor" else min(args.steps, 2)
-    )  # the byte lane takes seconds a step
+    # the byte lane takes seconds a step
+    steps = args.steps if kind == "tensor" else min(args.steps, 2)
     for step in range(steps + 1):
         _train_step(trainer, step)
         _sync(args.device)

@@ -74,9 +74,8 @@ def test_templated_prompts_have_exactly_one_bos_and_plain_ones_keep_theirs():
     )
     assert with_system.render("2+2=") == "<bos>system: Answer with digits.\nuser: 2+2=\nassistant: "
     own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
-    assert (
-        with_system.render(own).count("system:") == 1
-    )  # a row's own system message is kept, alone
+    # a row's own system message is kept, alone
+    assert with_system.render(own).count("system:") == 1
     with pytest.raises(DatasetError, match="has no chat template"):
         PromptEncoder(build_char_tokenizer(), DataConfig(train="x.jsonl")).encode([own])
     with pytest.raises(DatasetError, match="chat_template=false"):
@@ -114,10 +113,8 @@ def test_a_conversational_dataset_trains_through_the_template_with_one_bos(
 
     def spy(self, prompts, seeds, sampling):
         sampled.extend(prompts)
-        assert self.eos_ids == {
-            2,
-            build_char_tokenizer().convert_tokens_to_ids("#"),
-        }  # both EOS ids stop
+        # both EOS ids stop
+        assert self.eos_ids == {2, build_char_tokenizer().convert_tokens_to_ids("#")}
         return original(self, prompts, seeds, sampling)
 
     monkeypatch.setattr(hf.HFGenerator, "_sample", spy)
@@ -135,18 +132,16 @@ def test_a_conversational_dataset_trains_through_the_template_with_one_bos(
         overrides=["generation.max_new_tokens=3", "data.max_eval_examples=4", "eval.every_steps=2"],
     )
     result = job.run()
-    assert (
-        result.summary["steps"] == 2 and len(result.eval_history) >= 1
-    )  # evaluation encodes them the same way
+    # evaluation encodes them the same way
+    assert result.summary["steps"] == 2 and len(result.eval_history) >= 1
     tok = _chat_tokenizer()
     assert sampled and all(
         ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id for ids in sampled
     )
     assert tok.decode(sampled[0]).endswith("\nassistant: ")
     prompt, completion = SEEN[0]
-    assert (
-        isinstance(prompt, list) and prompt[0]["role"] == "user"
-    )  # the prompt as the dataset holds it
+    # the prompt as the dataset holds it
+    assert isinstance(prompt, list) and prompt[0]["role"] == "user"
     assert isinstance(completion, str)
 
 
@@ -162,9 +157,8 @@ def test_a_stop_string_cuts_the_completion_and_its_tokens():
     finish, texts = ["length", "length"], tok.batch_decode(ids, skip_special_tokens=True)
     cut_at_stop(tok, ["\n", "9"], ids, logprobs, finish, texts)
     assert texts == ["12", "567"] and finish == ["stop", "length"]
-    assert (
-        tok.decode(ids[0]) == "12\n" and len(logprobs[0]) == 3
-    )  # tokens up to the stop string's, trained on
+    # tokens up to the stop string's, trained on
+    assert tok.decode(ids[0]) == "12\n" and len(logprobs[0]) == 3
     assert ids[1] == tok("567", add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="empty string"):
         GenerationConfig(stop=[""])
@@ -192,9 +186,8 @@ def test_generation_stops_on_a_stop_string(static_cache):
     assert all("1" not in t for t in texts)
     stopped = [i for i, f in enumerate(finish) if f == "stop" and tok.eos_token_id not in ids[i]]
     assert stopped  # 40 random characters over ~100: some held a '1'
-    assert all(
-        tok.decode(ids[i]).endswith("1") for i in stopped
-    )  # tokens end with the stop string's
+    # tokens end with the stop string's
+    assert all(tok.decode(ids[i]).endswith("1") for i in stopped)
 
 
 def test_sequences_stop_sampling_at_a_stop_string(monkeypatch):

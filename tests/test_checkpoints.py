@@ -156,9 +156,8 @@ def test_a_run_stopped_while_saving_its_final_model_is_not_taken_as_finished(tin
     result = Job(tiny_job(trainer={"num_steps": 2}, checkpoint={"every_steps": 2})).run()
     summary_path = result.run_dir / "summary.json"
     stopped = {**json.loads(summary_path.read_text()), "interrupted": True, "stopped_by": "SIGTERM"}
-    summary_path.write_text(
-        json.dumps(stopped)
-    )  # as a second SIGTERM during save_pretrained leaves it
+    # as a second SIGTERM during save_pretrained leaves it
+    summary_path.write_text(json.dumps(stopped))
     resumed = resume_job(result.run_dir)
     assert not resumed.summary.get("already_finished") and resumed.summary["steps"] == 2
     assert (

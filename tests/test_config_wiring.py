@@ -32,9 +32,8 @@ def test_the_hf_engines_knobs_live_in_its_table():
     assert _engine({"engine": table}) == HFEngineConfig(
         trace=False, cuda_graphs=True, quantize="int8"
     )
-    assert _engine({"engine": {"quantize": "int4"}}) == HFEngineConfig(
-        quantize="int4"
-    )  # no type: hf
+    # no type: hf
+    assert _engine({"engine": {"quantize": "int4"}}) == HFEngineConfig(quantize="int4")
     raw = apply_overrides({**BASE}, ["generation.engine.quantize=int8"])
     assert build_config(raw).generation.engine == HFEngineConfig(quantize="int8")
     with pytest.raises(ConfigError, match=r"generation\.engine\.vllm\.trace: unknown key"):

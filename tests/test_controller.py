@@ -297,9 +297,8 @@ def test_a_requests_groups_enter_the_buffer_and_leave_the_gate_together():
         started = await gate.acquire(4)
         take = asyncio.create_task(buf.take(3, version=0, on_drop=None))
         await asyncio.sleep(0)  # the trainer waits for its batch
-        await buf.put_many(
-            [group(2), group(0), group(1)]
-        )  # one request's groups (one failed: 3 of 4)
+        # one request's groups (one failed: 3 of 4)
+        await buf.put_many([group(2), group(0), group(1)])
         await gate.finish_many(4, accepted=3)
         batch = await take
         return (
@@ -434,9 +433,8 @@ def test_the_buffer_keeps_its_rollout_count_and_each_batch_its_group_sizes():
         for i, (v, n) in enumerate([(2, 3), (0, 2), (3, 1), (2, 4), (3, 5)]):
             await buf.put_many([group(i, v, n)])
             counts.append(buf.num_rollouts)
-        batch = await buf.take(
-            2, version=3, on_drop=lambda g: asyncio.sleep(0)
-        )  # drops the version-0 group
+        # drops the version-0 group
+        batch = await buf.take(2, version=3, on_drop=lambda g: asyncio.sleep(0))
         counts.append(buf.num_rollouts)
         rest = await buf.take(2, version=3, on_drop=None)
         return counts, batch, rest, buf.num_rollouts
@@ -474,9 +472,8 @@ def test_hanging_reward_times_out_and_is_counted_without_stopping(tiny_job, tmp_
     assert c.generated == c.trained + c.dropped_stale + c.failed + ctl.in_flight
     records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     seen = [r.get("rollout/failed_timeout", 0) for r in records]
-    assert (
-        seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed
-    )  # (counted before the step that lost them)
+    # (counted before the step that lost them)
+    assert seen == sorted(seen) and 1 <= seen[-1] <= ctl.counters.failed
     # The step record's failures by reason: a new count or reason shows at once.
     ctl.scorer.failures_by_reason["timeout"] += 2
     ctl.scorer.failures_by_reason["raised"] += 1
@@ -497,9 +494,8 @@ def test_a_call_past_stall_warning_s_is_logged_once_and_counted(tiny_job, tmp_pa
     with caplog.at_level(logging.WARNING, logger="loomrl.control.watchdog"):
         ctl, trainer, summary = run_fake(cfg, tmp_path, [0.0, 0.0, 1.2], [0.0])  # one slow generate
     stalls = [r.getMessage() for r in caplog.records if "past stall_warning_s" in r.getMessage()]
-    assert (
-        len(stalls) == ctl.watchdog.stall_warnings >= 1
-    )  # once per slow call, however long it runs
+    # once per slow call, however long it runs
+    assert len(stalls) == ctl.watchdog.stall_warnings >= 1
     assert all(
         m.startswith("g0 (a thread of pid ") and "'generate' has run for" in m for m in stalls
     )

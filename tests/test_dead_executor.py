@@ -84,9 +84,8 @@ def forking_reward(prompt: str, completion: str, answer: str, **row) -> float:
     if not _HELPERS:
         pid = os.fork()
         if pid == 0:
-            time.sleep(
-                300
-            )  # past the call deadline below: only watching the process finds the death
+            # past the call deadline below: only watching the process finds the death
+            time.sleep(300)
             os._exit(0)
         _HELPERS.append(pid)
         with open(os.environ["LOOMRL_TEST_HELPERS"], "a") as f:

@@ -154,9 +154,8 @@ def test_repeated_swaps_copy_nothing_drop_the_pages_and_keep_training_bit_identi
         assert all(p.numel() == 0 for p in moved.model.parameters())
         mapped_off = mapped_bytes()
         swap.restore()
-        if offload_module._populate[
-            "supported"
-        ]:  # restore maps the pages back, so it pays the faults
+        # restore maps the pages back, so it pays the faults
+        if offload_module._populate["supported"]:
             assert mapped_bytes() - mapped_off > 0.9 * state.bytes_moved
         after = snapshot(moved)
         assert before.keys() == after.keys() and all(

@@ -136,11 +136,8 @@ def test_the_job_interfaces_declare_what_the_controller_calls():
     assert issubclass(TrainerExecutor, TrainerEndpoints)
 
 
-VARIANTS = (
-    "call",
-    "route",
-    "fanout",
-)  # ``handle.generate.call(...)``, ``scorers.score.route(...)``
+# ``handle.generate.call(...)``, ``scorers.score.route(...)``
+VARIANTS = ("call", "route", "fanout")
 
 
 def _endpoint_called(func: Any, handles: set[str]) -> str | None:

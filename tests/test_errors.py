@@ -38,9 +38,8 @@ def test_a_reward_that_calls_sys_exit_fails_at_once_as_raised(fn):
         asyncio.run(call_reward(fn, "p", "c", {}, timeout_s=5.0))
     assert info.value.reason == "raised"  # not "timeout"
     assert time.perf_counter() - t0 < 1.0  # and no wait for the whole timeout
-    assert (
-        asyncio.run(call_reward(lambda p, c: 1.0, "p", "c", {}, 5.0)) == 1.0
-    )  # the worker still works
+    # the worker still works
+    assert asyncio.run(call_reward(lambda p, c: 1.0, "p", "c", {}, 5.0)) == 1.0
 
 
 def test_dataset_errors_name_file_and_line_counted_from_one(tmp_path):
@@ -217,9 +216,8 @@ def test_an_async_reward_that_blocks_the_loop_past_its_timeout_has_its_late_valu
 
     done = asyncio.run(call_reward_batch(_blocks_the_loop, [("p", "c", {})], 0.2))
     assert isinstance(done[0][0], RewardFailure) and done[0][0].reason == "timeout"
-    assert (
-        asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=5.0)) == 1.0
-    )  # in time: kept
+    # in time: kept
+    assert asyncio.run(call_reward(_blocks_the_loop, "p", "c", {}, timeout_s=5.0)) == 1.0
 
 
 def test_an_async_sandbox_exec_is_bounded_by_its_claim_timeout_and_its_own_timeout():

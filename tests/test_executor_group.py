@@ -163,9 +163,8 @@ def test_a_call_goes_to_every_rank_and_returns_rank_0s_answer(runtime):
         assert len(set(rank_pids)) == 2 and os.getpid() not in rank_pids
     assert group.busy_s == group.ranks[0].busy_s > 0 and group.where.endswith("rank 0 of 2")
     assert group.alive and not group.calls.running()
-    with pytest.raises(
-        TypeError, match="all_reduce"
-    ):  # arguments are checked against the interface
+    # arguments are checked against the interface
+    with pytest.raises(TypeError, match="all_reduce"):
         run(group.all_reduce())
 
 
@@ -227,9 +226,8 @@ def test_on_local_a_rank_that_raises_takes_the_group_down_and_a_restart_recovers
         assert not group.alive
         with pytest.raises(ExecutorDiedError):  # at once: the group is gone
             run(group.all_reduce(1.0))
-        fresh = runtime.restart(
-            group
-        )  # (waits for rank 0's collective to time out: a thread cannot be killed)
+        # (waits for rank 0's collective to time out: a thread cannot be killed)
+        fresh = runtime.restart(group)
         assert run(fresh.all_reduce(1.0)) == (0, 3.0) and runtime.handles == fresh.ranks
     finally:
         runtime.shutdown()

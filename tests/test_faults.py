@@ -125,9 +125,8 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
         and refreshed == [0]
         and slot.incarnation == 1
     )
-    assert (
-        stats.failures["generator"] == 1 and stats.restarts["generator"] == 1
-    )  # two calls lost, one restart
+    # two calls lost, one restart
+    assert stats.failures["generator"] == 1 and stats.restarts["generator"] == 1
     assert slot.busy_s == 2.0  # both incarnations' busy time
     assert slot.handle.name == "generator0"
 
@@ -202,12 +201,10 @@ def test_deadlines_are_kept_per_batch_size():
     d = Deadlines(factor=10.0, min_s=1.0, first_s=100.0, calls=1)
     d.observe("generator", call_key("generate", ([0] * 8,)), 0.5)
     assert d.limit("generator", call_key("generate", ([0] * 8,))) == 5.0
-    assert (
-        d.limit("generator", call_key("generate", ([0] * 200,))) == 100.0
-    )  # eval's big batch: its own
-    assert (
-        d.limit("trainer", "save_checkpoint") is None
-    )  # checkpoint I/O: warned about, never killed
+    # eval's big batch: its own
+    assert d.limit("generator", call_key("generate", ([0] * 200,))) == 100.0
+    # checkpoint I/O: warned about, never killed
+    assert d.limit("trainer", "save_checkpoint") is None
 
 
 def test_restarts_stop_at_the_limit():
@@ -365,16 +362,14 @@ def test_a_generator_that_stops_answering_is_replaced_after_its_deadline(
     tiny_job, tmp_path, runtime
 ):
     cfg = _fault_job(tiny_job, tmp_path, runtime)
-    on_record, stopped = _kill_at(
-        3, runtime, "generator0", signal.SIGSTOP
-    )  # alive, but never answers
+    # alive, but never answers
+    on_record, stopped = _kill_at(3, runtime, "generator0", signal.SIGSTOP)
     result = Job(cfg).run(on_record=on_record)
     assert stopped
     faults = _assert_complete_and_accounted(result, cfg)
     assert faults["executor/hung_kills"] == 1 and faults["executor/generator_restarts"] == 1
-    for _ in range(
-        100
-    ):  # the stopped process was killed, not left behind (Ray reaps it a bit later)
+    # the stopped process was killed, not left behind (Ray reaps it a bit later)
+    for _ in range(100):
         try:
             os.kill(stopped[0], 0)
         except ProcessLookupError:
@@ -395,9 +390,8 @@ def test_a_killed_trainer_restarts_the_job_from_its_checkpoint(tiny_job, tmp_pat
     assert "restarting the job from step_000004" in caplog.text and "'trainer'" in caplog.text
     records = read_metrics(result.run_dir)
     assert [r for r in records if r.get("event") == "resume"][0]["resume/from_step"] == 4
-    assert [r["step"] for r in records if "train/loss" in r] == list(
-        range(1, 9)
-    )  # 5 ran again, once
+    # 5 ran again, once
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
 
 
 def test_the_job_stops_when_it_may_not_restart(tiny_job, tmp_path):

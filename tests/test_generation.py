@@ -128,9 +128,8 @@ def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates(monke
             GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=7),
             GenerationRequest(tok("1+1=").input_ids, 3, sp, seed=8),
         ],
-        [
-            GenerationRequest(tok("45+17=").input_ids, 2, sp, seed=9)
-        ],  # no padding, one prompt shared
+        # no padding, one prompt shared
+        [GenerationRequest(tok("45+17=").input_ids, 2, sp, seed=9)],
         [
             GenerationRequest(tok("12+3=").input_ids, 4, sp, seed=1),
             GenerationRequest(tok("7+8=").input_ids, 3, sp, seed=2),
@@ -148,9 +147,8 @@ def test_traced_forwards_are_bit_identical_to_eager_and_see_weight_updates(monke
     )
     assert all(p.requires_grad for p in traced.model.parameters())  # as they were before tracing
     before = traced.generate(batches[0])
-    state = {
-        k: v * 1.5 for k, v in traced.mirror.items()
-    }  # weights written in place under the traces
+    # weights written in place under the traces
+    state = {k: v * 1.5 for k, v in traced.mirror.items()}
     for gen in (traced, eager):
         assert gen.update_weights(encode_update(None, state, version=1, base_version=None)) == 1
     after = traced.generate(batches[0])

@@ -65,27 +65,22 @@ def test_static_cache_decoding_gives_the_dynamic_loops_tokens_and_logprobs(arch,
     assert_same_completions(expected, static.generate(requests(tok, sampling)))
     finished = [(finish, len(ids)) for ids, _, finish in completions(expected)]
     assert ("length", 20) in finished  # some rows run to the end ...
-    assert any(
-        reason == "stop" and n < 20 for reason, n in finished
-    )  # ... and some stop mid-way at EOS
+    # ... and some stop mid-way at EOS
+    assert any(reason == "stop" and n < 20 for reason, n in finished)
 
 
 def test_the_static_cache_is_reused_across_calls_of_other_prompt_widths_and_stays_exact():
     model, tok = build_tiny_model("llama", seed=2, **TINY)
     dynamic, static = make_generator(model, tok), make_generator(model, tok, static_cache=True)
     sampling = SamplingParams(temperature=1.2, max_new_tokens=12)
-    for prompts in (
-        PROMPTS,
-        ("123456789+1=", "2=", "77+7="),
-        PROMPTS,
-    ):  # stale positions from a longer call
+    # stale positions from a longer call
+    for prompts in (PROMPTS, ("123456789+1=", "2=", "77+7="), PROMPTS):
         assert_same_completions(
             dynamic.generate(requests(tok, sampling, prompts)),
             static.generate(requests(tok, sampling, prompts)),
         )
-    assert (
-        len(static._static._steps) == 1
-    )  # every width fits one LENGTH_BUCKET: one cache (one graph on CUDA)
+    # every width fits one LENGTH_BUCKET: one cache (one graph on CUDA)
+    assert len(static._static._steps) == 1
     assert next(iter(static._static._steps.values())).max_len == LENGTH_BUCKET
 
 
@@ -197,17 +192,14 @@ def test_static_decoding_of_a_grouped_query_attention_model_matches_the_dynamic_
     model = gqa_model(tok)
     dynamic, static = make_generator(model, tok), make_generator(model, tok, static_cache=True)
     sampling = SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=16)
-    for prompts in (
-        PROMPTS,
-        ("5+5=", "6+6=", "7+7="),
-    ):  # padded, then not padded (no mask on the dynamic side)
+    # padded, then not padded (no mask on the dynamic side)
+    for prompts in (PROMPTS, ("5+5=", "6+6=", "7+7=")):
         assert_same_completions(
             dynamic.generate(requests(tok, sampling, prompts)),
             static.generate(requests(tok, sampling, prompts)),
         )
-    assert (
-        model.config._attn_implementation == "sdpa"
-    )  # the grouped attention was for the step only
+    # the grouped attention was for the step only
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_models_the_static_step_cannot_take_decode_on_the_dynamic_cache():
@@ -285,18 +277,16 @@ def test_cuda_graph_decoding_equals_the_eager_static_step(dtype):
         expected = eager.generate(requests(tok, sampling, prompts))
         results = graphed.generate(requests(tok, sampling, prompts))
         assert_same_completions(expected, results, atol=1e-6)
-    assert (
-        results[0].engine_metrics["generation/cuda_graphs"] == 1.0
-    )  # captured once, replayed since
+    # captured once, replayed since
+    assert results[0].engine_metrics["generation/cuda_graphs"] == 1.0
     assert results[0].engine_metrics["generation/cuda_graph_failures"] == 0.0
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_decoding_matches_the_dynamic_loop_in_fp32(monkeypatch):
-    monkeypatch.setattr(
-        torch.backends.cuda.matmul, "allow_tf32", False
-    )  # (another test may have set it)
+    # (another test may have set it)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model, tok = build_tiny_model("llama", seed=6, **TINY)
     model = model.to("cuda")

@@ -62,6 +62,7 @@ def test_run_writes_run_folder_and_final_model_loads_with_transformers(tiny_job)
     assert s["trained"] == 2 * 4 * 4
     records = read_metrics(run)
     keys = set().union(*records)
+    # traces: 'auto' is on for local
     for key in (
         "rollout/staleness_mean",
         "throughput/samples_per_s",
@@ -72,7 +73,7 @@ def test_run_writes_run_folder_and_final_model_loads_with_transformers(tiny_job)
         "eval/mean_reward",
         "generation/traced_forwards",
         "train/traced_forwards",
-    ):  # traces: 'auto' is on for local
+    ):
         assert key in keys, key
     # The generator's side of weight sync, renamed, with what it applied by the last step.
     applied = [
@@ -260,9 +261,8 @@ def test_lora_job_syncs_only_the_adapter_and_saves_a_merged_model(tiny_job):
         for r in records
         if "train/logprob_mismatch_same_version" in r
     ]
-    assert (
-        mismatch and max(mismatch) < 0.01
-    )  # the generator runs the trainer's adapter (bf16-rounded)
+    # the generator runs the trainer's adapter (bf16-rounded)
+    assert mismatch and max(mismatch) < 0.01
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(result.run_dir / "final")  # merged: loads without peft

@@ -136,9 +136,8 @@ def test_batching_by_a_token_budget_gives_the_scores_of_one_by_one(reward_model)
     alone, together = _scores(one_by_one, items), _scores(batched, items)
     assert together == pytest.approx(alone, abs=1e-5)
     assert one_by_one.metrics()["scorer/model_batches"] == len(items)
-    assert (
-        1 < batched.metrics()["scorer/model_batches"] < len(items)
-    )  # batched, and within the budget
+    # batched, and within the budget
+    assert 1 < batched.metrics()["scorer/model_batches"] < len(items)
 
 
 def test_token_budget_batches_keep_within_the_budget_and_cover_every_row_once():
@@ -233,9 +232,8 @@ def test_a_judgement_the_parser_cannot_read_is_a_counted_failure_with_the_text_i
     )
     judge = JudgeScorer(task.scorer)
     texts = judge.judge([judge.encode(item) for item in PAIRS])
-    assert judge.judge([judge.encode(PAIRS[2])]) == [
-        texts[2]
-    ]  # left-padded in a batch, it writes as alone
+    # left-padded in a batch, it writes as alone
+    assert judge.judge([judge.encode(PAIRS[2])]) == [texts[2]]
     with caplog.at_level(logging.WARNING):
         scorer, rollouts = _score_with_executor(task, PAIRS)
     parsed = [digits(text) for text in texts]
@@ -318,9 +316,8 @@ def test_a_job_trains_with_a_model_scorer(tiny_job, reward_model, runtime, reque
     means = [
         r["rollout/reward_mean"] for r in read_metrics(result.run_dir) if "rollout/reward_mean" in r
     ]
-    assert means and all(
-        abs(m * 16 - round(m * 16)) > 1e-6 for m in means
-    )  # the model's scores, not 0/1 rewards
+    # the model's scores, not 0/1 rewards
+    assert means and all(abs(m * 16 - round(m * 16)) > 1e-6 for m in means)
 
 
 def test_a_job_trains_with_a_judge(tiny_job):
@@ -411,9 +408,8 @@ def test_a_scorer_table_survives_the_run_folder_config_round_trip(tiny_job, rewa
 @pytest.mark.gpu
 def test_a_reward_model_on_cuda_in_bfloat16_scores_close_to_float32_on_the_cpu(reward_model):
     cpu = _scores(RewardModelScorer(ModelScorerConfig(path=reward_model, device="cpu")), PAIRS)
-    scorer = RewardModelScorer(
-        ModelScorerConfig(path=reward_model, device="cuda")
-    )  # dtype auto: bfloat16
+    # dtype auto: bfloat16
+    scorer = RewardModelScorer(ModelScorerConfig(path=reward_model, device="cuda"))
     assert next(scorer.model.parameters()).dtype == torch.bfloat16
     assert all(not p.requires_grad for p in scorer.model.parameters())
     gpu = _scores(scorer, PAIRS)

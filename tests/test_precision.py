@@ -141,12 +141,8 @@ def test_micro_batch_slices_respect_rows_and_padded_tokens():
     assert micro_batch_slices(rollouts, 64, None) == [slice(0, 6)]
     assert micro_batch_slices(rollouts, 4, None) == [slice(0, 4), slice(4, 6)]
     slices = micro_batch_slices(rollouts, 64, 16)
-    assert slices == [
-        slice(0, 2),
-        slice(2, 4),
-        slice(4, 5),
-        slice(5, 6),
-    ]  # the 23-token row goes alone
+    # the 23-token row goes alone
+    assert slices == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
     for s in slices:
         rows = lengths[s]
         assert len(rows) == 1 or max(rows) * len(rows) <= 16

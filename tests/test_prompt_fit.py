@@ -76,9 +76,8 @@ def test_a_prompt_past_the_byte_bound_is_refused_naming_its_line_without_tokeniz
         check_prompts(
             rows, ["d.jsonl:4", "d.jsonl:9"], _never_called, "prompt", 253, False, max_bytes=1000
         )
-    with pytest.raises(
-        DatasetError, match=r"d.jsonl:9: prompt is 1200 bytes"
-    ):  # a model of unknown context too
+    # a model of unknown context too
+    with pytest.raises(DatasetError, match=r"d.jsonl:9: prompt is 1200 bytes"):
         check_prompts(
             rows, ["d.jsonl:4", "d.jsonl:9"], _never_called, "prompt", None, False, max_bytes=1000
         )

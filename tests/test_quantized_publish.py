@@ -111,9 +111,8 @@ def test_a_delta_update_to_a_quantized_publishing_generator_equals_a_full_one(tr
     by_full.publish(synced_params(master), 2)
     gen_full.apply_weights(2)
     assert sent["weight_sync/is_full"] == 0.0
-    assert (
-        0 < sent["weight_sync/bytes_sent"] < sent["weight_sync/bytes_full"]
-    )  # a tiny model: the manifest weighs
+    # a tiny model: the manifest weighs
+    assert 0 < sent["weight_sync/bytes_sent"] < sent["weight_sync/bytes_full"]
     assert state_digest(gen_delta.mirror) == state_digest(gen_full.mirror)
     for a, b in zip(gen_delta.quantized.modules.values(), gen_full.quantized.modules.values()):
         assert torch.equal(a.inner.weight().int_repr(), b.inner.weight().int_repr())

@@ -116,9 +116,8 @@ def test_a_record_reaches_metrics_jsonl_without_a_flush_and_an_owned_one_is_not_
     record = {"step": 1, "train/loss": 0.5}
     metrics.log(record, step=1, owned=True)
     metrics.log(dict(record), step=1)
-    assert (
-        queued[0][0] is record and queued[1][0] is not record
-    )  # handed over, not copied; else a snapshot
+    # handed over, not copied; else a snapshot
+    assert queued[0][0] is record and queued[1][0] is not record
     deadline = time.monotonic() + 20 * WRITE_EVERY_S
     while len(read_metrics(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(WRITE_EVERY_S / 4)
@@ -135,10 +134,8 @@ def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job
     records = read_metrics(run)
     steps = [r["step"] for r in records if "train/loss" in r]
     assert steps == [1, 2, 3]  # step 3 once, not once per attempt
-    assert [r["step"] for r in records if "eval/mean_reward" in r] == [
-        0,
-        3,
-    ]  # no eval at the resume point
+    # no eval at the resume point
+    assert [r["step"] for r in records if "eval/mean_reward" in r] == [0, 3]
     (mark,) = [r for r in records if r.get("event") == "resume"]
     purges = [
         e.step
@@ -146,9 +143,8 @@ def test_resume_cuts_the_record_at_the_checkpoint_and_keeps_one_summary(tiny_job
         if e.HasField("session_log") and e.session_log.status == 1
     ]
     assert purges == [3]  # TensorBoard drops what the crashed attempt logged from step 3 on
-    assert (
-        mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2
-    )  # step 3 and its final eval
+    # step 3 and its final eval
+    assert mark["resume/from_step"] == 2 and mark["resume/dropped_records"] == 2
     s = resumed.summary
     assert s["eval_start"] == first.summary["eval_start"] == before["eval_start"]
     assert s["elapsed_s"] > before["elapsed_s"] > 0  # the time before the crash counts too

@@ -142,9 +142,8 @@ def test_a_fast_reward_runs_later_batches_on_one_worker_and_a_slow_one_stays_spl
         time.sleep(0.05)
         return 1.0
 
-    for _ in range(
-        2
-    ):  # the second batch, with the function's timings known, still runs side by side
+    # the second batch, with the function's timings known, still runs side by side
+    for _ in range(2):
         submitted.append(0)
         t0 = time.monotonic()
         results = asyncio.run(

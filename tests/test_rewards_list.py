@@ -117,9 +117,8 @@ def test_a_trl_reward_and_a_weighted_list_train_and_log_each_reward(tiny_job):
         num_steps=2,
         overrides=["generation.max_new_tokens=3", f"model.path={raw['model']['path']!r}"],
     )
-    assert (
-        job.config.task.rewards[1].path == "test_rewards_list:trl_length"
-    )  # a function object, by its path
+    # a function object, by its path
+    assert job.config.task.rewards[1].path == "test_rewards_list:trl_length"
     result = job.run()
     records = [r for r in read_metrics(result.run_dir) if "rollout/reward_mean" in r]
     assert len(records) == 2
@@ -166,9 +165,8 @@ def test_a_raising_reward_shows_its_file_and_line_once_with_its_traceback(tiny_j
         and 'raise ValueError(f"cannot score' in failures[0]
     )
     assert all("Traceback" not in message for message in failures[1:])  # the later ones: one line
-    assert (
-        f"{__file__}:{RAISE_LINE}" in result.summary["first_failures"]["raised"]
-    )  # and in summary.json
+    # and in summary.json
+    assert f"{__file__}:{RAISE_LINE}" in result.summary["first_failures"]["raised"]
 
 
 def test_the_zero_variance_warning_fires_on_a_random_model(tiny_job, caplog):

@@ -168,9 +168,8 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
         # (a real controller always has a scorer)
         scorer=SimpleNamespace(first_failures=dict),
     )
-    write_failure_summary(
-        tmp_path, controller, StopSignal(15)
-    )  # 8 rollouts were in the step it cut short
+    # 8 rollouts were in the step it cut short
+    write_failure_summary(tmp_path, controller, StopSignal(15))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (
         summary["interrupted"] is True

@@ -66,13 +66,14 @@ def test_no_step_for_stall_warning_s_is_logged(tiny_job, tmp_path, caplog):
 
 def test_first_ctrl_c_stops_a_run_waiting_for_a_batch_that_never_comes(tmp_path, tiny_data):
     train, _ = tiny_data
+    # the first two steps' rollouts score, then scoring hangs
     (tmp_path / "hang_reward.py").write_text(
         "import time\nCALLS = [0]\n"
         "def reward(prompt, completion, **row):\n"
         "    CALLS[0] += 1\n"
         "    if CALLS[0] > 40:\n        time.sleep(120)\n"
         "    return float(len(completion))\n"
-    )  # the first two steps' rollouts score, then scoring hangs
+    )
     raw = tiny_job_raw(
         tmp_path,
         train,

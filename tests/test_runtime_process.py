@@ -314,15 +314,10 @@ def test_a_post_runs_where_the_call_ended_off_the_loop_and_its_value_or_error_is
             assert await target.record.call("b") == ["a", "b"]
             with pytest.raises(ValueError, match="post failed"):
                 await target.record.call("boom", then=post)
-            assert await target.record("c") == [
-                "a",
-                "b",
-                "boom",
-                "c",
-            ]  # the executor lives on
-            assert (
-                not stats.failures and not stats.restarts
-            )  # (a post's error is no executor's loss)
+            # the executor lives on
+            assert await target.record("c") == ["a", "b", "boom", "c"]
+            # (a post's error is no executor's loss)
+            assert not stats.failures and not stats.restarts
 
         run(main())
     finally:

@@ -269,9 +269,8 @@ def test_roles_pick_the_resources():
     config = RayConfig(
         num_cpus={"trainer": 2}, num_gpus={"generator": 0.5}, memory_mb={"scorer": 256}
     )
-    assert (
-        config.num_cpus.generator == 1.0 and config.num_gpus.trainer == 0.0
-    )  # the rest keep defaults
+    # the rest keep defaults
+    assert config.num_cpus.generator == 1.0 and config.num_gpus.trainer == 0.0
     assert [role_of(n) for n in ("trainer", "generator12", "scorer0")] == [
         "trainer",
         "generator",
@@ -322,9 +321,8 @@ def test_a_tiny_job_runs_to_completion_on_ray(ray_cluster, tiny_job, tmp_path, t
     )
     assert len(set(rss.values())) == len(rss)  # one process each
     assert (result.run_dir / "final").is_dir()
-    assert ray_cluster.is_initialized() and _wait_no_actors(
-        ray_cluster, "loomrl-"
-    )  # the job's are gone
+    # the job's are gone
+    assert ray_cluster.is_initialized() and _wait_no_actors(ray_cluster, "loomrl-")
 
 
 OWN_CLUSTER = """

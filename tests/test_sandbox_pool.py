@@ -53,9 +53,8 @@ def test_exec_python_command_files_stdin_and_exit_codes(backend):
         assert m["sandbox/infra_failures"] == 0 and m["sandbox/execs"] == 5
         assert m["sandbox/kills_signal"] == 1
         with pytest.raises(SandboxError, match="leaves the work dir"):
-            pool.exec(
-                "x", files={"../escape": "x"}
-            )  # the escape itself now runs (it sat in an `if False`)
+            # the escape itself now runs (it sat in an `if False`)
+            pool.exec("x", files={"../escape": "x"})
 
 
 def test_file_names_may_not_leave_the_work_dir(backend):

@@ -53,13 +53,11 @@ def test_fair_share_equalises_device_seconds_where_fifo_does_not():
     # three always-busy jobs whose phases last 1, 2 and 3 s
     jobs = [SimJob(f"j{i}", [("device", d)]) for i, d in enumerate((1.0, 2.0, 3.0))]
     fifo, fair = simulate(jobs, "fifo", 300.0), simulate(jobs, "fair", 300.0)
-    assert fifo.device_s["j2"] == pytest.approx(
-        3 * fifo.device_s["j0"], rel=0.05
-    )  # per grant, not per second
+    # per grant, not per second
+    assert fifo.device_s["j2"] == pytest.approx(3 * fifo.device_s["j0"], rel=0.05)
     assert fair.jain >= 0.99 > fifo.jain
-    assert (
-        max(fair.device_s.values()) - min(fair.device_s.values()) <= 3.0 + 1e-6
-    )  # within one phase
+    # within one phase
+    assert max(fair.device_s.values()) - min(fair.device_s.values()) <= 3.0 + 1e-6
 
 
 def test_fair_share_follows_weights():
@@ -111,9 +109,8 @@ def test_lazy_eviction_charges_the_swap_to_the_job_that_caused_it():
     s = Scheduler({"d0": None}, "fifo")
     y, x = s.register("y", 0.0).id, s.register("x", 0.0).id
     s.request(y, ["d0"], "train", 0.0)
-    assert s.release(s.devices["d0"].holder, y, 1.0) == {
-        "evict": False
-    }  # nobody waits: stays resident
+    # nobody waits: stays resident
+    assert s.release(s.devices["d0"].holder, y, 1.0) == {"evict": False}
     assert s.devices["d0"].resident == y
     s.request(x, ["d0"], "train", 2.0)
     assert granted_job(s) is None and s.heartbeat(y, 2.0)["evict"] == ["d0"]

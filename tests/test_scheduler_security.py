@@ -159,9 +159,8 @@ def test_status_metrics_and_dashboard_show_no_job_ids_or_secrets(daemon):
             assert client.job_id not in text, page
             assert not secret_of(client) or secret_of(client) not in text, page
         snap = get_json(daemon.url, "/api/status")
-        assert [j["name"] for j in snap["jobs"]] == [
-            "private"
-        ]  # names stay: the dashboard shows them
+        # names stay: the dashboard shows them
+        assert [j["name"] for j in snap["jobs"]] == ["private"]
         assert all("id" not in j for j in snap["jobs"])
     finally:
         client.release(lease)
@@ -316,9 +315,8 @@ def _limit_fds() -> None:
 
 
 def test_idle_connections_do_not_starve_an_honest_job(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        "LOOMRL_SCHEDULER_TOKEN_FILE", str(tmp_path / "daemon.token")
-    )  # killed: it stays here
+    # killed: it stays here
+    monkeypatch.setenv("LOOMRL_SCHEDULER_TOKEN_FILE", str(tmp_path / "daemon.token"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -9,6 +9,8 @@ method by a string; no file over 500 lines, no function over 50, the controller'
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -448,3 +450,40 @@ def test_declared_capabilities_are_read_plainly():
         if (found := capability_probes(path.read_text()))
     }
     assert probes == {}
+
+
+def hung_comments(source: str) -> list[int]:
+    """Lines whose comment trails a bracket closing a construct opened on an earlier line
+    (``)  # why``, ``):  # why``): where ``ruff format`` hangs a comment too long for its
+    line, below the code it explains. Comments go on their own line above it (``noqa`` and
+    ``type:`` markers stay where their tools read them)."""
+    found, opened_at, last = [], [], []
+    closes_multiline: dict[tuple[int, int], bool] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.OP and tok.string in "([{":
+            opened_at.append(tok.start[0])
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            closes_multiline[tok.start] = opened_at.pop() < tok.start[0]
+        if tok.type == tokenize.COMMENT and last and not tok.string.startswith(_MARKERS):
+            close = last[-2] if last[-1].string in ",:" and len(last) > 1 else last[-1]
+            if close.start[0] == tok.start[0] and closes_multiline.get(close.start):
+                found.append(tok.start[0])
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            last = [*last[-1:], tok]
+    return found
+
+
+_MARKERS = ("# noqa", "# type:")
+
+
+def test_hung_comments_are_found_and_comments_above_are_not():
+    hung = "x = f(\n    1,\n)  # why\nif (\n    x\n):  # why\n    y = [\n        1,\n    ]\n"
+    above = "# why\nx = f(\n    1,  # this argument's why\n)\nx = f(1)  # short\n"
+    assert hung_comments(hung) == [3, 6]
+    assert hung_comments(above) == []
+
+
+def test_no_comment_hangs_on_a_closing_bracket():
+    files = [p for d in ("src", "tests", "bench", "examples") for p in (ROOT / d).rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in files for n in hung_comments(p.read_text())]
+    assert found == []

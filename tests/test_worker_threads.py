@@ -96,12 +96,10 @@ def test_on_thread_futures_resolve_on_the_loop_and_a_dropped_call_cancels_its_fu
         started = threading.Event()
         blocker = on_thread(loop, worker, None, lambda: (started.set(), gate.wait(5)))
         dropped = on_thread(loop, worker, None, ran.append, 2)
-        assert await asyncio.to_thread(
-            started.wait, 5
-        )  # the thread holds the blocker, not ``dropped``
-        worker.shutdown(
-            wait=False, cancel_futures=True
-        )  # (``dropped`` is still queued: the thread waits on the gate)
+        # the thread holds the blocker, not ``dropped``
+        assert await asyncio.to_thread(started.wait, 5)
+        # (``dropped`` is still queued: the thread waits on the gate)
+        worker.shutdown(wait=False, cancel_futures=True)
         gate.set()
         await blocker
         with pytest.raises(asyncio.CancelledError):

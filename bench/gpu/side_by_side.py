@@ -217,9 +217,8 @@ class Recorder:
         self.path = Path(args.res_dir) / f"{args.name}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.s, self.system, self.precision = s, system, precision
-        self.last_step_final = (
-            last_step_final  # the last step also checkpoints: leave it out of the window
-        )
+        # the last step also checkpoints: leave it out of the window
+        self.last_step_final = last_step_final
         self.total_steps = 0
         self.times: list[float] = []
         self.tokens: list[float] = []  # generated tokens per step
@@ -462,9 +461,8 @@ def run_loomrl(args: argparse.Namespace) -> None:
             flush=True,
         )
 
-    rec.t_train = (
-        time.perf_counter()
-    )  # includes the executors' start-up (loomrl's loop starts them)
+    # includes the executors' start-up (loomrl's loop starts them)
+    rec.t_train = time.perf_counter()
     result = Job(cfg).run(on_record=on_record)
     summ = result.summary
     rec.extra.update(

@@ -53,9 +53,8 @@ def render_within(render, budget_s: float) -> str:
         sys.settrace(None)
 
 
-Prompt = (
-    str | list[dict[str, str]]
-)  # a text, or {role, content} messages (TRL's conversational format)
+# a text, or {role, content} messages (TRL's conversational format)
+Prompt = str | list[dict[str, str]]
 
 
 class PromptEncoder:

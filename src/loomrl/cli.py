@@ -137,9 +137,8 @@ def _execute(job_fn, total_steps: int, run_dir: str) -> int:
         _print_error(f"{type(err).__name__}: {err}")
         return 2
     _print_summary(result)
-    if result.summary.get(
-        "interrupted"
-    ):  # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
+    # a first Ctrl-C, SIGTERM or SIGHUP: stopped after a step, checkpointed
+    if result.summary.get("interrupted"):
         return _report_interrupt(run_dir, result.summary.get("stopped_by"))
     return 0
 

@@ -11,9 +11,8 @@ from typing import Any
 class Background:
     def __init__(self) -> None:
         self.failure: BaseException | None = None
-        self._racing: asyncio.Task | None = (
-            None  # the task in until_failure, cancelled by a failure
-        )
+        # the task in until_failure, cancelled by a failure
+        self._racing: asyncio.Task | None = None
 
     def watch(self, task: asyncio.Task, members: set | None = None) -> asyncio.Task:
         """Remember the first exception of ``task`` and wake the training loop; ``members``:

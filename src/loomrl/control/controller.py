@@ -143,9 +143,8 @@ class Controller:
         self.step_record.watch(self.rollouts.reports, self.watchdog, extra_metrics)
         self.resumed = history is not None
         self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
-        self.checkpoints = Checkpoints(
-            self.cfg, version, self.history
-        )  # (resumed: at a checkpoint)
+        # (resumed: at a checkpoint)
+        self.checkpoints = Checkpoints(self.cfg, version, self.history)
 
     # -- where the run stands ------------------------------------------------------------
 

@@ -31,9 +31,8 @@ class PromptCache:
         encode_all: bool = True,
     ) -> None:
         self.tokenizer, self.rows, self.key = tokenizer, rows, data.prompt_key
-        self.max_prompt_tokens = (
-            max_prompt_tokens  # prompts past it are cut (data.truncate_prompts)
-        )
+        # prompts past it are cut (data.truncate_prompts)
+        self.max_prompt_tokens = max_prompt_tokens
         self._encoder = PromptEncoder(tokenizer, data, model)
         self.ids: dict[int, list[int]] = {}  # training row -> prompt tokens, encoded once
         self._eval_ids: list[list[int]] | None = None

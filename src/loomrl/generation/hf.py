@@ -27,9 +27,8 @@ from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
 
-EOS_CHECK_EVERY_ACCELERATOR = (
-    8  # decode steps between "is every sequence done?" host syncs on a GPU
-)
+# decode steps between "is every sequence done?" host syncs on a GPU
+EOS_CHECK_EVERY_ACCELERATOR = 8
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -100,9 +99,8 @@ class HFGenerator(Generator):
         self.receiver = WeightReceiver(mirror, self.load_weights, subscriber)
         self.quantized = self._quantize(quantize, publish_quantized)
         self.share_prefill = True  # each distinct prompt's prefill once (off for non-HF caches)
-        self.trace = (
-            trace and self.quantized is None
-        )  # forward passes from TorchScript traces (loomrl.models.traces)
+        # forward passes from TorchScript traces (loomrl.models.traces)
+        self.trace = trace and self.quantized is None
         self._traced: ShapeTraces | None = None
         self._static: StaticDecoder | None = self._static_decoder(
             static_cache or cuda_graphs, cuda_graphs

@@ -39,10 +39,8 @@ logger = logging.getLogger(__name__)
 LENGTH_BUCKET = 64  # static cache lengths are multiples of this (one graph for many prompt widths)
 MAX_GRAPHS = 2  # (rows, length) shapes kept, each with its own cache; least recently used dropped
 WARMUP_STEPS = 2  # eager runs on a side stream before capture (allocator and kernels settle)
-MASK_KINDS = {
-    "sdpa": "bool",
-    "eager": "additive",
-}  # attention implementations the 4-D mask is built for
+# attention implementations the 4-D mask is built for
+MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 GROUPED_DECODE = "loomrl_grouped_decode"  # the attention the static step runs for 'sdpa' models
 
 
@@ -128,14 +126,12 @@ class _StaticStep:
         dtype = next(model.parameters()).dtype
         self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.attend = torch.zeros(
-            (rows, max_len), dtype=torch.bool, device=device
-        )  # the mask, as booleans
+        # the mask, as booleans
+        self.attend = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         kind = MASK_KINDS[model.config._attn_implementation]
         mask_dtype = torch.bool if kind == "bool" else dtype
-        self.mask = torch.zeros(
-            (rows, 1, 1, max_len), dtype=mask_dtype, device=device
-        )  # what the model reads
+        # what the model reads
+        self.mask = torch.zeros((rows, 1, 1, max_len), dtype=mask_dtype, device=device)
         self.min_value = None if kind == "bool" else torch.finfo(dtype).min
         self.attention = GROUPED_DECODE if kind == "bool" and grouped_attention else None
         if self.attention is not None:
@@ -178,9 +174,8 @@ class _StaticStep:
     def _forward(self) -> torch.Tensor:
         config = self.model.config
         usual = config._attn_implementation
-        if (
-            self.attention is not None
-        ):  # (read by every attention layer at each call: for this step only)
+        # (read by every attention layer at each call: for this step only)
+        if self.attention is not None:
             config._attn_implementation = self.attention
         try:
             out = self.model(
@@ -222,9 +217,8 @@ class StaticDecoder:
     ) -> None:
         self.model = model
         self.cuda_graphs = cuda_graphs
-        self.grouped_attention = (
-            grouped_attention  # off: transformers' sdpa (repeated key/value heads)
-        )
+        # off: transformers' sdpa (repeated key/value heads)
+        self.grouped_attention = grouped_attention
         self._steps: OrderedDict[tuple, _StaticStep] = OrderedDict()
         self.graphs_captured = 0
         self.capture_failures = 0

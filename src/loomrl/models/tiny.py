@@ -13,9 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARS = [
-    c for c in string.printable if c not in "\r\x0b\x0c"
-]  # digits, letters, punctuation, space, \t, \n
+# digits, letters, punctuation, space, \t, \n
+CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

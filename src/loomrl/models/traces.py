@@ -41,9 +41,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TRACE_AFTER = (
-    3  # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
-)
+# the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
+TRACE_AFTER = 3
 MAX_TRACES = 64  # traces kept (least recently used dropped first)
 TRACE_BUDGET_S = 0.25  # tracing time always allowed ...
 TRACE_BUDGET_FRAC = 0.05  # ... plus this share of the time spent in the forward
@@ -124,9 +123,8 @@ class ShapeTraces:
         try:
             for p in frozen:
                 p.requires_grad_(False)
-            with (
-                warnings.catch_warnings()
-            ):  # shape-derived constants are what the per-shape key is for
+            # shape-derived constants are what the per-shape key is for
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 fn = torch.jit.trace(target, args, check_trace=False)

@@ -226,9 +226,8 @@ class Runtime(ABC):
         rendezvous): the old one is killed first (if it still runs) so that it cannot answer
         late. The fresh executor holds none of the old one's state; the caller brings it up to
         date (weights, for a generator)."""
-        start = handle.starter(
-            self
-        )  # (one started without a factory fails here, before it is ended)
+        # (one started without a factory fails here, before it is ended)
+        start = handle.starter(self)
         ended = True
         if handle.alive:
             try:

@@ -103,12 +103,8 @@ def check_implements(obj: Any, interface: type) -> dict[str, bool]:
 
 def bind_arguments(interface: type, name: str, args: tuple, kwargs: dict) -> None:
     """Raise ``TypeError`` at the caller when ``args`` do not fit endpoint ``name``."""
-    shape = (
-        interface,
-        name,
-        len(args),
-        tuple(kwargs),
-    )  # whether arguments bind depends on this alone
+    # whether arguments bind depends on this alone
+    shape = (interface, name, len(args), tuple(kwargs))
     if shape in _BOUND:
         return
     spec = endpoints_of(interface)[name]
@@ -121,9 +117,8 @@ def bind_arguments(interface: type, name: str, args: tuple, kwargs: dict) -> Non
         _BOUND.add(shape)
 
 
-_BOUND: set[tuple] = (
-    set()
-)  # call shapes that bound once (an endpoint is called the same way every step)
+# call shapes that bound once (an endpoint is called the same way every step)
+_BOUND: set[tuple] = set()
 
 
 def unknown_endpoint(interface: type, name: str) -> MissingEndpointError:

@@ -56,9 +56,8 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, 0))
-        except (
-            OSError
-        ):  # another node's address (a cluster's trainer node): free here, likely there
+        # another node's address (a cluster's trainer node): free here, likely there
+        except OSError:
             sock.bind(("", 0))
         return sock.getsockname()[1]
 
@@ -176,9 +175,8 @@ class ExecutorGroup(ExecutorHandle):
             ]
             try:
                 await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-            except (
-                asyncio.CancelledError
-            ):  # the caller gave up: the ranks' calls run on (as with one executor)
+            # the caller gave up: the ranks' calls run on (as with one executor)
+            except asyncio.CancelledError:
                 for call in calls:
                     call.add_done_callback(_retrieve)
                 raise

@@ -118,14 +118,10 @@ def _serve(
     root.handlers[:] = [_PipeLogHandler(log_conn, name)]
     root.setLevel(log_level)
     trace.configure_from_env(name)
-    for sig in (
-        signal.SIGINT,
-        signal.SIGTERM,
-        signal.SIGHUP,
-    ):  # the controller's to handle, also when
-        signal.signal(
-            sig, signal.SIG_IGN
-        )  # sent to the process group: it checkpoints, then stops us
+    # the controller's to handle, also when sent to the process group: it checkpoints,
+    # then stops us
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(torch_threads)
@@ -251,10 +247,9 @@ class ProcessHandle(ExecutorHandle):
                 if deadline is None
                 else min(deadline - time.monotonic(), LIVENESS_CHECK_S)
             )
-            if self._readable.poll(
-                max(remaining, 0.0) * 1000
-            ):  # (a kept poll object: ~20 us less a call
-                return  # than Connection.poll, which builds a selector each time)
+            # a kept poll object, not Connection.poll, which builds a selector each time
+            if self._readable.poll(max(remaining, 0.0) * 1000):
+                return
             if not self.process.is_alive():  # (waitpid): a reply sent before is in the pipe
                 if self._conn.poll(0):
                     return

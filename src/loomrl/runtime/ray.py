@@ -68,13 +68,14 @@ def _connect(config: RayConfig, num_cpus: float) -> bool:
         )
         return False
     object_store = config.object_store_mb << 20 if config.object_store_mb else None
+    # ("local": a new cluster, never a found one)
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, num_cpus),
         object_store_memory=object_store,
         include_dashboard=False,
         **kwargs,
-    )  # ("local": a new cluster, never a found one)
+    )
     logger.info("started a local Ray cluster for this job")
     return True
 
@@ -179,9 +180,8 @@ class RayRuntime(Runtime):
                 f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}"
             ) from None
         self._bundles = {name: i for i, name in enumerate(names)}
-        trainer = next(
-            (n for n in names if base_role(n) == "trainer"), None
-        )  # (or a trainer group's rank 0)
+        # (or a trainer group's rank 0)
+        trainer = next((n for n in names if base_role(n) == "trainer"), None)
         if trainer is not None:
             self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][
                 self._bundles[trainer]
@@ -204,9 +204,8 @@ class RayRuntime(Runtime):
                     self.placement_group, placement_group_bundle_index=self._bundles[name]
                 )
             }
-        if (
-            base_role(name) == "trainer" and self._trainer_node is not None
-        ):  # (the trainer, or its ranks)
+        # (the trainer, or its ranks)
+        if base_role(name) == "trainer" and self._trainer_node is not None:
             return {
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(
                     self._trainer_node, soft=False
@@ -220,9 +219,8 @@ class RayRuntime(Runtime):
         options = {**self.resources(name), **self._scheduling(name)}
         if self.config.namespace is not None:
             options["namespace"] = self.config.namespace
-        self._starts += (
-            1  # a restarted executor gets a fresh actor name: the old one may not be gone yet
-        )
+        # a restarted executor gets a fresh actor name: the old one may not be gone yet
+        self._starts += 1
         handle = RayHandle(
             name,
             factory,

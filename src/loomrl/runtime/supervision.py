@@ -115,9 +115,8 @@ class FaultStats:
         self.restarts: Counter[str] = Counter()  # by role
         self.hung_kills = 0
         self.requeued_prompts = 0  # prompts handed out again after their generate call was lost
-        self.rescored_rollouts = (
-            0  # rollouts sent to a scorer again after their score call was lost
-        )
+        # rollouts sent to a scorer again after their score call was lost
+        self.rescored_rollouts = 0
         self.lost_rollouts = 0  # rollouts whose second score call was lost too (counted as failed)
         self.trainer_restarts = 0  # job restarts from a checkpoint (set by the session)
         self.last_error: str | None = None
@@ -166,9 +165,8 @@ class Supervised:
     docstring). Everything else (``name``, ``calls``, ``where``, ``pid``) is the current
     handle's; ``busy_s`` adds up the executor's incarnations."""
 
-    check_s = (
-        0.5  # how often one check per executor looks whether its running call is past its deadline
-    )
+    # how often one check per executor looks whether its running call is past its deadline
+    check_s = 0.5
 
     def __init__(
         self,
@@ -253,9 +251,8 @@ class Supervised:
         handle, incarnation = self.handle, self.incarnation
         self.in_flight += 1
         try:
-            if (
-                self.deadlines is None
-            ):  # (an in-process runtime: nothing to kill, nothing to restart)
+            # (an in-process runtime: nothing to kill, nothing to restart)
+            if self.deadlines is None:
                 # (the handle's future itself: no coroutine frame of the handle's a call)
                 return await handle.submit(method, args, kwargs, None, post)
             return await self._call_with_deadline(handle, incarnation, method, args, kwargs, post)
@@ -280,15 +277,13 @@ class Supervised:
             call.started = time.monotonic()
         self._queue.append(call)
         try:
-            inner = handle.submit(
-                method, args, kwargs, lambda: self._finished(call), post
-            )  # a future: no task of its own
+            # a future: no task of its own
+            inner = handle.submit(method, args, kwargs, lambda: self._finished(call), post)
         except BaseException:
             self._finished(call)
             raise
-        if (
-            self._deadline_loop is not loop
-        ):  # one timer per executor while it has calls, not one per call
+        # one timer per executor while it has calls, not one per call
+        if self._deadline_loop is not loop:
             self._deadline_loop = loop
             loop.call_later(self.check_s, self._check_deadline)
         await self._wait(handle, incarnation, call, inner)

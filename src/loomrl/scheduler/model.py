@@ -15,10 +15,8 @@ from typing import Any
 # ones), the core checks them again, so no number can stop the scheduling pass.
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3  # fair share
 MAX_PRIORITY = 1_000_000  # |priority|
-MIN_HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_TIMEOUT_S = (
-    0.05,
-    3600.0,
-)  # an hour: no job holds a device forever unheard
+# at most an hour: no job holds a device forever unheard
+MIN_HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_TIMEOUT_S = 0.05, 3600.0
 MAX_DURATION_S = 7 * 86400.0  # expected_s, timeout_s, restore_s, offload_s, expected_idle_s
 MAX_POLL_S = 60.0
 MAX_NAME_CHARS = 128  # job names, phases, device names

@@ -31,9 +31,8 @@ class UserCodeError(ValueError):
     """An import path that names nothing callable."""
 
 
-REGISTERED_PREFIX = (
-    "loomrl.registered:"  # a function object given to Job(reward=...), found in this process only
-)
+# a function object given to Job(reward=...), found in this process only
+REGISTERED_PREFIX = "loomrl.registered:"
 _registered: dict[str, Any] = {}
 
 
@@ -418,9 +417,8 @@ async def _guarded(coro) -> tuple[str, Any]:
         return "raised", err
 
 
-_PACKAGE_DIR = str(
-    Path(__file__).resolve().parents[1]
-)  # loomrl's own frames are left out of tracebacks
+# loomrl's own frames are left out of tracebacks
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def _describe(err: BaseException) -> str:

@@ -241,9 +241,8 @@ class Scorer:
         count = self.failures_by_reason[reason] = self.failures_by_reason[reason] + 1
         self.last_error = headline
         self._first_errors.setdefault(reason, message)
-        if (
-            count & (count - 1) == 0
-        ):  # the first one of a reason with its traceback, the later ones without
+        # the first one of a reason with its traceback, the later ones without
+        if count & (count - 1) == 0:
             logger.warning(
                 "rollout failed scoring (%s, %d so far): %s",
                 reason,

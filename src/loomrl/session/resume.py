@@ -97,15 +97,11 @@ def already_finished(cfg: JobConfig, run_dir: Path, state: dict[str, Any]) -> Jo
         return None
     try:
         summary = {**json.loads(summary_path.read_text()), "already_finished": True}
-    except (
-        json.JSONDecodeError,
-        UnicodeDecodeError,
-        TypeError,
-    ):  # a summary cut short: not finished
+    # a summary cut short: not finished
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
         return None
-    if summary.get("job_failed") or summary.get(
-        "interrupted"
-    ):  # stopped while saving the final model
+    # stopped while saving the final model
+    if summary.get("job_failed") or summary.get("interrupted"):
         return None
     logger.info(
         "%s already finished (%d of %d steps); nothing to resume",

@@ -160,9 +160,8 @@ async def _drive(
         summary["stopped_by"] = stopped_by[0]
     summary["first_failures"] = controller.scorer.first_failures()
     # per executor; on the local runtime every executor shares the controller's process
-    summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[
-        0
-    ]  # uvloop or asyncio
+    # uvloop or asyncio
+    summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     summary["peak_rss_mb"] = {
         "controller": peak_rss_mb(os.getpid()),
         **{h.name: peak_rss_mb(h.pid) for h in runtime.handles},
@@ -185,9 +184,8 @@ def _train(
 
     loop_factory = event_loop_factory(cfg.event_loop)
     torch.manual_seed(cfg.seed)
-    configure_default_pool(
-        cfg.sandbox
-    )  # reward code that calls default_pool() gets the job's settings
+    # reward code that calls default_pool() gets the job's settings
+    configure_default_pool(cfg.sandbox)
     controller: Controller | None = None
     try:
         runtime = make_runtime(cfg.runtime, cfg)

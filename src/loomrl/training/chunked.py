@@ -51,9 +51,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
             h = hidden[start:end].float()
-            grad_z = _chunk_logsoftmax(
-                h, w, ctx.temperature
-            )  # log p, recomputed; becomes d loss / d z in place
+            # log p, recomputed; becomes d loss / d z in place
+            grad_z = _chunk_logsoftmax(h, w, ctx.temperature)
             probs = grad_z.exp()
             # d logp_t / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
             g_lp, g_ent = grad_logp[start:end, None], grad_entropy[start:end, None]

@@ -41,9 +41,8 @@ class TrainerSetup:
     temperature: float  # generation.temperature: the behaviour policy's log-probs are at it
     trace: bool  # trainer.trace resolved for the runtime
     runtime: str  # 'local', 'process' or 'ray'
-    quantize: str = (
-        "none"  # generation.engine.quantize: what weight_sync.publish_quantized publishes
-    )
+    # generation.engine.quantize: what weight_sync.publish_quantized publishes
+    quantize: str = "none"
 
 
 class TrainerExecutor(TrainerEndpoints):

@@ -95,9 +95,8 @@ def prefix_logits(
     states, cache = run(
         input_ids=batch.prefix_ids, attention_mask=batch.prefix_attn, use_cache=True
     )
-    last = states[
-        torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1
-    ]  # predicts the first token
+    # predicts the first token
+    last = states[torch.arange(batch.num_prompts, device=batch.owner.device), batch.prefix_len - 1]
     first = last.index_select(0, batch.owner).unsqueeze(1)
     if batch.suffix_ids.shape[1] == 1:
         return first

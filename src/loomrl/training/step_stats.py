@@ -10,9 +10,8 @@ import torch
 
 from loomrl.algorithms.losses import LossStats
 
-UPDATE_BUCKET_NUMEL = (
-    32 * 2**20
-)  # parameters copied at a time to measure the update (128 MiB in fp32)
+# parameters copied at a time to measure the update (128 MiB in fp32)
+UPDATE_BUCKET_NUMEL = 32 * 2**20
 
 
 def step_and_measure(optimizer: torch.optim.Optimizer) -> tuple[float, float]:

@@ -246,9 +246,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         self.traces = self._build_traces(trainer.trace is True if trace is None else trace)
         self.reference = None
-        if (
-            algorithm.kl_coef > 0
-        ):  # frozen, in the compute dtype: no second fp32 copy where bf16 does
+        # frozen, in the compute dtype: no second fp32 copy where bf16 does
+        if algorithm.kl_coef > 0:
             dtype = reference_dtype or prec.compute_dtype(self.precision)
             self.reference = prec.frozen_copy(self.model, dtype)
 

@@ -98,9 +98,8 @@ class TensorEntry:
         return n
 
     def to_json(self) -> dict:
-        out = {
-            name: getattr(self, name) for name in _ENTRY_FIELDS
-        }  # asdict's keys and order, without its deep copies
+        # asdict's keys and order, without its deep copies
+        out = {name: getattr(self, name) for name in _ENTRY_FIELDS}
         out["shape"] = list(self.shape)
         return out
 

@@ -87,9 +87,8 @@ class WeightReceiver:
         applied_before, t0 = self.num_updates_applied, time.perf_counter()
         deadline = time.monotonic() + self.wait_timeout_s
         self.poll()
-        while (
-            self.version < min_version and self.subscriber is not None
-        ):  # none: weights come by hand
+        # none: weights come by hand
+        while self.version < min_version and self.subscriber is not None:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"generator at version {self.version} waited {self.wait_timeout_s:g} s for version "

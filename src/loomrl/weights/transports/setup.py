@@ -33,9 +33,8 @@ def _group_args(bucket_mb: int, backend: str, host: str, world_size: int) -> dic
         "world_size": world_size,
         "bucket_bytes": bucket_mb << 20,
         "backend": backend,
-        "secret": secrets.token_hex(
-            32
-        ),  # hides and signs the group's store keys (docs/security.md)
+        # hides and signs the group's store keys (docs/security.md)
+        "secret": secrets.token_hex(32),
     }
 
 
@@ -61,9 +60,8 @@ def transport_args(
         return "shm", {"name": uuid.uuid4().hex[:16]}
     if t.type == "torch_dist":
         return "torch_dist", _group_args(t.bucket_mb, t.backend, host, 1 + num_generators)
-    if (
-        t.type == "tensor"
-    ):  # its mode (local, ipc, broadcast), or the byte lane where it cannot work
+    # its mode (local, ipc, broadcast), or the byte lane where it cannot work
+    if t.type == "tensor":
         from loomrl.weights.transports.tensor import choose_lane
 
         kind, mode = choose_lane(t.mode, in_process=in_process, device=device)

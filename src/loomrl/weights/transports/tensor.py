@@ -228,9 +228,8 @@ class BroadcastTensorSender(TorchDistSender, TensorSender):
     def _put(self, update: TensorUpdate) -> None:
         head = torch.frombuffer(bytearray(update.header()), dtype=torch.uint8)
         with self.lock:
-            self._announce(
-                "update", update
-            )  # signed, naming the version and digest the receivers check
+            # signed, naming the version and digest the receivers check
+            self._announce("update", update)
             self.group.broadcast(torch.tensor([head.numel(), update.nbytes], dtype=torch.int64))
             self.group.broadcast(head)
             for start in range(0, update.nbytes, self.t.bucket_bytes):

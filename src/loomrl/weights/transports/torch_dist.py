@@ -303,9 +303,8 @@ class TorchDistTransport(Transport):
     """
 
     name = "torch_dist"
-    sender_class: type[TorchDistSender] = (
-        TorchDistSender  # the tensor lane's broadcast mode sends tensors
-    )
+    # the tensor lane's broadcast mode sends tensors
+    sender_class: type[TorchDistSender] = TorchDistSender
     receiver_class: type[TorchDistReceiver] = TorchDistReceiver
 
     def __init__(
