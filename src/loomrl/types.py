@@ -17,9 +17,9 @@ def _pickled_by_fields(cls: type) -> type:
     """Pickle instances as (class, fields in order), rebuilt by the positional __init__.
 
     A slotted dataclass otherwise pickles through dataclasses' Python-level
-    ``__getstate__``/``__setstate__``: 128 rollouts took 0.43 ms to pickle and 0.44 ms to
-    unpickle, against 0.24 and 0.18 ms this way, once on the controller and once in the
-    trainer (on its critical path) every step of the ``process`` and ``ray`` runtimes."""
+    ``__getstate__``/``__setstate__``, slower both ways; rollouts are pickled on the
+    controller and unpickled in the trainer (on its critical path) every step of the
+    ``process`` and ``ray`` runtimes (docs/benchmarks.md has the times)."""
     get = operator.attrgetter(*(f.name for f in fields(cls)))
 
     def __reduce__(self):  # the pickle protocol's name

@@ -23,7 +23,7 @@ from loomrl.runtime.threads import release_later
 from loomrl.scoring.base import group_payload
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 
-# (read per result with map, at C speed: a request has up to a few hundred results)
+# (read per result with map: a request has up to a few hundred results)
 _weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _has_texts = (
     operator.attrgetter(a)
     for a in (

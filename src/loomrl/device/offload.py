@@ -36,7 +36,7 @@ import torch
 ALIGN = 64  # bytes: every tensor's offset in a shared mapping
 TRIM_MIN_BYTES = 1 << 20  # heap bytes copied out by one offload before malloc_trim is worth it
 # Linux >= 5.14. READ, not WRITE: a read fault maps a tmpfs page writable already and maps
-# its neighbours too (fault-around), about 3x faster here than one write fault per page
+# its neighbours too (fault-around): fewer faults than one write fault per page
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # storage data pointer -> the shared mapping that holds it; an entry leaves with its mapping
 _HOMES: dict[int, weakref.ref] = {}

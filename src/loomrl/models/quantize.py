@@ -13,8 +13,8 @@ graph reads keep their addresses).
 Kernels (docs/engines.md, "Quantized generation"):
 - ``int8`` on the CPU: torch's dynamic int8 Linear (``torch.ao.nn.quantized.dynamic``, fbgemm
   or onednn): int8 weights packed once per update, activations quantized per call, int8 x int8
-  matmuls. Measured on this project's 2-core CPU at 8 rows x 768 x 3072: 0.15 ms against
-  1.1 ms for the fp32 Linear and 11 ms for ``torch._weight_int8pack_mm`` (weight-only).
+  matmuls: the fastest CPU kernel measured, ahead of the fp32 Linear, torchao's dynamic
+  int8 config and ``torch._weight_int8pack_mm`` (weight-only); docs/engines.md has the times.
 - ``int8`` on CUDA: weight-only int8 (halves the weight memory of a bf16 model); the forward
   dequantizes the rows it multiplies, so it is not faster than bf16.
 - ``fp8`` (CUDA only): e4m3 weights with per-row scales and per-token activation scales,

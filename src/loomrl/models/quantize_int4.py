@@ -9,13 +9,11 @@ a Linear whose input dimension is not a multiple of 32 stays unquantized.
 
 Kernel: torch's own CPU int4 matmul (``aten._weight_int4pack_mm_for_cpu``, the one torchao's
 int4 weight-only CPU layout calls), weights packed two codes a byte once per update by
-``aten._convert_weight_to_int4pack_for_cpu``, with bf16 activations, scales and zeros: its
-fp32 path is ~70x slower (one 8 x 768 x 3072 matmul, 1 thread: 0.41 ms bf16, 29 ms fp32,
-2.2 ms the fp32 Linear, 0.17 ms the dynamic int8 one). It is built for a few rows: at 16 rows
-it is as fast as the fp32 Linear (1.8 ms against 2.0; int8 0.42), at 64 rows slower (7.5
-against 4.3); a whole decode step of 16 rows on a 138M Llama ran 1.55x fp32's tokens/s
-(bench/quantized.py). So int4 here saves memory first (a quarter of the weight bytes), and
-time only at few rows a step. CPU only: on CUDA use ``fp8`` or ``int8``.
+``aten._convert_weight_to_int4pack_for_cpu``, with bf16 activations, scales and zeros (its
+fp32 path is far slower). The kernel is built for a few rows: it is as fast as the fp32
+Linear at 16 rows and slower at 64, so int4 here saves memory first (a quarter of the weight
+bytes), and time only at few rows a step (docs/engines.md, "Quantized generation", has the
+times; ``bench/quantized.py`` measures them). CPU only: on CUDA use ``fp8`` or ``int8``.
 
 Why it is here: on a small model int8 moves the behaviour log-probs by ~0.02 nats a token, too
 little for the loss's importance correction to matter; int4 is the precision at which the

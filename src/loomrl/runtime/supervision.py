@@ -129,7 +129,7 @@ class FaultStats:
 
     def metrics(self) -> dict[str, float]:
         """The counts as metrics (a copy: built again only when a count changed, which
-        is rare, so the step record costs one tuple comparison at C speed)."""
+        is rare, so the step record costs one tuple comparison)."""
         key = (
             self.hung_kills,
             self.requeued_prompts,

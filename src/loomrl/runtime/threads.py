@@ -55,8 +55,7 @@ class WorkerThreads:
     one call at a time, in order) or the pool of its concurrent endpoints. ``submit`` and
     ``shutdown`` as ``ThreadPoolExecutor``'s, and ``post``, for ``on_thread``: a call with
     no ``concurrent.futures.Future`` (nor its condition and locks, its done callback), so
-    handing a call over is one queue put (a ThreadPoolExecutor cost each executor call ~15
-    us more on the controller's loop). Threads start when a call finds none idle, up to
+    handing a call over is one queue put. Threads start when a call finds none idle, up to
     ``max_workers``. They are daemons: a call still running at exit does not hold the
     interpreter."""
 
@@ -135,9 +134,8 @@ class WorkerThreads:
 
 class _Releaser:
     """Drops what the controller's loop is done with on a thread of its own, a few times a
-    second: freeing a trained batch (its groups' id, log-prob and text lists, a thousand
-    objects a step, made on other threads) cost the loop ~30 us a step, 5% of its turn.
-    ``release`` is one queue put that wakes nobody (the thread sleeps between drains)."""
+    second: a trained batch (its groups' id, log-prob and text lists, a thousand objects a
+    step, made on other threads) is not freed on the loop. ``release`` is one queue put that wakes nobody (the thread sleeps between drains)."""
 
     every_s = 0.2
 

@@ -182,7 +182,7 @@ class Scorer:
         }
 
     def _apply_to_group(self, group: Group, outcomes: list[ScoreOutcome]) -> None:
-        if set(map(_first, outcomes)) <= {"ok"}:  # the common case: one list, at C speed
+        if set(map(_first, outcomes)) <= {"ok"}:  # the common case: no pass in Python
             group.rewards = list(map(_second, outcomes))
             return
         for i, (status, value, _seconds) in enumerate(outcomes):

@@ -58,12 +58,11 @@ class MetricsLogger:
                 )
         self._views = Views(self._tb, self._sinks, _write_tb_scalars, _write_tb_text)
 
-        # Records are written on a thread of their own: JSON for metrics.jsonl, and one
-        # TensorBoard event per step (one per scalar cost ~50 us each). On the controller's
-        # loop they cost ~0.2 ms a step, of the ~1 ms its whole turn may take (1% of wall).
-        # The writer drains the queue every WRITE_EVERY_S rather than being woken by each
-        # record: a wake-up of another thread costs the loop ~12 us, and the writer's
-        # turns take the GIL from the executors' threads on ``local`` once, not every step.
+        # Records are written on a thread of their own, off the controller's loop: JSON for
+        # metrics.jsonl, and one TensorBoard event per step, not one per scalar. The writer
+        # drains the queue every WRITE_EVERY_S rather than being woken by each record: a
+        # wake-up of another thread costs the loop, and the writer's turns take the GIL from
+        # the executors' threads on ``local`` once, not every step.
         self._kick = threading.Event()
         self._queue: queue.SimpleQueue[tuple[dict[str, Any], int] | threading.Event | None] = (
             queue.SimpleQueue()
