@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name == "Job":
+        # lazy: `import loomrl` stays light: Job and JobConfig load on first use
         from loomrl.job import Job
 
         return Job
     if name == "JobConfig":
+        # lazy: `import loomrl` stays light: Job and JobConfig load on first use
         from loomrl.config import JobConfig
 
         return JobConfig

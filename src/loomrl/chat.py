@@ -99,6 +99,7 @@ class PromptEncoder:
                 "data.system_prompt or data.chat_template=true: use an instruct model's folder (its "
                 "tokenizer_config.json has 'chat_template'), or plain-text prompts"
             )
+        # lazy: jinja2 (transformers' template engine) loads only for a chat template
         from jinja2 import TemplateError
 
         try:

@@ -17,6 +17,7 @@ callers (``from loomrl.config import JobConfig, load_config``).
 from __future__ import annotations
 
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -188,7 +189,6 @@ def _section_types(annotation: Any) -> list[type[BaseModel]]:
 def _choices_text(annotation: Any) -> str:
     """`` [one of: 'a', 'b']`` for a field whose values are a Literal's (with None or a
     bool beside it), else nothing."""
-    import typing
 
     def literals(t: Any) -> list[Any]:
         if typing.get_origin(t) is Literal:

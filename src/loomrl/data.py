@@ -40,6 +40,7 @@ def load_rows_with_places(
     elif not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     elif path.suffix == ".parquet":
+        # lazy: pyarrow loads only for a .parquet file
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,7 @@ def _readme_data_files(readme: Path) -> list[str]:
     (``configs[].data_files`` in each of its forms, and ``configs[].data_dir``)."""
     if not readme.is_file():
         return []
+    # lazy: yaml (not a loomrl dependency) only for a dataset folder's README card
     import yaml
 
     text = readme.read_text(encoding="utf-8", errors="replace")
@@ -157,6 +159,7 @@ def _readme_data_files(readme: Path) -> list[str]:
 
 def _import_datasets(path: Path):
     try:
+        # lazy: datasets is optional (the data extra)
         import datasets
     except ImportError:
         raise DatasetSourceError(
@@ -220,6 +223,7 @@ def _materialize_rows(rows: list[Any], what: str) -> str:
 
 
 def _materialize_dataset(data: Any, what: str) -> str:
+    # lazy: datasets is optional (the data extra)
     import datasets
 
     if isinstance(data, datasets.DatasetDict):
@@ -240,8 +244,6 @@ def _materialize_dataset(data: Any, what: str) -> str:
         try:
             os.replace(tmp, target)
         except OSError:  # another process wrote it first: theirs is the same content
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("%s: %d rows saved at %s", what, data.num_rows, target)
     return str(target)

@@ -16,6 +16,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.rollouts import Rollouts
+from loomrl.envs.episode import run_group_episodes
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scoring.client import Scorer
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -120,8 +121,6 @@ class Evaluator:
     async def _episodes(self) -> list[Group]:
         """One greedy episode per held-out prompt, each a group of one (scored by its
         environment)."""
-        from loomrl.envs.episode import run_group_episodes
-
         rollouts, prompts = self.rollouts, self.rollouts.prompts
 
         async def one(i: int, row: dict[str, Any]) -> Rollout:

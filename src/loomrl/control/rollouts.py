@@ -19,6 +19,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.prompts import PromptCache
+from loomrl.envs.episode import run_group_episodes
 from loomrl.runtime.threads import release_later
 from loomrl.scoring.base import group_payload
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
@@ -191,8 +192,6 @@ class Rollouts:
     ) -> Group:
         """One group of multi-turn episodes of row ``index`` (an environment task), one
         environment each, closed when the group ends."""
-        from loomrl.envs.episode import run_group_episodes
-
         envs = [env_factory() for _ in range(self.group_size)]
         try:
             rollouts = await run_group_episodes(

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 from loomrl.config_common import ModelConfig
 from loomrl.device import module_device
+from loomrl.generation import vllm_adapter
 from loomrl.generation.base import Generator
 from loomrl.generation.config import GenerationConfig
 from loomrl.generation.engine_config import vllm_quantize_refusal
 from loomrl.generation.hf import HFGenerator
+from loomrl.generation.vllm_async import AsyncVllmGenerator
+from loomrl.generation.vllm_engine import VllmGenerator
 from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.weights.config import WeightSyncConfig
 from loomrl.weights.publisher import Subscriber
@@ -56,9 +59,6 @@ def build_vllm_generator(cfg: GeneratorSetup, receiver) -> Generator:
     """The vLLM engine (``loomrl.generation.vllm_engine``; on AsyncLLM with
     ``async_engine``, ``loomrl.generation.vllm_async``): vLLM is imported only here. What
     the config alone can refuse was refused when the job loaded (``loomrl.config_job``)."""
-    from loomrl.generation.vllm_async import AsyncVllmGenerator
-    from loomrl.generation.vllm_engine import VllmGenerator
-
     engine = cfg.generation.engine
     if engine.quantize != "none":
         check_vllm_quantize(cfg)
@@ -86,8 +86,6 @@ def check_vllm_quantize(cfg: GeneratorSetup) -> None:
     dtype = str(resolve_dtype(cfg.model)).removeprefix("torch.")
     refusal = vllm_quantize_refusal(quantize, dtype)
     if refusal is None:
-        from loomrl.generation import vllm_adapter
-
         device_type = vllm_adapter.platform_device_type()
         capability = vllm_adapter.platform_capability() if device_type == "cuda" else None
         refusal = vllm_quantize_refusal(quantize, dtype, device_type, capability)

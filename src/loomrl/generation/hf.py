@@ -15,14 +15,18 @@ from typing import Any
 import torch
 
 from loomrl.device import module_device
+from loomrl.device.offload import Swappable
 from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.static_decode import StaticDecoder, static_decode_unsupported
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
+from loomrl.models.quantize import quantize_linears
 from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.types import GenerationRequest, GenerationResult, SamplingParams
+from loomrl.weights.lora import is_peft_model, load_adapter_state
 from loomrl.weights.params import published_state
 from loomrl.weights.publisher import DTYPES, Subscriber
+from loomrl.weights.quantized import QuantizedPublish, is_codes, scale_name, weight_name
 from loomrl.weights.receiver import WeightReceiver, WeightsApplied
 
 logger = logging.getLogger(__name__)
@@ -112,8 +116,6 @@ class HFGenerator(Generator):
         self.eos_check_every = eos_check_every
 
     def _static_decoder(self, static_cache: bool, cuda_graphs: bool) -> StaticDecoder | None:
-        from loomrl.weights.lora import is_peft_model
-
         if not static_cache:
             return None
         why = "a PEFT model" if is_peft_model(self.model) else static_decode_unsupported(self.model)
@@ -129,9 +131,6 @@ class HFGenerator(Generator):
         the mirror holds codes and scales instead, as the trainer publishes them."""
         if kind == "none":
             return None
-        from loomrl.models.quantize import quantize_linears
-        from loomrl.weights.lora import is_peft_model
-        from loomrl.weights.quantized import QuantizedPublish, scale_name
 
         if is_peft_model(self.model):
             raise ValueError(
@@ -170,12 +169,9 @@ class HFGenerator(Generator):
         self.receiver.wait_timeout_s = seconds
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from loomrl.weights.lora import is_peft_model, load_adapter_state
-
         if is_peft_model(self.model):
             load_adapter_state(self.model, dict(weights))
             return
-        from loomrl.weights.quantized import is_codes, scale_name, weight_name
 
         quantized, params = self.quantized, dict(self.model.named_parameters())
         published_codes = {}  # quantized weights published as codes + scales (publish_quantized)
@@ -206,8 +202,6 @@ class HFGenerator(Generator):
     def offload(self) -> float:
         """Move the model and the weight mirror off the device; returns the seconds."""
         if self._swap is None:
-            from loomrl.device.offload import Swappable
-
             self._swap = Swappable(self.model, tensor_dicts=[self.mirror])
         if self._traced is not None:  # traces hold the tensors offload replaces
             self._traced.clear()

@@ -60,6 +60,7 @@ def grouped_decode_attention(
     ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), and the mask
     [batch, 1, 1, length] broadcasts over them. Returns [batch, 1, heads, head_dim], as the
     attention interface does; other shapes go to transformers' ``sdpa``."""
+    # lazy: transformers loads when this runs, not with the module
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, head_dim = query.shape
@@ -76,6 +77,7 @@ def grouped_decode_attention(
 
 
 def _register_grouped_decode() -> None:
+    # lazy: transformers loads when this runs, not with the module
     from transformers import AttentionInterface
 
     if GROUPED_DECODE not in AttentionInterface._global_mapping:
@@ -112,6 +114,7 @@ class _StaticStep:
         *,
         grouped_attention: bool,
     ) -> None:
+        # lazy: transformers' cache classes load when a cache is built, not with the module
         from transformers.cache_utils import Cache, StaticLayer
 
         self.model, self.rows, self.max_len = model, rows, max_len

@@ -18,6 +18,7 @@ class KVForward(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, position_ids, *kv: torch.Tensor):
+        # lazy: transformers' cache classes load when a cache is built, not with the module
         from transformers.cache_utils import DynamicCache
 
         cache = DynamicCache()
@@ -37,6 +38,7 @@ def _layer_holding(keys: torch.Tensor, values: torch.Tensor):
     """A ``DynamicLayer`` that holds ``keys`` and ``values`` as they are: ``update`` on a
     fresh one would first copy them (``cat`` onto an empty tensor), the whole cache again at
     every token."""
+    # lazy: transformers' cache classes load when a cache is built, not with the module
     from transformers.cache_utils import DynamicLayer
 
     layer = DynamicLayer()

@@ -66,6 +66,7 @@ class WeightPayloadError(RuntimeError):
 def vllm_version() -> str | None:
     """The installed vLLM's version, or None when vLLM does not import."""
     try:
+        # lazy: vllm is optional (the vllm extra)
         import vllm
     except ImportError:
         return None
@@ -75,6 +76,7 @@ def vllm_version() -> str | None:
 def platform_device_type() -> str:
     """Where vLLM computes ('cuda', 'cpu', ...): its platform's, whatever device the policy
     model that loomrl loaded sits on."""
+    # lazy: vllm is optional (the vllm extra)
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
@@ -83,6 +85,7 @@ def platform_device_type() -> str:
 def platform_capability() -> tuple[int, int] | None:
     """The CUDA device's compute capability as vLLM reads it (NVML: no CUDA context in this
     process, so vLLM's workers may still fork); None off CUDA."""
+    # lazy: vllm is optional (the vllm extra)
     from vllm.platforms import current_platform
 
     capability = current_platform.get_device_capability()
@@ -91,6 +94,7 @@ def platform_capability() -> tuple[int, int] | None:
 
 def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, str]:
     """``(name, tensor)`` pairs as safetensors bytes, and their blake2b digest."""
+    # lazy: safetensors loads only when weights go to a vLLM engine
     from safetensors.torch import save
 
     tensors, seen = {}, set()
@@ -106,6 +110,7 @@ def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[bytes, st
 
 def unpack_weights(data: bytes, digest: str) -> dict[str, torch.Tensor]:
     """The tensors of ``pack_weights``'s bytes, after checking their digest."""
+    # lazy: safetensors loads only when weights go to a vLLM engine
     from safetensors.torch import load
 
     got = hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -139,6 +144,7 @@ def _caller_state_kept():
     torch_rng, py_rng = torch.get_rng_state(), random.getstate()
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     try:
+        # lazy: numpy comes with torch; the ImportError branch covers a build without it
         import numpy as np
 
         np_rng = np.random.get_state()
@@ -198,6 +204,7 @@ def start_llm(model_dir: str, *, engine: Any, **settings: Any) -> Any:
     """A ``vllm.LLM`` serving the model folder ``model_dir`` (``settings``: dtype, seed,
     device_type, max_model_len, quantize, as ``_engine_kwargs`` takes them)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine.multiprocessing else "0"
+    # lazy: vllm is optional (the vllm extra)
     from vllm import LLM
 
     kwargs = _engine_kwargs(engine=engine, **settings)
@@ -246,6 +253,7 @@ class AsyncLLMOnLoop:
 
     @staticmethod
     async def _start(model_dir: str, kwargs: dict[str, Any]) -> Any:
+        # lazy: vllm is optional (the vllm extra)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -273,6 +281,7 @@ class AsyncLLMOnLoop:
             raise
 
     async def _generate_one(self, prompt: Any, params: Any) -> Any:
+        # lazy: vllm is optional (the vllm extra)
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -350,6 +359,7 @@ def sample(
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """One completion per prompt (each with its own seed): token ids, the log-prob of each
     sampled token, and the finish reason ('stop' or 'length')."""
+    # lazy: vllm is optional (the vllm extra)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -430,6 +440,7 @@ def engine_alive(llm: Any) -> bool:
 
 def is_engine_dead(err: BaseException) -> bool:
     """Whether ``err`` says vLLM's engine core is gone (its process died)."""
+    # lazy: vllm is optional (the vllm extra)
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return isinstance(err, EngineDeadError)

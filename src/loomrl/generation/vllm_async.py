@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from loomrl.generation import vllm_adapter
 from loomrl.generation.vllm_engine import VllmGenerator
 from loomrl.runtime.endpoints import endpoint
 from loomrl.types import GenerationRequest, GenerationResult
@@ -91,8 +92,6 @@ class AsyncVllmGenerator(VllmGenerator):
         super().__init__(model, tokenizer, **kwargs)
 
     def _engine_factory(self):
-        from loomrl.generation import vllm_adapter
-
         return vllm_adapter.start_async_llm
 
     # -- engine changes: alone, between generate calls -----------------------------------
@@ -144,8 +143,6 @@ class AsyncVllmGenerator(VllmGenerator):
 
     def _heal(self) -> None:
         """Restart a dead engine (once, whichever call finds it dead first)."""
-        from loomrl.generation import vllm_adapter
-
         if vllm_adapter.engine_alive(self.llm):
             return
         with self._engine_change():
@@ -189,8 +186,6 @@ class AsyncVllmGenerator(VllmGenerator):
     ) -> tuple[list[GenerationResult] | None, Any]:
         """The results, sampled under the shared gate (no weight change starts before they
         are done), and the engine that made them; None for results if it died meanwhile."""
-        from loomrl.generation import vllm_adapter
-
         with self.gate.shared():
             llm = self.llm
             try:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from loomrl.generation import vllm_adapter
 from loomrl.generation.base import Generator, sample_grouped
 from loomrl.generation.engine_config import VllmEngineConfig
 from loomrl.generation.hf import eos_token_ids
@@ -89,8 +90,6 @@ class VllmGenerator(Generator):
         seed: int = 0,
         quantize: str = "none",
     ) -> None:
-        from loomrl.generation import vllm_adapter
-
         self.engine_cfg = engine or VllmEngineConfig()
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
@@ -122,8 +121,6 @@ class VllmGenerator(Generator):
 
     def _engine_factory(self):
         """What starts this generator's engine (``vllm.LLM`` here; AsyncLLM in the async one)."""
-        from loomrl.generation import vllm_adapter
-
         return vllm_adapter.start_llm
 
     def _start(self) -> Any:
@@ -150,8 +147,6 @@ class VllmGenerator(Generator):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the changed tensors (widened to whole decoder layers, from the mirror the
         receiver just verified); restart from the mirror if vLLM fails part-way."""
-        from loomrl.generation import vllm_adapter
-
         if self.offloaded:  # asleep or stopped: ``restore`` loads the whole mirror
             self._reload_on_restore = True
             return
@@ -179,8 +174,6 @@ class VllmGenerator(Generator):
         """Stop vLLM and let its memory go before anything starts another engine here:
         vLLM measures the free device memory when it starts, and an in-process engine still
         referenced (``self.llm`` during a restart) or in an uncollected cycle would hold it."""
-        from loomrl.generation import vllm_adapter
-
         llm, self.llm = self.llm, None
         try:
             vllm_adapter.shutdown(llm)
@@ -191,8 +184,6 @@ class VllmGenerator(Generator):
 
     def restart(self) -> None:
         """A fresh engine holding the mirror's weights (counted in the metrics)."""
-        from loomrl.generation import vllm_adapter
-
         try:
             self._stop_engine()
         except Exception:  # already dead: nothing to stop
@@ -203,8 +194,6 @@ class VllmGenerator(Generator):
 
     def _heal(self) -> None:
         """Restart an engine whose engine-core process is gone (multi-process mode)."""
-        from loomrl.generation import vllm_adapter
-
         if not vllm_adapter.engine_alive(self.llm):
             logger.warning("vLLM's engine core is gone; restarting it from the verified mirror")
             self.restart()
@@ -233,8 +222,6 @@ class VllmGenerator(Generator):
         has no sleep mode on a CPU: there the engine is stopped (its weights and key/value
         cache freed) and ``restore`` starts it again from the verified mirror, so memory
         the scheduler or a colocated trainer counts on is really free."""
-        from loomrl.generation import vllm_adapter
-
         t0 = time.perf_counter()
         if not self.offloaded:
             if self.device_type == "cuda":
@@ -247,8 +234,6 @@ class VllmGenerator(Generator):
 
     def restore(self) -> float:
         """Undo ``offload``; weights committed meanwhile are loaded now. The seconds."""
-        from loomrl.generation import vllm_adapter
-
         t0 = time.perf_counter()
         if self.offloaded:
             if self.llm is None:  # stopped (CPU): a fresh engine, then the mirror's weights
@@ -282,8 +267,6 @@ class VllmGenerator(Generator):
         try:
             results = self._generate_grouped(requests)
         except Exception as err:
-            from loomrl.generation import vllm_adapter
-
             if not vllm_adapter.is_engine_dead(err):
                 raise
             logger.warning("vLLM's engine core died; restarting it from the verified mirror")
@@ -301,8 +284,6 @@ class VllmGenerator(Generator):
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """One vLLM call for a batch of one sampling's prompts, the prefix cache salted by
         the policy version."""
-        from loomrl.generation import vllm_adapter
-
         return vllm_adapter.sample(
             self.llm,
             prompts,

@@ -9,6 +9,7 @@ def can_repeat(cache) -> bool:
     """Whether ``repeat_cache`` copies ``cache`` faithfully: a ``DynamicCache`` of plain
     full-attention layers. Sliding-window layers keep only their window, and linear-attention
     or quantized layers hold other state, so those are left to the unshared path."""
+    # lazy: transformers' cache classes load when a cache is built, not with the module
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     layers = getattr(cache, "layers", None)
@@ -36,6 +37,7 @@ def repeat_cache(cache, rows: torch.Tensor):
     """A new ``DynamicCache`` whose row ``i`` is ``cache``'s row ``rows[i]``: one prompt's
     keys and values for each of the completions that share it. Differentiable, so a trainer
     can back-propagate through a shared prompt."""
+    # lazy: transformers' cache classes load when a cache is built, not with the module
     from transformers.cache_utils import DynamicCache
 
     repeated = DynamicCache()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
-from loomrl.models.tiny import TINY_DEFAULTS, build_tiny_model
+from transformers.utils import logging as hf_logging
+
+from loomrl.models.tiny import TINY_DEFAULTS, build_char_tokenizer, build_tiny_model
 
 if TYPE_CHECKING:
     from loomrl.config_common import ModelConfig
@@ -73,11 +76,11 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
     """Returns ``(model, tokenizer)`` with the model in ``dtype`` (default fp32) on the CPU,
     in train mode off. A tiny model is initialised in fp32 and then cast, so its weights
     are the fp32 ones rounded, whatever the dtype."""
+    # lazy: torch loads when this runs, not with the module
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     if spec.startswith("tiny:"):
@@ -104,8 +107,6 @@ def _from_pretrained(auto_class, path: Path, dtype):
     """``auto_class.from_pretrained`` of a local folder; a pickled weights file that
     ``torch.load(weights_only=True)`` refuses (it would run code) is a ``ModelLoadError``
     naming the file and the folder, not torch's traceback."""
-    import pickle
-
     try:
         return auto_class.from_pretrained(path, local_files_only=True, dtype=dtype)
     except pickle.UnpicklingError as err:
@@ -124,10 +125,9 @@ def _from_pretrained(auto_class, path: Path, dtype):
 def load_tokenizer(spec: str):
     """The tokenizer alone (no model weights are read)."""
     if spec.startswith("tiny:"):
-        from loomrl.models.tiny import build_char_tokenizer
-
         parse_tiny_spec(spec)
         return build_char_tokenizer()
+    # lazy: transformers loads when this runs, not with the module
     from transformers import AutoTokenizer
 
     path = Path(spec)
@@ -160,6 +160,7 @@ def model_context_length(spec: str) -> int | None:
 
 def apply_lora(model, r: int, alpha: float, target_modules: list[str]):
     """Wrap ``model`` with a fresh PEFT LoRA adapter; only the adapter trains."""
+    # lazy: peft is optional (the lora extra)
     from peft import LoraConfig, get_peft_model
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -179,6 +180,7 @@ def resolve_dtype(model_cfg: ModelConfig, device=None):
     """The compute dtype ``model.dtype`` means on ``device`` (default: ``model.device``
     resolved): 'auto' is bfloat16 on CUDA and float32 elsewhere (CPU numbers stay fp32).
     Generators load their model in it; the trainer keeps its KL reference in it."""
+    # lazy: torch loads when this runs, not with the module
     import torch
 
     from loomrl.device import resolve_device
@@ -194,6 +196,7 @@ def load_policy(model_cfg: ModelConfig, *, seed: int = 0, dtype=None):
     ``model.device``, and its tokenizer; trainer and generators both start from it.
     ``dtype``: of its weights; by default ``resolve_dtype(model_cfg)`` (the generators'
     compute dtype); the trainer asks for its master dtype (``trainer.precision``)."""
+    # lazy: torch loads when a model is, not with this module
     from loomrl.device import resolve_device
 
     device = resolve_device(model_cfg.device)
@@ -219,6 +222,7 @@ def safetensors_files(spec: str) -> dict[str, Path] | None:
     single = path / "model.safetensors"
     if not single.is_file():
         return None
+    # lazy: safetensors loads only when shards are read
     from safetensors import safe_open
 
     with safe_open(single, framework="pt") as f:
@@ -229,6 +233,7 @@ def build_meta_model(spec: str, dtype):
     """The model of folder ``spec`` built from its ``config.json`` on the meta device (no
     storage: shapes and dtypes only, tied weights tied), in eval mode, with the folder's
     generation config; its weights are to be loaded (``loomrl.training.fsdp_init``)."""
+    # lazy: torch loads when this runs, not with the module
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 

@@ -28,6 +28,7 @@ import logging
 from typing import Literal
 
 import torch
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from loomrl.models.quantize_int4 import CpuInt4Linear, fits_int4
 
@@ -69,7 +70,6 @@ class CpuInt8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
         self.inner = DynamicLinear(
             linear.in_features, linear.out_features, bias_=linear.bias is not None

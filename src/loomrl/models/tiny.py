@@ -45,6 +45,7 @@ TINY_DEFAULTS: dict[str, Any] = {
 
 def build_tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
     """A randomly initialised causal LM of the given family, sized by ``overrides``."""
+    # lazy: torch loads when this runs, not with the module
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 

@@ -39,6 +39,8 @@ from collections import OrderedDict
 
 import torch
 
+from loomrl.weights.lora import is_peft_model
+
 logger = logging.getLogger(__name__)
 
 # the use of an input shape that traces it (eval shapes, used twice a run, stay eager)
@@ -182,6 +184,4 @@ class ShapeTraces:
 def can_trace(model: torch.nn.Module) -> bool:
     """Whether a trace of ``model``'s forward is the forward: not for PEFT adapters (their
     modules switch behaviour on flags a trace would freeze) nor gradient checkpointing."""
-    from loomrl.weights.lora import is_peft_model
-
     return not is_peft_model(model) and not getattr(model, "is_gradient_checkpointing", False)

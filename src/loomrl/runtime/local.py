@@ -101,6 +101,7 @@ class LocalHandle(ExecutorHandle):
 
 class LocalRuntime(Runtime):
     def __init__(self, torch_threads: int = 1) -> None:
+        # lazy: torch loads when this runs, not with the module
         import torch
 
         torch.set_num_threads(torch_threads)

@@ -122,6 +122,7 @@ def _serve(
     # then stops us
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    # lazy: torch loads in the executor's process once its signals are set, not with the runtime
     import torch
 
     torch.set_num_threads(torch_threads)
@@ -381,6 +382,7 @@ class ProcessRuntime(Runtime):
     in_process = False
 
     def __init__(self, torch_threads: int = 1) -> None:
+        # lazy: torch loads in the executor's process once its signals are set, not with the runtime
         import torch
 
         torch.set_num_threads(torch_threads)

@@ -97,6 +97,7 @@ class RayRuntime(Runtime):
         executor_names: Sequence[str] = (),
         transport: str | None = None,
     ) -> None:
+        # lazy: torch loads in the runtime's own process, not when ray.py is imported
         import torch
 
         from loomrl.runtime.config import RayConfig
@@ -151,6 +152,7 @@ class RayRuntime(Runtime):
             )
 
     def _reserve(self, names: list[str]) -> None:
+        # lazy: ray is optional (the ray extra)
         from ray.util.placement_group import placement_group, placement_group_table
 
         bundles = []
@@ -188,6 +190,7 @@ class RayRuntime(Runtime):
             ]
 
     def _scheduling(self, name: str) -> dict[str, Any]:
+        # lazy: ray is optional (the ray extra)
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
             PlacementGroupSchedulingStrategy,
@@ -242,6 +245,7 @@ class RayRuntime(Runtime):
             handle.close()
         self.handles.clear()
         if self.placement_group is not None:
+            # lazy: ray is optional (the ray extra)
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement_group)

@@ -77,6 +77,7 @@ class _ExecutorActor:
         root.handlers[:] = [handler]
         root.setLevel(log_level)
         trace.configure_from_env(name)
+        # lazy: torch loads when this runs, not with the module
         import torch
 
         torch.set_num_threads(torch_threads)

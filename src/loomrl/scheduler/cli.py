@@ -7,6 +7,10 @@ import json
 import sys
 from typing import Any
 
+from loomrl.scheduler.client import get_json
+from loomrl.scheduler.model import SchedulerError
+from loomrl.scheduler.simulate import SimJob, cluster_case, llm_d_case, simulate
+
 DEFAULT_URL = "http://127.0.0.1:7878"
 
 
@@ -110,6 +114,7 @@ def _add_simulate_command(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # lazy: the daemon's modules load only for `loomrl scheduler serve`, not with the CLI's parser
     from loomrl.scheduler.server import SchedulerDaemon, parse_devices
 
     try:
@@ -141,9 +146,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from loomrl.scheduler.client import get_json
-    from loomrl.scheduler.model import SchedulerError
-
     try:
         snap = get_json(args.url, "/api/status")
     except SchedulerError as err:
@@ -157,6 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def print_status(snap: dict[str, Any]) -> None:
+    # lazy: rich loads only when a table is printed
     from rich.console import Console
 
     console = Console()
@@ -166,6 +169,7 @@ def print_status(snap: dict[str, Any]) -> None:
 
 
 def _devices_table(snap: dict[str, Any]) -> Any:
+    # lazy: rich loads only when a table is printed
     from rich.table import Table
 
     devices = Table(
@@ -188,6 +192,7 @@ def _devices_table(snap: dict[str, Any]) -> Any:
 
 
 def _queue_table(snap: dict[str, Any]) -> Any:
+    # lazy: rich loads only when a table is printed
     from rich.table import Table
 
     queue = Table(title="queue")
@@ -202,6 +207,7 @@ def _queue_table(snap: dict[str, Any]) -> Any:
 
 
 def _jobs_table(snap: dict[str, Any]) -> Any:
+    # lazy: rich loads only when a table is printed
     from rich.table import Table
 
     jobs = Table(title="jobs")
@@ -233,8 +239,6 @@ def _jobs_table(snap: dict[str, Any]) -> Any:
 
 
 def _scenario(args: argparse.Namespace):
-    from loomrl.scheduler.simulate import SimJob, cluster_case, llm_d_case
-
     if args.scenario == "llm-d":
         return llm_d_case(), args.duration_s or 50_000.0
     if args.scenario == "cluster":
@@ -261,8 +265,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _simulate_policies(args: argparse.Namespace, jobs: list, duration: float) -> list[dict]:
     """One row per policy: duty, useful duty, throughput against each job alone, fairness."""
-    from loomrl.scheduler.simulate import simulate
-
     policies = ["fifo", "priority", "fair"] if args.policy == "all" else [args.policy]
     solo = {j.name: simulate([j], "fifo", duration, tick_s=max(0.05, duration / 1e5)) for j in jobs}
     rows = []
@@ -297,6 +299,7 @@ def _simulate_policies(args: argparse.Namespace, jobs: list, duration: float) ->
 def _print_simulation(
     args: argparse.Namespace, rows: list[dict], num_jobs: int, duration: float
 ) -> None:
+    # lazy: rich loads only when a table is printed
     from rich.console import Console
     from rich.table import Table
 

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loomrl.scheduler.auth import read_token
 from loomrl.scheduler.model import (
     MAX_BODY_BYTES,
     AcquireTimeout,
@@ -123,8 +124,6 @@ def _register(
     token: str | None,
 ) -> dict[str, Any]:
     """Register job ``name`` with the daemon at ``url``: its id and secret."""
-    from loomrl.scheduler.auth import read_token
-
     return post(
         url,
         "/v1/register",

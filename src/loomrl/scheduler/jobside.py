@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 from typing import Any
 
+from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scheduler.client import Lease, SchedulerClient, pinned, pinned_threads
 from loomrl.scheduler.config import SchedulerConfig
 
@@ -34,8 +35,6 @@ class _ExecutorState:
         """``endpoint(handle)`` on every executor at once; the seconds they took, summed."""
 
         async def one(handle: Any) -> float:
-            from loomrl.runtime.supervision import ExecutorLostError
-
             try:
                 # an engine without a real offload answers None
                 return await endpoint(handle) or 0.0

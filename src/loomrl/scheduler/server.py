@@ -52,6 +52,7 @@ from loomrl.scheduler.model import (
     UnknownJob,
 )
 from loomrl.scheduler.status import snapshot
+from loomrl.scheduler.store import SqliteStore
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ class SchedulerDaemon:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         stall_s: float | None = None,
     ) -> None:
-        from loomrl.scheduler.store import SqliteStore
-
         self.store = SqliteStore(db_path)
         self.lock = threading.Condition()
         self.core = Scheduler(
@@ -382,6 +381,7 @@ class SchedulerDaemon:
             return snapshot(self.core, time.time())
 
     def metrics_text(self) -> bytes:
+        # lazy: prometheus_client loads only when /metrics is asked for
         from loomrl.scheduler.metrics import render
 
         snap = self.status()

@@ -157,6 +157,7 @@ def load_frozen(model, device, dtype):
 def resolve_placement(cfg: Any):
     """``(device, dtype)`` of a model scorer's ``device`` and ``dtype`` settings ('auto':
     CUDA when present; bfloat16 there, float32 on the CPU)."""
+    # lazy: torch and transformers load in the scorer executor, not with the scorer's config
     from loomrl.device import resolve_device
     from loomrl.models.loading import resolve_dtype
 

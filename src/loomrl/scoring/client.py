@@ -21,6 +21,7 @@ from itertools import repeat
 from typing import Any
 
 from loomrl.runtime.replicas import Replicas
+from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scoring.base import (
     SCORER_LOST,
     GroupOutcome,
@@ -202,8 +203,6 @@ class Scorer:
         if that scorer is lost (it is restarted), then they count as failed: ``lost(message)``
         (``scorer_lost``). ``post``: what the call makes of the reply ``(outcomes, pool
         metrics)`` where it ended (applied here to ``lost``'s outcomes)."""
-        from loomrl.runtime.supervision import ExecutorLostError
-
         for attempt in range(2):
             slot = self.executors.least_busy()  # (kept: each scorer's sandbox metrics are its own)
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import string
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -89,8 +90,6 @@ class JudgeScorerConfig(Section):
 
     @model_validator(mode="after")
     def _template_parses(self) -> JudgeScorerConfig:
-        import string
-
         try:
             list(string.Formatter().parse(self.prompt_template))
         except ValueError as err:

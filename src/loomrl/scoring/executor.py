@@ -15,6 +15,9 @@ from loomrl.sandbox.config import SandboxConfig
 from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.config import TaskConfig
 from loomrl.scoring.function import start_function_scorer
+from loomrl.scoring.judge import JudgeScorer
+from loomrl.scoring.model import RewardModelScorer
+from loomrl.scoring.weighted import WeightedScorer
 
 
 def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> ScorerEndpoints:
@@ -22,16 +25,10 @@ def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> Sc
     pickles to a process or an actor): a reward function's, a reward model's, a judge's, or a
     weighted list's that holds a model or judge."""
     if any(spec.scorer is not None for spec in task.rewards):
-        from loomrl.scoring.weighted import WeightedScorer
-
         return WeightedScorer(task, sandbox)
     kind = task.scorer.type if task.scorer is not None else "function"
     if kind == "model":
-        from loomrl.scoring.model import RewardModelScorer
-
         return RewardModelScorer(task.scorer)
     if kind == "judge":
-        from loomrl.scoring.judge import JudgeScorer
-
         return JudgeScorer(task.scorer)
     return start_function_scorer(task, sandbox)

@@ -8,12 +8,15 @@ actors), each with its own sandbox pool, so environment work scales out with the
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import operator
+import os
 import threading
 from itertools import repeat
 from typing import Any
 
 from loomrl.sandbox.config import SandboxConfig
+from loomrl.sandbox.default import configure_default_pool, default_pool_metrics
 from loomrl.scoring.base import ScoreItem, ScoreOutcome, ScorerEndpoints
 from loomrl.scoring.calls import RewardFailure, UserCodeError, call_reward_batch
 from loomrl.scoring.config import TaskConfig
@@ -50,8 +53,6 @@ class FunctionScorer(ScorerEndpoints):
     worker threads, with ``call_reward_batch``'s timeouts either way."""
 
     def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
-        from loomrl.sandbox.default import configure_default_pool
-
         # The controller loaded it already: what fails here fails in this process only.
         try:
             self.fn = load_reward(function_task(task))
@@ -71,8 +72,6 @@ class FunctionScorer(ScorerEndpoints):
         self._pending: set = set()
 
     def score(self, items: list[ScoreItem]) -> tuple[list[ScoreOutcome], dict[str, float]]:
-        from loomrl.sandbox.default import default_pool_metrics
-
         batch = asyncio.run_coroutine_threadsafe(
             call_reward_batch(self.fn, items, self.timeout_s), self._loop
         )
@@ -95,9 +94,6 @@ class FunctionScorer(ScorerEndpoints):
 def _this_executor() -> str:
     """This scorer executor for a message: ``'scorer0' (pid N)`` in a process the runtime
     named, else the pid."""
-    import multiprocessing
-    import os
-
     name = multiprocessing.current_process().name
     named = f"{name.removeprefix('loomrl-')!r} " if name.startswith("loomrl-") else ""
     return f"{named}(pid {os.getpid()})"

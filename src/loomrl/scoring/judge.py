@@ -64,6 +64,7 @@ class JudgeScorer(BatchedModelScorer):
     """Scores each (prompt, completion, row) by a frozen judge's greedy judgement."""
 
     def __init__(self, cfg: JudgeScorerConfig) -> None:
+        # lazy: transformers loads in the scorer executor, not when the job is assembled
         from loomrl.models.loading import load_model_and_tokenizer, model_context_length
 
         super().__init__()
@@ -101,6 +102,7 @@ class JudgeScorer(BatchedModelScorer):
 
     def judge(self, ids: list[list[int]]) -> list[str]:
         """The judge's greedy texts for prompts given as token ids (left-padded together)."""
+        # lazy: torch loads when this runs, not with the module
         import torch
 
         longest, pad = max(map(len, ids)), self.tokenizer.pad_token_id

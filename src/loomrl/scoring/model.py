@@ -31,6 +31,7 @@ class ModelScorerError(ValueError):
 def load_reward_model(path: str, device: Any = "cpu", dtype: Any = None):
     """``(model, tokenizer)`` of a reward-model folder, frozen on ``device``; the tokenizer
     pads (with its EOS where it has no pad token), and the model knows that pad id."""
+    # lazy: torch loads when this runs, not with the module
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -74,6 +75,7 @@ class RewardModelScorer(BatchedModelScorer):
     """Scores each (prompt, completion) with a frozen reward model."""
 
     def __init__(self, cfg: ModelScorerConfig) -> None:
+        # lazy: transformers loads in the scorer executor, not when the job is assembled
         from loomrl.models.loading import model_context_length
 
         super().__init__()
@@ -108,6 +110,7 @@ class RewardModelScorer(BatchedModelScorer):
     def score_batch(
         self, ids: list[list[int]], items: list[ScoreItem]
     ) -> list[float | RewardFailure]:
+        # lazy: torch loads when this runs, not with the module
         import torch
 
         longest = max(map(len, ids))

@@ -20,6 +20,8 @@ from loomrl.sandbox.config import SandboxConfig
 from loomrl.scoring.base import GroupItems, GroupOutcome, ScoreItem, ScoreOutcome, ScorerEndpoints
 from loomrl.scoring.config import JudgeScorerConfig, ModelScorerConfig, TaskConfig
 from loomrl.scoring.function import FunctionScorer
+from loomrl.scoring.judge import JudgeScorer
+from loomrl.scoring.model import RewardModelScorer
 from loomrl.scoring.reward_list import RewardStats
 
 logger = logging.getLogger(__name__)
@@ -28,10 +30,7 @@ logger = logging.getLogger(__name__)
 def start_model_part(cfg: ModelScorerConfig | JudgeScorerConfig) -> ScorerEndpoints:
     """The scorer of a list's model part: a reward model's or a judge's."""
     if cfg.type == "model":
-        from loomrl.scoring.model import RewardModelScorer
-
         return RewardModelScorer(cfg)
-    from loomrl.scoring.judge import JudgeScorer
 
     return JudgeScorer(cfg)
 

@@ -11,16 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
+from loomrl.device.colocate import ColocatedPhases
 from loomrl.generation.base import Generator
 from loomrl.generation.executor import GeneratorSetup, start_generator
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
+from loomrl.runtime.process import ProcessRuntime
 from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised, was_replaced
+from loomrl.scheduler.jobside import JobLeases
 from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.executor import TrainerSetup, start_trainer
+from loomrl.training.fsdp import start_trainer_group
 from loomrl.weights.transports.setup import TransportEnds, transport_args, transport_ends
 
 
@@ -42,6 +46,7 @@ def executor_names(cfg: JobConfig) -> list[str]:
 
 def make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
     if kind == "ray":
+        # lazy: ray is optional (the ray extra): its runtime loads only when asked for
         from loomrl.runtime.ray import RayRuntime
 
         assert cfg is not None, "the ray runtime needs the job's config"
@@ -52,8 +57,6 @@ def make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
             transport=cfg.weight_sync.kind,
         )
     if kind == "process":
-        from loomrl.runtime.process import ProcessRuntime
-
         return ProcessRuntime(torch_threads=1)
     return LocalRuntime(torch_threads=1)
 
@@ -116,8 +119,6 @@ def start_executors(
     scorers; all supervised."""
     setup = trainer_setup(cfg)
     if cfg.trainer.parallel.type == "fsdp2":  # dp_shard ranks behind one handle
-        from loomrl.training.fsdp import start_trainer_group
-
         trainer = start_trainer_group(runtime, setup, ends.trainer)
     else:
         trainer = runtime.start(
@@ -180,12 +181,9 @@ def job_leases(cfg: JobConfig, trainer: Any, generators: list[Any]):
     turns on one device with ``generation.colocate``, otherwise None (and nothing of
     ``loomrl.scheduler`` but its config is imported)."""
     if cfg.generation.colocate:
-        from loomrl.device.colocate import ColocatedPhases
-
         return ColocatedPhases(trainer, generators, replaced=was_replaced)
     if cfg.scheduler.url is None:
         return None
-    from loomrl.scheduler.jobside import JobLeases
 
     return JobLeases(cfg.scheduler, cfg.name, [trainer, *generators])
 

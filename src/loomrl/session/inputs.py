@@ -12,9 +12,11 @@ from typing import Any
 from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.data import load_rows_with_places
+from loomrl.envs.base import Environment
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
+from loomrl.scoring.calls import load_object
 from loomrl.scoring.client import Scorer
 from loomrl.training.checkpoint import checkpoint_step
 
@@ -60,8 +62,6 @@ def read_inputs(
 def environment_factory(cfg: JobConfig):
     if cfg.task.environment is None:
         return None
-    from loomrl.envs.base import Environment
-    from loomrl.scoring.calls import load_object
 
     cls = load_object(cfg.task.environment)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):

@@ -13,12 +13,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import JobConfig
+import torch
+
+from loomrl.config import ConfigError, JobConfig
 from loomrl.control import Controller
 from loomrl.data import PromptStream
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
+from loomrl.sandbox.default import close_default_pool, configure_default_pool, default_pool_metrics
 from loomrl.session.assembly import (
     JobExecutors,
     job_leases,
@@ -56,11 +59,10 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     if choice == "asyncio":
         return None
     try:
+        # lazy: uvloop is optional (event_loop = 'auto' falls back to asyncio)
         import uvloop
     except ImportError:
         if choice == "uvloop":
-            from loomrl.config import ConfigError
-
             raise ConfigError(
                 "event_loop = 'uvloop', but uvloop is not installed (pip install uvloop), "
                 "or set event_loop = 'asyncio'"
@@ -178,10 +180,6 @@ def _train(
 ) -> JobResult:
     """Start the executors and run the controller; a run that fails or is aborted still
     leaves a summary saying how far it got."""
-    import torch
-
-    from loomrl.sandbox.default import close_default_pool, configure_default_pool
-
     loop_factory = event_loop_factory(cfg.event_loop)
     torch.manual_seed(cfg.seed)
     # reward code that calls default_pool() gets the job's settings
@@ -231,8 +229,6 @@ def _make_controller(
     faults: FaultStats,
 ) -> Controller:
     """The controller over the started executors, from where a resume restored it."""
-    from loomrl.sandbox.default import default_pool_metrics
-
     in_process = executors.in_process
     pool_metrics = default_pool_metrics if in_process else inputs.scorer.pool_metrics
     start = {} if resumed is None else resumed.controller_kwargs()

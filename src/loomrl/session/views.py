@@ -11,6 +11,8 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.telemetry import trace
+from loomrl.telemetry.report import build_report
+from loomrl.telemetry.wandb_sink import WandbSink
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +40,11 @@ def extra_sinks(cfg: JobConfig, run_dir: Path) -> list[Any]:
     """Metrics sinks beside metrics.jsonl and TensorBoard: W&B when ``[logging.wandb]`` is set."""
     if cfg.logging.wandb is None:
         return []
-    from loomrl.telemetry.wandb_sink import WandbSink
 
     return [WandbSink(cfg.logging.wandb, run_dir, cfg.name, cfg.model_dump(mode="json"))]
 
 
 def _write_report(run_dir: Path) -> None:
-    from loomrl.telemetry.report import build_report
-
     try:
         build_report(run_dir)
     except Exception as err:  # noqa: BLE001 - a plot that fails must not fail a finished run

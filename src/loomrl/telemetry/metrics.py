@@ -47,6 +47,7 @@ class MetricsLogger:
         self._tb = None
         if tensorboard:
             try:
+                # lazy: tensorboardX loads only where TensorBoard logs are written
                 from tensorboardX import SummaryWriter
 
                 self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
@@ -180,6 +181,7 @@ def _finite_scalars(record: dict[str, Any]) -> dict[str, float]:
 def _write_tb_scalars(tb, scalars: dict[str, float], step: int) -> None:
     """A step's scalars as one event of many values (TensorBoard reads it as the same
     scalar series as one event per scalar; one event costs about what one scalar did)."""
+    # lazy: tensorboardX loads only where TensorBoard logs are written
     from tensorboardX.proto.summary_pb2 import Summary
 
     summary = Summary(

@@ -64,6 +64,7 @@ def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    # lazy: matplotlib loads only when a report is drawn
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -71,6 +72,7 @@ def _png(fig) -> str:
 
 
 def _line_figure(records, keys: dict[str, str], x: str, xlabel: str, ylabel: str, title: str):
+    # lazy: matplotlib loads only when a report is drawn
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
@@ -134,6 +136,7 @@ def _draw_lanes(ax, spans, lanes: list[str], t0: float, window=None) -> None:
 def _timeline_figure(trace_events: list[dict]):
     """The controller's call lanes over wall time, one bar per call an executor ran: the
     whole run, and a window of six train steps in its middle where gaps and overlaps show."""
+    # lazy: matplotlib loads only when a report is drawn
     import matplotlib.pyplot as plt
 
     spans = _call_lanes(trace_events)
@@ -174,6 +177,7 @@ def _union_length(bars: list[tuple[float, float]]) -> float:
 
 
 def _bar_figure(values: dict[str, float], xlabel: str, title: str):
+    # lazy: matplotlib loads only when a report is drawn
     import matplotlib.pyplot as plt
 
     if not values:
@@ -307,6 +311,7 @@ def _all_figures(run_dir: Path, records: list[dict], summary: dict, out: Path) -
     """Every figure, its text drawn as text (a metric key with ``$...$`` is not mathtext).
     On failure the page at ``out`` is removed, so no report of an earlier state stays in
     place, and the ``ReportError`` says so."""
+    # lazy: matplotlib loads only when a report is drawn
     import matplotlib
 
     matplotlib.use("Agg", force=True)

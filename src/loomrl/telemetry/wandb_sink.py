@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 class WandbSink:
     def __init__(self, options: Any, run_dir: Path, name: str, config: dict[str, Any]) -> None:
         try:
+            # lazy: wandb is optional (the wandb extra); its absence is reported here
             import wandb
         except ImportError:
             raise RuntimeError(

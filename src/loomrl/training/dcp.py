@@ -57,6 +57,7 @@ def _distributed() -> bool:
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and the optimizer's state as DCP reads and writes it: this rank's shards
     (DTensors) under FSDP, the whole tensors on a single trainer; keyed by parameter name."""
+    # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -81,6 +82,7 @@ def save_shards(
 ) -> dict[str, str]:
     """Every rank writes its shards of the model and optimizer state into ``folder`` (which
     exists, on a filesystem every rank sees); the sha256 of each file written, by name."""
+    # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_state(model, optimizer), checkpoint_id=str(folder), no_dist=not _distributed())
@@ -123,6 +125,7 @@ def save_sharded_checkpoint(
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Load this trainer's shards of the model and optimizer state from a DCP ``folder``
     written on any number of ranks (verified by the checkpoint's manifest beforehand)."""
+    # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict

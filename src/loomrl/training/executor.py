@@ -13,6 +13,7 @@ import torch
 
 from loomrl.config_common import AlgorithmConfig, ModelConfig
 from loomrl.device import resolve_device
+from loomrl.device.offload import Swappable
 from loomrl.models.loading import load_policy, resolve_dtype
 from loomrl.training.base import PublishAfterStepError, TrainerEndpoints
 from loomrl.training.checkpoint import save_checkpoint
@@ -22,6 +23,7 @@ from loomrl.training.trainer import Trainer
 from loomrl.types import Group
 from loomrl.weights.codec import CodecOptions
 from loomrl.weights.config import WeightSyncConfig
+from loomrl.weights.lora import is_peft_model
 from loomrl.weights.params import synced_params
 from loomrl.weights.publisher import Publisher
 from loomrl.weights.quantized import QuantizedPublish
@@ -167,8 +169,6 @@ class TrainerExecutor(TrainerEndpoints):
         """Move the model, gradients, AdamW state and the KL reference off the device, and on
         a CPU the publisher's last snapshot out of the process; returns the seconds it took."""
         if self._swap is None:
-            from loomrl.device.offload import Swappable
-
             t = self.trainer
             self._swap = Swappable(
                 [t.model] + ([t.reference] if t.reference is not None else []), t.optimizer
@@ -185,8 +185,6 @@ class TrainerExecutor(TrainerEndpoints):
         if last is None or self.trainer.device.type != "cpu":
             return 0.0
         if self._snapshot_swap is None or self._snapshot_swap.tensor_dicts[0] is not last:
-            from loomrl.device.offload import Swappable
-
             self._snapshot_swap = Swappable([], tensor_dicts=[last])  # the old one is dropped
         return self._snapshot_swap.offload()
 
@@ -202,8 +200,6 @@ class TrainerExecutor(TrainerEndpoints):
     def save_pretrained(self, path: str) -> None:
         """The final model in ``save_pretrained`` format; a LoRA job also keeps its adapter
         in ``adapter/`` and saves the merged model, which transformers and vLLM load."""
-        from loomrl.weights.lora import is_peft_model
-
         Path(path).mkdir(parents=True, exist_ok=True)
         model = self.trainer.model
         if is_peft_model(model):

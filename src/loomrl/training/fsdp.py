@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from loomrl.device import resolve_device
 from loomrl.runtime.base import Runtime
@@ -98,6 +99,7 @@ def shard_model(model: torch.nn.Module, mesh, precision: str, reshard: bool) -> 
     """``fully_shard`` each transformer block, then the root (the embeddings, final norm and
     output projection), in place; bf16 compute with fp32 gradient reduction under
     ``bf16_mixed``."""
+    # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (
@@ -192,6 +194,7 @@ class ShardedTrainer(Trainer):
 
     def state_dict(self) -> dict:
         """The full state on rank 0 (on the CPU); empty model and optimizer entries elsewhere."""
+        # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -213,6 +216,7 @@ class ShardedTrainer(Trainer):
         if state.get("format") == SHARDED_FORMAT:
             load_trainer_state(self, state)
             return
+        # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -310,7 +314,6 @@ class ShardedTrainerExecutor(TrainerExecutor):
         # job's secret (loomrl.runtime.group_store, docs/security.md)
         timeout = timedelta(seconds=cfg.trainer.parallel.collective_timeout_s)
         init_process_group(backend, rendezvous, rank, world_size, self.group_secret, timeout)
-        from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world_size,))
         logger.info(

@@ -115,6 +115,7 @@ def local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
 def load_local_shards(model: torch.nn.Module, files: dict[str, Path]) -> None:
     """Copy into each of ``model``'s parameters and persistent buffers (given storage by
     ``to_empty``) this rank's part of the stored tensor of its name, cast to its dtype."""
+    # lazy: safetensors loads only when shards are read
     from safetensors import safe_open
 
     for name, tensor in _loaded_tensors(model).items():

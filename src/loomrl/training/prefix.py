@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from loomrl.models.cache import repeat_cache
+from loomrl.training.chunked import final_hidden
 from loomrl.types import Rollout
 
 
@@ -81,7 +82,6 @@ def prefix_logits(
     ``hidden=True``: the final hidden states ``[rows, S, H]`` that those logits project
     (the decoder without its output projection, for ``loomrl.training.chunked``)."""
     if hidden:
-        from loomrl.training.chunked import final_hidden
 
         def run(**inputs):
             out = final_hidden(model, **inputs)

@@ -17,12 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loomrl.data import load_rows
+
 logger = logging.getLogger(__name__)
 
 
 def answer_batch(tok, rows: list[dict[str, Any]], answer_key: str = "answer"):
     """Token ids ``[batch, seq]`` of prompt + answer + EOS, right-padded; the mask covers
     the answer and EOS; and the attention mask."""
+    # lazy: torch loads when this runs, not with the module
     import torch
 
     seqs, masks = [], []
@@ -56,6 +59,7 @@ def supervised_warmstart(
     (unless None); returns the last loss. The learning rate rises linearly over
     ``warmup_steps``, then stays at ``lr``. ``on_step(step, model, tokenizer, loss)`` runs
     after each step; when it returns True, training stops there."""
+    # lazy: torch loads when this runs, not with the module
     import torch
 
     from loomrl.models import load_model_and_tokenizer
@@ -90,6 +94,7 @@ def supervised_warmstart(
 
 def greedy_accuracy(model, tok, rows: list[dict[str, Any]], answer_key: str = "answer") -> float:
     """Fraction of ``rows`` whose greedy completion is exactly the row's answer."""
+    # lazy: torch loads when this runs, not with the module
     import torch
 
     prompts = [tok(r["prompt"]).input_ids for r in rows]
@@ -245,9 +250,8 @@ def _recorded_settings(marker: Path) -> dict[str, Any] | None:
 def _run_warmstart(args: argparse.Namespace, train_file: Path) -> AccuracyTarget | None:
     """Train and save to ``args.out``; the accuracy target (holding out its probe rows)
     when one is set."""
+    # lazy: torch loads when this runs, not with the module
     import torch
-
-    from loomrl.data import load_rows
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -422,11 +422,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") == "dcp":  # a sharded trainer's checkpoint (training/dcp.py)
+            # lazy: torch.distributed.checkpoint loads only for a sharded checkpoint
             from loomrl.training.dcp import load_trainer_state
 
             return load_trainer_state(self, state)
         self.model.load_state_dict(state["model"])
         if "world_size" in state:  # a sharded trainer's (loomrl.training.fsdp): keyed by name
+            # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_optimizer_state_dict,

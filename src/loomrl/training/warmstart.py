@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from loomrl.data import DatasetError, load_rows
+from loomrl.training.sft import supervised_warmstart
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,8 @@ def add_warmstart_command(sub) -> None:
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
-    import sys
-
+    # lazy: pydantic's config loads only when the command runs, not with the CLI's parser
     from loomrl.config import ConfigError, load_config
-    from loomrl.data import DatasetError
 
     try:
         cfg = load_config(args.job, list(args.overrides))
@@ -66,8 +68,8 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 def _rendered_pairs(cfg, answer_key: str) -> list[dict[str, Any]]:
     """``{"prompt_ids", "answer"}`` per training row, the prompt rendered as the RL run will."""
+    # lazy: the tokenizer and model stack load only when the command runs
     from loomrl.chat import PromptEncoder
-    from loomrl.data import load_rows
     from loomrl.models import load_tokenizer
 
     rows = load_rows(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
@@ -97,8 +99,6 @@ def warmstart_job(
 ) -> dict[str, Any]:
     """Warm-start ``cfg``'s model on ``cfg.data.train``'s ``answer_key`` column; save to
     ``out``; returns ``{"out", "steps", "first_loss", "last_loss", "seconds"}``."""
-    from loomrl.training.sft import supervised_warmstart
-
     pairs = _rendered_pairs(cfg, answer_key)
     losses: list[float] = []
 

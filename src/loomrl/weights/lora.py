@@ -23,6 +23,7 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 def adapter_state(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's weights (and PEFT's ``modules_to_save``), detached, sharing storage with
     the model; what a LoRA trainer publishes."""
+    # lazy: peft is optional (the lora extra)
     from peft import get_peft_model_state_dict
 
     if not is_peft_model(model):
@@ -35,6 +36,7 @@ def load_adapter_state(
     model: torch.nn.Module, state: dict[str, torch.Tensor], adapter_name: str = "default"
 ) -> None:
     """Load an adapter state (any float dtype; cast to the model's) into a PEFT model."""
+    # lazy: peft is optional (the lora extra)
     from peft import set_peft_model_state_dict
 
     if not is_peft_model(model):

@@ -51,6 +51,7 @@ class QuantizedPublish:
     @classmethod
     def of_model(cls, model: torch.nn.Module, kind: str) -> QuantizedPublish:
         """The weights ``generation.engine.quantize = kind`` quantizes in a generator of ``model``."""
+        # lazy: the quantized kernels (and transformers) load only for a quantized generator
         from loomrl.models.quantize import quantized_linear_paths
 
         if kind not in ("int8", "fp8"):
@@ -65,6 +66,7 @@ class QuantizedPublish:
         """``state`` as published: codes and scales for the quantized weights (from the values
         in ``state``, the trainer's masters), every other tensor cast to ``dtype``; on the CPU.
         Reads each tensor of ``state`` once, in order (a sharded trainer's gathers)."""
+        # lazy: the quantized kernels (and transformers) load only for a quantized generator
         from loomrl.models.quantize import quantizer
 
         quantize, out = quantizer(self.kind), {}

@@ -18,6 +18,7 @@ from typing import Any
 
 from loomrl.weights.config import WeightSyncConfig
 from loomrl.weights.transports.registry import TransportSpec, make_transport
+from loomrl.weights.transports.tensor import choose_lane
 
 
 def _free_loopback_port() -> int:
@@ -62,8 +63,6 @@ def transport_args(
         return "torch_dist", _group_args(t.bucket_mb, t.backend, host, 1 + num_generators)
     # its mode (local, ipc, broadcast), or the byte lane where it cannot work
     if t.type == "tensor":
-        from loomrl.weights.transports.tensor import choose_lane
-
         kind, mode = choose_lane(t.mode, in_process=in_process, device=device)
         group = (
             _group_args(t.bucket_mb, t.backend, host, 1 + num_generators)

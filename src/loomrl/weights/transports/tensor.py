@@ -34,7 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
+from loomrl.device import resolve_device
+from loomrl.weights.manifest import WeightUpdateError
 from loomrl.weights.tensors import TensorUpdate, pack_update
 from loomrl.weights.transports.base import (
     Receiver,
@@ -146,7 +149,6 @@ class IpcTensorSender(TensorSender):
         """(Re)allocate the ring when the model's size or device changed, and share it."""
         if self.slots and self.slots[0].numel() == nbytes and self.slots[0].device == device:
             return
-        from torch.multiprocessing.reductions import reduce_tensor
 
         self.slots = [
             torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(self.t.num_slots)
@@ -254,8 +256,6 @@ class BroadcastTensorReceiver(TorchDistReceiver):
         try:
             manifest = json.loads(bytes(head.numpy()))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            from loomrl.weights.manifest import WeightUpdateError
-
             raise WeightUpdateError(f"corrupted tensor-lane manifest: {err}") from None
         return TensorUpdate.from_manifest(manifest, flat)
 
@@ -348,7 +348,6 @@ def choose_lane(mode: str, *, in_process: bool, device: str) -> tuple[str, dict[
         return "tensor", {"mode": "broadcast"}
     if in_process:
         return "tensor", {"mode": "local"}
-    from loomrl.device import resolve_device
 
     resolved = resolve_device(device)
     if resolved.type == "cuda" and os.name == "posix":
