@@ -31,3 +31,10 @@ def assert_same_step(got: dict, want: dict, keys: tuple[str, ...], rel: float = 
             assert got[key] == pytest.approx(want[key], rel=0, abs=tolerance), key
         else:
             assert got[key] == pytest.approx(want[key], rel=rel, abs=0), key
+
+
+def assert_sum_close(got: float, want: float, terms: list[float], rel: float = 1e-5) -> None:
+    """``got`` is the near-cancelled mean ``want`` of ``terms``, within ``rel`` of the terms'
+    mean size (not of the mean itself, which cancellation can make as small as zero)."""
+    scale = sum(abs(t) for t in terms) / len(terms)
+    assert got == pytest.approx(want, rel=0, abs=rel * scale)
