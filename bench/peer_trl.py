@@ -115,7 +115,7 @@ def final_accuracy(model_dir: Path) -> float:
 def run_trl(args: argparse.Namespace, out: Path, bf16: bool = False) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -162,6 +162,14 @@ def run_trl(args: argparse.Namespace, out: Path, bf16: bool = False) -> dict:
         processing_class=tok,
     )
     phases = _time_trl_phases(trainer)
+    ends: list[float] = []  # each step's end: the steady rate leaves out the first step
+    trainer.add_callback(
+        type(
+            "StepEnds",
+            (TrainerCallback,),
+            {"on_step_end": lambda *a, **k: ends.append(time.perf_counter())},
+        )
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0  # TRL's loop: its start-up is done before train()
@@ -174,6 +182,7 @@ def run_trl(args: argparse.Namespace, out: Path, bf16: bool = False) -> dict:
         "final": out / "final",
         "phases": {k: v / args.steps for k, v in phases.items()},
         "precision": "bf16_mixed" if bf16 else "fp32",
+        "steady_s_per_step": (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None,
     }
 
 
@@ -274,7 +283,16 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
         "executor_rss_mb": result.summary["peak_rss_mb"],
         "controller_overhead": result.summary["controller_overhead"],
         "precision": result.summary["precision"]["trainer_precision"],
+        "steady_s_per_step": _steady_s_per_step(run_dir),
     }
+
+
+def _steady_s_per_step(run_dir: Path) -> float | None:
+    """Seconds a step after the first (its warm-up: traces, kernels chosen), from the
+    records' cumulative ``timing/elapsed_s``."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    t = [r["timing/elapsed_s"] for r in map(json.loads, lines) if "train/loss" in r]
+    return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
 def child(system: str, args: argparse.Namespace) -> None:
@@ -300,6 +318,7 @@ def child(system: str, args: argparse.Namespace) -> None:
                 "executor_rss_mb": r.get("executor_rss_mb"),
                 "controller_overhead": r.get("controller_overhead"),
                 "precision": r["precision"],
+                "steady_s_per_step": r["steady_s_per_step"],
             }
         )
     )

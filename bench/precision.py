@@ -133,11 +133,11 @@ def main() -> None:
                 rows = args.groups_per_step * 8 * (shape["new_tokens"] + 10)
                 rates[s].append(matmul_rates(models[s], rows, args.threads))
                 for system in systems:
-                    r = run_child(system, models[s], shape, args)
+                    r = run_child(system, models[s], shape, args) | {"steps": args.steps}
                     results[s][system].append(r)
                     print(
                         f"repeat {rep} {s} {system} ({r['precision']}): "
-                        f"{r['completions'] / r['loop_s']:.1f} completions/s",
+                        f"{steady_rate(r):.1f} completions/s after the first step",
                         flush=True,
                     )
             if args.json:
@@ -153,6 +153,13 @@ def prompt_length() -> int:
     return round(statistics.mean(len(r["prompt"]) + 1 for r in _rows("train.jsonl")))
 
 
+def steady_rate(r: dict) -> float:
+    """Completions/s after the first step (its warm-up left out, for every system alike)."""
+    if r["steady_s_per_step"] is None:
+        return r["completions"] / r["loop_s"]
+    return r["completions"] / r["steps"] / r["steady_s_per_step"]
+
+
 def med(runs: list[dict], key) -> float:
     return statistics.median(key(r) for r in runs)
 
@@ -162,10 +169,7 @@ def report(results, rates, flops, args) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
-    cps = {
-        s: {x: med(runs, lambda r: r["completions"] / r["loop_s"]) for x, runs in by.items()}
-        for s, by in results.items()
-    }
+    cps = {s: {x: med(runs, steady_rate) for x, runs in by.items()} for s, by in results.items()}
     table = Table(
         title=f"completions/s where matmuls bind ({args.steps} steps x "
         f"{args.groups_per_step * 8} completions, {args.threads} threads, median of {args.repeats})"
@@ -202,7 +206,7 @@ def report(results, rates, flops, args) -> None:
             )
     console.print(table)
     phases = Table(
-        title="profile: seconds per step in each phase (median; loomrl's generator "
+        title="profile: seconds per step in each phase (median over all steps; wall: after the first; loomrl's generator "
         "and trainer overlap, so its phases add up to more than its wall)"
     )
     for col in ("shape", "system", *PHASE_ORDER, "wall", "generate share"):
@@ -223,7 +227,7 @@ def report(results, rates, flops, args) -> None:
                 s,
                 x,
                 *cells,
-                f"{med(runs, lambda r: r['loop_s']) / args.steps:.3f}",
+                f"{med(runs, lambda r: r['steady_s_per_step']):.3f}",
                 f"{gen / busy:.0%}",
             )
     console.print(phases)
