@@ -50,7 +50,10 @@ PHASE_ORDER = [
     "trainer busy",
     "wait for batch",
 ]
-SYSTEMS = ("trl", "sync-local", "async-local", "async-process")
+# trl: as users run it on a CPU (fp32); trl-bf16: with its own bf16=True (autocast). loomrl
+# at its defaults (precision 'auto': bf16 on a CPU with native bf16), or pinned to fp32.
+SYSTEMS = ("trl", "trl-bf16", "sync-local", "async-local", "async-process", "async-local-fp32")
+FP32 = ['model.dtype="float32"', 'trainer.precision="fp32"']
 
 
 def _rows(name: str) -> list[dict]:
@@ -109,10 +112,10 @@ def final_accuracy(model_dir: Path) -> float:
     return greedy_accuracy(model, tok, _rows("eval.jsonl"))
 
 
-def run_trl(args: argparse.Namespace, out: Path) -> dict:
+def run_trl(args: argparse.Namespace, out: Path, bf16: bool = False) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -123,14 +126,18 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
         [{"prompt": r["prompt"], "answer": r["answer"]} for r in _rows("train.jsonl")]
     )
 
-    def exact_match(prompts, completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    from examples.arithmetic import reward
+
+    score = getattr(reward, args.reward)
+
+    def reward_fn(prompts, completions, answer, **_):
+        return [score(p, c, answer=a) for p, c, a in zip(prompts, completions, answer)]
 
     config = GRPOConfig(
         output_dir=str(out),
         per_device_train_batch_size=args.groups_per_step * 8,
         num_generations=8,
-        max_completion_length=4,
+        max_completion_length=args.new_tokens,
         temperature=1.0,
         learning_rate=2e-4,
         lr_scheduler_type="linear",
@@ -139,7 +146,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
         beta=0.0,
         num_iterations=1,
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         report_to="none",
         save_strategy="no",
         logging_steps=max(1, args.steps // 10),
@@ -149,12 +156,20 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=exact_match,
+        reward_funcs=reward_fn,
         args=config,
         train_dataset=dataset,
         processing_class=tok,
     )
     phases = _time_trl_phases(trainer)
+    ends: list[float] = []  # each step's end: the steady rate leaves out the first step
+    trainer.add_callback(
+        type(
+            "StepEnds",
+            (TrainerCallback,),
+            {"on_step_end": lambda *a, **k: ends.append(time.perf_counter())},
+        )
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0  # TRL's loop: its start-up is done before train()
@@ -166,6 +181,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict:
         "completions": args.steps * args.groups_per_step * 8,
         "final": out / "final",
         "phases": {k: v / args.steps for k, v in phases.items()},
+        "precision": "bf16_mixed" if bf16 else "fp32",
+        "steady_s_per_step": (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None,
     }
 
 
@@ -237,8 +254,11 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
     from loomrl.job import Job
 
     logging.disable(logging.INFO)
-    mode, runtime = system.split("-")
+    mode, runtime, *pinned = system.split("-")
     overrides = [
+        *(FP32 if pinned else []),
+        f"generation.max_new_tokens={args.new_tokens}",
+        f'task.reward="examples.arithmetic.reward:{args.reward}"',
         f'model.path="{args.model}"',
         f'runtime="{runtime}"',
         f"seed={args.seed}",
@@ -262,17 +282,27 @@ def run_loomrl(system: str, args: argparse.Namespace, out: Path) -> dict:
         "phases": _loomrl_phases(run_dir, args.steps),
         "executor_rss_mb": result.summary["peak_rss_mb"],
         "controller_overhead": result.summary["controller_overhead"],
+        "precision": result.summary["precision"]["trainer_precision"],
+        "steady_s_per_step": _steady_s_per_step(run_dir),
     }
+
+
+def _steady_s_per_step(run_dir: Path) -> float | None:
+    """Seconds a step after the first (its warm-up: traces, kernels chosen), from the
+    records' cumulative ``timing/elapsed_s``."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    t = [r["timing/elapsed_s"] for r in map(json.loads, lines) if "train/loss" in r]
+    return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
 def child(system: str, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         r = (
-            run_trl(args, Path(tmp))
-            if system == "trl"
+            run_trl(args, Path(tmp), bf16=system == "trl-bf16")
+            if system.startswith("trl")
             else run_loomrl(system, args, Path(tmp) / "run")
         )
-        accuracy = final_accuracy(r["final"])
+        accuracy = float("nan") if args.skip_accuracy else final_accuracy(r["final"])
     rss_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(
@@ -287,6 +317,8 @@ def child(system: str, args: argparse.Namespace) -> None:
                 "phases": r["phases"],
                 "executor_rss_mb": r.get("executor_rss_mb"),
                 "controller_overhead": r.get("controller_overhead"),
+                "precision": r["precision"],
+                "steady_s_per_step": r["steady_s_per_step"],
             }
         )
     )
@@ -301,7 +333,10 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default="trl,trl-bf16,sync-local,async-local,async-process")
+    parser.add_argument("--new-tokens", type=int, default=4, help="completion length (max)")
+    parser.add_argument("--reward", choices=["exact_match", "digits"], default="exact_match")
+    parser.add_argument("--skip-accuracy", action="store_true", help="no held-out evaluation")
     parser.add_argument(
         "--model",
         default=".cache/arithmetic-warmstart",
@@ -350,6 +385,11 @@ def main() -> None:
                 str(args.groups_per_step),
                 "--model",
                 args.model,
+                "--new-tokens",
+                str(args.new_tokens),
+                "--reward",
+                args.reward,
+                *(["--skip-accuracy"] if args.skip_accuracy else []),
             ]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
@@ -375,7 +415,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
     from rich.table import Table
 
     prompt_len = statistics.mean(len(r["prompt"]) + 1 for r in _rows("train.jsonl"))  # + BOS
-    flops = model_flops_per_completion(Path(args.model), round(prompt_len), 4)
+    flops = model_flops_per_completion(Path(args.model), round(prompt_len), args.new_tokens)
     rate = max(rates)
 
     def med(system: str, key) -> float:
@@ -383,7 +423,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
 
     cps = {s: med(s, lambda r: r["completions"] / r["loop_s"]) for s in results}
     cps_e2e = {s: med(s, lambda r: r["completions"] / r["wall_s"]) for s in results}
-    base = cps.get("trl")
+    base, base_bf16 = cps.get("trl"), cps.get("trl-bf16")
     table = Table(
         title=f"loomrl vs TRL GRPOTrainer: {args.steps} steps x {args.groups_per_step * 8} completions, "
         f"{args.threads} threads, median of {args.repeats}"
@@ -391,9 +431,11 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
     for col in (
         "system",
         "completions/s",
-        "tokens/s (<=4 each)",
+        f"tokens/s (<={args.new_tokens} each)",
+        "precision",
         "vs TRL",
-        "MFU",
+        "vs TRL bf16",
+        "MFU (fp32 peak)",
         "with start-up",
         "held-out acc",
         "peak RSS MB",
@@ -404,8 +446,10 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
         table.add_row(
             s,
             f"{cps[s]:.0f}",
-            f"{4 * cps[s]:.0f}",
+            f"{args.new_tokens * cps[s]:.0f}",
+            results[s][0]["precision"],
             f"{cps[s] / base:.2f}x" if base else "-",
+            f"{cps[s] / base_bf16:.2f}x" if base_bf16 else "-",
             f"{cps[s] * flops / rate:.0%}",
             f"{cps_e2e[s]:.0f} ({cps_e2e[s] / cps_e2e['trl']:.2f}x)"
             if base
@@ -444,7 +488,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, rates: list
         f"repeat: {', '.join(f'{r / 1e9:.1f}' for r in rates)}); machine limit "
         f"~{rate / flops:.0f} completions/s"
     )
-    over = [s for s in results if cps[s] * flops > rate]
+    over = [s for s in results if cps[s] * flops > rate and results[s][0]["precision"] == "fp32"]
     if over:
         console.print(
             f"[yellow]warning: MFU over 100% for {', '.join(over)}: every matmul probe ran slower than "

@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples.* reward functions are importable by path
     sys.path.insert(0, str(ROOT))
 
+# The suite runs as on a CPU without native bf16, whatever CPU it runs on: the 'auto'
+# precisions resolve to fp32 here and in every process the tests start (the environment is
+# inherited). tests/test_cpu_bf16.py sets other flags to test the policy itself.
+os.environ["LOOMRL_CPU_FLAGS"] = ""
+
 TINY_MODEL = "tiny:llama?hidden_size=32&num_layers=2&num_heads=2&intermediate_size=64"
 
 
@@ -33,12 +38,13 @@ def tiny_job_raw(tmp_path: Path, train: Path, evals: Path | None = None, **secti
         "name": "tiny",
         "seed": 0,
         "output_dir": str(tmp_path / "run"),
-        "model": {"path": TINY_MODEL},
+        # fp32 pinned: tests compare runs bit for bit, whatever the CPU's bf16
+        "model": {"path": TINY_MODEL, "dtype": "float32"},
         "data": {"train": str(train), **({"eval": str(evals)} if evals else {})},
         "task": {"reward": "examples.arithmetic.reward:exact_match", "reward_timeout_s": 2.0},
         "generation": {"max_new_tokens": 3, "prompts_per_request": 2},
         "algorithm": {"group_size": 4, "groups_per_step": 4, "max_staleness": 1},
-        "trainer": {"num_steps": 4, "lr": 1e-3, "micro_batch_size": 8},
+        "trainer": {"num_steps": 4, "lr": 1e-3, "micro_batch_size": 8, "precision": "fp32"},
         "checkpoint": {"every_steps": 2},
         "eval": {"every_steps": 100},
         "logging": {"report": False},  # 1-2 s of plotting a run: tests/test_report.py draws it
@@ -102,6 +108,7 @@ def ray_cluster():
             namespace="loomrl-tests",
             runtime_env={
                 "env_vars": {
+                    "LOOMRL_CPU_FLAGS": os.environ["LOOMRL_CPU_FLAGS"],
                     "PYTHONPATH": os.pathsep.join(
                         [
                             str(ROOT / "src"),
@@ -109,7 +116,7 @@ def ray_cluster():
                             str(ROOT),
                             os.environ.get("PYTHONPATH", ""),
                         ]
-                    )
+                    ),
                 }
             },
         )

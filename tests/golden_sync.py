@@ -64,12 +64,14 @@ def _raw(out: Path, data: tuple[Path, Path], **sections: Any) -> dict[str, Any]:
         "name": "golden",
         "seed": 3,
         "output_dir": str(out),
-        "model": {"path": TINY_MODEL},
+        # fp32 pinned: 'auto' would compute in bf16 on a CPU with native bf16
+        "model": {"path": TINY_MODEL, "dtype": "float32"},
         "data": {"train": str(train), "eval": str(evals)},
         "task": {"reward": "golden_sync:length_reward", "reward_timeout_s": 10.0},
         "generation": {"max_new_tokens": 4, "prompts_per_request": 2},
         "algorithm": {"group_size": 4, "groups_per_step": 4, "max_staleness": 0},
         "trainer": {
+            "precision": "fp32",
             "num_steps": 10,
             "lr": 3e-3,
             "micro_batch_size": 8,

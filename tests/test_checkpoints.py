@@ -29,7 +29,7 @@ def _group(rewards: list[float]) -> Group:
 
 def test_non_finite_loss_is_refused_before_the_optimizer_steps():
     model, tok = load_model_and_tokenizer(TINY_MODEL)
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32"), 1.0)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(FloatingPointError, match="step was not applied"):
         trainer.train_step([_group([1.0, math.nan, 0.0, 1.0])])

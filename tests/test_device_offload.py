@@ -49,7 +49,7 @@ def groups(step: int) -> list[Group]:
 
 def trainer() -> Trainer:
     model, tok = load_model_and_tokenizer(MODEL, seed=0)
-    return Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+    return Trainer(model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32", lr=1e-3), 1.0)
 
 
 def snapshot(t: Trainer) -> dict[str, torch.Tensor]:

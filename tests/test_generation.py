@@ -288,7 +288,11 @@ def test_micro_batching_matches_one_big_batch():
             "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
         )[0]
         trainer = Trainer(
-            m, tok, AlgorithmConfig(), TrainerConfig(micro_batch_size=micro, lr=1e-3), 1.0
+            m,
+            tok,
+            AlgorithmConfig(),
+            TrainerConfig(precision="fp32", micro_batch_size=micro, lr=1e-3),
+            1.0,
         )
         metrics = trainer.train_step(groups)
         grads.append((metrics, [p.detach().clone() for p in m.parameters()]))
@@ -339,9 +343,9 @@ def test_jsonl_and_parquet_datasets(tmp_path):
 def test_learning_rate_schedules():
     from loomrl.training.trainer import lr_factor
 
-    cfg = TrainerConfig(num_steps=10, warmup_steps=2, lr_schedule="linear")
+    cfg = TrainerConfig(precision="fp32", num_steps=10, warmup_steps=2, lr_schedule="linear")
     f = lr_factor(cfg)
     assert [f(s) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-    cos = lr_factor(TrainerConfig(num_steps=4, lr_schedule="cosine"))
+    cos = lr_factor(TrainerConfig(precision="fp32", num_steps=4, lr_schedule="cosine"))
     assert cos(0) == 1.0 and abs(cos(2) - 0.5) < 1e-12 and abs(cos(4)) < 1e-12
-    assert lr_factor(TrainerConfig(num_steps=4))(3) == 1.0
+    assert lr_factor(TrainerConfig(precision="fp32", num_steps=4))(3) == 1.0

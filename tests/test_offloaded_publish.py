@@ -39,7 +39,7 @@ class TensorRecorder(Recorder, TensorSender):
 def executor(sender: Sender, device: str = "cpu", quantize: str = "none") -> TrainerExecutor:
     setup = TrainerSetup(
         model=ModelConfig(path=MODEL, device=device),
-        trainer=TrainerConfig(lr=1e-3),
+        trainer=TrainerConfig(precision="fp32", lr=1e-3),
         algorithm=AlgorithmConfig(kl_coef=0.05),  # a KL reference, offloaded with the rest
         weight_sync=WeightSyncConfig(codec="delta", publish_quantized=quantize != "none"),
         seed=0,
@@ -214,7 +214,7 @@ def test_a_lora_trainer_publishes_its_adapter_from_the_offloaded_copies():
     lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
     setup = TrainerSetup(
         model=ModelConfig(path=MODEL, device="cpu", lora=lora),
-        trainer=TrainerConfig(lr=1e-3),
+        trainer=TrainerConfig(precision="fp32", lr=1e-3),
         algorithm=AlgorithmConfig(kl_coef=0.05),
         weight_sync=WeightSyncConfig(codec="delta"),
         seed=0,

@@ -170,7 +170,9 @@ def test_the_trainer_logs_the_share_of_ratios_past_delta(trainer_model):
     over = (torch.exp(logp - batch.behaviour) > 2.0).float() * batch.target_mask
     want = float(over.sum() / batch.target_mask.sum())
     assert 0.2 < want < 0.8  # the check below can tell a wrong share
-    trainer = Trainer(model, tok, AlgorithmConfig(delta=2.0), TrainerConfig(lr=1e-3), 1.0)
+    trainer = Trainer(
+        model, tok, AlgorithmConfig(delta=2.0), TrainerConfig(precision="fp32", lr=1e-3), 1.0
+    )
     metrics = trainer.train_step(
         [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
     )

@@ -80,7 +80,7 @@ def test_trainer_step_matches_with_and_without_sharing():
             model,
             tok,
             AlgorithmConfig(loss="aipo"),
-            TrainerConfig(lr=1e-3, shared_prefix=shared),
+            TrainerConfig(precision="fp32", lr=1e-3, shared_prefix=shared),
             1.0,
         )
         rollouts = _rollouts(5)
@@ -98,7 +98,7 @@ def test_trainer_step_matches_with_and_without_sharing():
 
 def test_distinct_prompts_take_the_plain_forward():
     model, tok = _model()
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32"), 1.0)
     rollouts = _rollouts(0, prompt_lengths=(3, 4, 5), group_size=1)
     assert not isinstance(trainer._micro_batch(rollouts, [0.0] * 3), PrefixBatch)
 
@@ -170,7 +170,7 @@ def test_a_sliding_window_model_keeps_the_unshared_forward():
     model = MistralForCausalLM(config).float()
     assert not probe_can_repeat(model)
     assert probe_can_repeat(_model()[0])
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(), 1.0)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32"), 1.0)
     rollouts = _rollouts(0, prompt_lengths=(7, 6))
     assert not isinstance(trainer._micro_batch(rollouts, [0.0] * len(rollouts)), PrefixBatch)
     trainer.train_step(

@@ -33,7 +33,7 @@ def test_update_rms_is_the_root_mean_square_of_the_parameter_change():
     model, tok = build_tiny_model(
         "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
     )
-    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+    trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32", lr=1e-3), 1.0)
     before = [p.detach().clone() for p in model.parameters()]
     metrics = trainer.train_step(_groups())
     after = list(model.parameters())
@@ -55,7 +55,9 @@ def test_measuring_the_update_does_not_change_the_step():
         model, tok = build_tiny_model(
             "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
         )
-        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+        trainer = Trainer(
+            model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32", lr=1e-3), 1.0
+        )
         if not measure:  # the plain AdamW step on the same gradients, as a reference
             trainer.train_step = _plain_step(trainer)
         trainer.train_step(_groups())
@@ -93,7 +95,11 @@ def test_step_phases_are_timed_within_the_step():
         "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
     )
     trainer = Trainer(
-        model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, micro_batch_size=3), 1.0
+        model,
+        tok,
+        AlgorithmConfig(),
+        TrainerConfig(precision="fp32", lr=1e-3, micro_batch_size=3),
+        1.0,
     )
     metrics = trainer.train_step(_groups())
     phases = [metrics[f"timing/train_{p}_s"] for p in ("forward", "backward", "optimizer")]
@@ -108,7 +114,11 @@ def test_the_fused_optimizer_is_adamw_up_to_rounding_and_can_be_turned_off():
             "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
         )
         trainer = Trainer(
-            model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3, fused_optimizer=fused), 1.0
+            model,
+            tok,
+            AlgorithmConfig(),
+            TrainerConfig(precision="fp32", lr=1e-3, fused_optimizer=fused),
+            1.0,
         )
         assert bool(trainer.optimizer.param_groups[0]["fused"]) is fused
         for _ in range(3):
@@ -160,7 +170,7 @@ def test_a_traced_training_forward_trains_the_same_weights_bit_for_bit(shared_pr
             model,
             tok,
             AlgorithmConfig(),
-            TrainerConfig(lr=1e-3, trace=trace, shared_prefix=shared_prefix),
+            TrainerConfig(precision="fp32", lr=1e-3, trace=trace, shared_prefix=shared_prefix),
             1.0,
         )
         metrics = [trainer.train_step(_groups()) for _ in range(5)]  # traced from the third step
@@ -191,7 +201,9 @@ def test_update_measured_in_buckets_gives_the_one_bucket_step_and_metrics(monkey
         model, tok = build_tiny_model(
             "llama", seed=3, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
         )
-        trainer = Trainer(model, tok, AlgorithmConfig(), TrainerConfig(lr=1e-3), 1.0)
+        trainer = Trainer(
+            model, tok, AlgorithmConfig(), TrainerConfig(precision="fp32", lr=1e-3), 1.0
+        )
         metrics = [trainer.train_step(_groups()) for _ in range(2)]
         grads = [p.grad is not None for p in model.parameters()]
         results.append(([p.detach().clone() for p in model.parameters()], metrics, grads))

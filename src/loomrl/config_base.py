@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 # ``device`` fields: 'auto' (CUDA when present, else the CPU), 'cpu', 'cuda' or 'cuda:<index>'.
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
-# ``dtype`` fields of a model's compute weights ('auto': bfloat16 on CUDA, float32 on the CPU).
+# ``dtype`` fields of a model's compute weights ('auto': bfloat16 where the device computes
+# bf16 natively, float32 elsewhere: loomrl.device.bf16).
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 

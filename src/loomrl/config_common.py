@@ -30,9 +30,9 @@ class ModelConfig(Section):
     dtype: DtypeName = Field(
         "auto",
         description="dtype of the compute weights: the generators' model and the trainer's KL reference "
-        "(the trainer's own weights follow trainer.precision). 'auto': bfloat16 on CUDA, float32 on the "
-        "CPU, so CPU runs (and the golden record) compute exactly as before; set 'bfloat16' to try it on "
-        "a CPU with bf16 instructions (avx512_bf16 / amx_bf16).",
+        "(the trainer's own weights follow trainer.precision). 'auto': bfloat16 where the device computes "
+        "bf16 natively (CUDA; a CPU with avx512_bf16, amx_bf16 or Arm bf16), float32 elsewhere; the run's "
+        "start line and summary.json say which and why. 'float32' pins fp32 (the golden record does).",
     )
 
 
@@ -118,7 +118,7 @@ class AlgorithmConfig(Section):
         0.0,
         ge=0,
         description="KL penalty to the initial model (0 = off). The frozen reference is kept "
-        "in model.dtype's compute dtype (bf16 on CUDA by default), not as a second fp32 copy.",
+        "in model.dtype's compute dtype (bf16 by default where bf16 is native), not as a second fp32 copy.",
     )
 
 

@@ -178,16 +178,18 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def resolve_dtype(model_cfg: ModelConfig, device=None):
     """The compute dtype ``model.dtype`` means on ``device`` (default: ``model.device``
-    resolved): 'auto' is bfloat16 on CUDA and float32 elsewhere (CPU numbers stay fp32).
+    resolved): 'auto' is bfloat16 where the device computes bf16 natively (CUDA, a CPU with
+    AVX512-BF16, AMX or Arm BF16: ``loomrl.device.bf16``) and float32 elsewhere.
     Generators load their model in it; the trainer keeps its KL reference in it."""
     # lazy: torch loads when this runs, not with the module
     import torch
 
     from loomrl.device import resolve_device
+    from loomrl.device.bf16 import machine_precision
 
     device = torch.device(device) if device is not None else resolve_device(model_cfg.device)
     if model_cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return machine_precision(device).dtype
     return getattr(torch, _DTYPES[model_cfg.dtype])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,14 @@ from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.data import load_rows_with_places
 from loomrl.envs.base import Environment
+from loomrl.device import resolve_device
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.scoring.calls import load_object
 from loomrl.scoring.client import Scorer
 from loomrl.training.checkpoint import checkpoint_step
+from loomrl.training.precision import precision_policy
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class RunInputs:
     max_prompt_tokens: int | None  # None when the model does not say its context
     resume_from: Path | None = None  # the checkpoint a resume starts from
     resume_state: dict[str, Any] | None = None  # and its state, loaded and verified
+    # what the job computes in and why (loomrl.training.precision.precision_policy)
+    precision: dict[str, str] = field(default_factory=dict)
 
     @property
     def purge_step(self) -> int | None:
@@ -54,8 +58,17 @@ def read_inputs(
     env_factory = environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     budget = check_prompt_lengths(cfg, tokenizer, datasets)
+    precision = precision_policy(cfg.model, cfg.trainer, resolve_device(cfg.model.device))
     return RunInputs(
-        train_rows, eval_rows, scorer, env_factory, tokenizer, budget, resume_from, resume_state
+        train_rows,
+        eval_rows,
+        scorer,
+        env_factory,
+        tokenizer,
+        budget,
+        resume_from,
+        resume_state,
+        precision,
     )
 
 

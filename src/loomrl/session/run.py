@@ -44,6 +44,7 @@ from loomrl.session.views import extra_sinks, run_views
 from loomrl.stop_signals import raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
 from loomrl.training.checkpoint import checkpoint_step, rng_state
+from loomrl.training.precision import describe_policy
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def _run_locked(
     if resume_from is not None:
         cut_record(run_dir, resume_from, checkpoint_step(resume_from))
     (run_dir / "config.json").write_text(cfg.to_json())
+    logger.info("%s", describe_policy(inputs.precision))
     return _train(cfg, run_dir, inputs, on_record, faults or FaultStats())
 
 
@@ -207,6 +209,7 @@ def _train(
                     _drive(cfg, controller, executors.trainer, runtime, run_dir, trainer_state)
                 )
             summary["run_dir"] = str(run_dir)
+            summary["precision"] = inputs.precision
             write_json_atomically(run_dir / "summary.json", summary)
             return JobResult(run_dir, summary, controller.eval_history)
         finally:

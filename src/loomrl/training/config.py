@@ -109,7 +109,9 @@ class TrainerConfig(Section):
         description="'fp32': fp32 weights, AdamW state and compute. 'bf16_mixed': fp32 master "
         "weights and AdamW state, the forward and backward under bf16 autocast (FSDP2's "
         "MixedPrecisionPolicy model). 'bf16': weights and AdamW state in bf16 (half the memory, "
-        "updates below bf16's resolution are lost). 'auto': bf16_mixed on CUDA, fp32 on the CPU. "
+        "updates below bf16's resolution are lost). 'auto': bf16_mixed where the device "
+        "computes bf16 natively (CUDA; a CPU with AVX512-BF16, AMX-BF16 or Arm BF16), fp32 elsewhere; "
+        "the run's start line and summary.json say which and why. "
         "Log-probs, the loss and the importance ratio are computed in fp32 under every policy.",
     )
     tf32: bool = Field(

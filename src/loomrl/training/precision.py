@@ -1,9 +1,10 @@
 """The trainer's precision policy (``trainer.precision``) resolved on a device.
 
-- ``fp32``: weights, AdamW state and compute in fp32 (the CPU default: its numbers, and the
-  golden record, stay what they were).
+- ``fp32``: weights, AdamW state and compute in fp32 (the default on a CPU without native
+  bf16; the golden record pins it).
 - ``bf16_mixed``: fp32 master weights and AdamW state; forward and backward under bf16
-  autocast (the FSDP2 ``MixedPrecisionPolicy`` model). The CUDA default.
+  autocast (the FSDP2 ``MixedPrecisionPolicy`` model). The default on CUDA and on a CPU
+  with native bf16 (``loomrl.device.bf16``).
 - ``bf16``: weights and AdamW state in bf16.
 
 Under every policy the log-probs, the loss and the importance ratio are fp32: the chunked
@@ -19,15 +20,17 @@ import logging
 
 import torch
 
+from loomrl.device.bf16 import machine_precision
 from loomrl.training.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    """``trainer.precision`` on ``device``: 'auto' is bf16_mixed on CUDA, fp32 elsewhere."""
+    """``trainer.precision`` on ``device``: 'auto' is bf16_mixed where the device computes
+    bf16 natively (CUDA, a CPU with AVX512-BF16, AMX or Arm BF16), fp32 elsewhere."""
     if cfg.precision == "auto":
-        return "bf16_mixed" if torch.device(device).type == "cuda" else "fp32"
+        return machine_precision(device).precision
     return cfg.precision
 
 
@@ -85,3 +88,31 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         for p in model.parameters()
     }
     return copy.deepcopy(model, memo).eval()
+
+
+def precision_policy(model_cfg, cfg: TrainerConfig, device: torch.device) -> dict[str, str]:
+    """What the job computes in on ``device`` and why, for the start line and the run's
+    summary: the generators' ``model.dtype`` and the trainer's ``trainer.precision``,
+    resolved, with the machine's reason where either is 'auto'."""
+    from loomrl.models.loading import resolve_dtype
+
+    auto = [
+        key
+        for key, value in (("model.dtype", model_cfg.dtype), ("trainer.precision", cfg.precision))
+        if value == "auto"
+    ]
+    reason = f"{' and '.join(auto)} 'auto': {machine_precision(device).reason}" if auto else ""
+    return {
+        "device": str(device),
+        "generator_dtype": str(resolve_dtype(model_cfg, device)).removeprefix("torch."),
+        "trainer_precision": resolve_precision(cfg, device),
+        "reason": reason or "model.dtype and trainer.precision set in the config",
+    }
+
+
+def describe_policy(policy: dict[str, str]) -> str:
+    """The start line of ``precision_policy``."""
+    return (
+        f"precision: generators compute in {policy['generator_dtype']}, the trainer in "
+        f"{policy['trainer_precision']} on {policy['device']} ({policy['reason']})"
+    )
