@@ -58,6 +58,7 @@ from loomrl.training.fsdp_init import start_sharded_model
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
+    apply_optimizer_config,
     micro_batch_slices,
     token_logprobs,
 )
@@ -223,6 +224,7 @@ class ShardedTrainer(Trainer):
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg)
         self.version = int(state["version"])
 
 

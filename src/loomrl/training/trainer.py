@@ -203,6 +203,25 @@ def lr_factor(cfg: TrainerConfig):
     return factor
 
 
+def apply_optimizer_config(optimizer, scheduler, cfg: TrainerConfig) -> None:
+    """Set the job's optimizer and schedule keys on a restored optimizer and scheduler: a
+    resumed run trains with ``trainer.lr``, ``betas``, ``weight_decay``, ``lr_schedule``,
+    ``warmup_steps`` and ``num_steps`` as its config says now, not as the checkpoint saved
+    them (their state, the AdamW moments and the step count, is kept). With the config the
+    run was saved with, every value is what the checkpoint held, bit for bit."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    lrs = [
+        base * fn(scheduler.last_epoch)
+        for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["initial_lr"] = cfg.lr
+        group["lr"] = lr
+        group["betas"] = tuple(cfg.betas)
+        group["weight_decay"] = cfg.weight_decay
+    scheduler._last_lr = lrs
+
+
 class Trainer:
     """Holds the policy (fp32 masters, or bf16 under ``trainer.precision='bf16'``), AdamW,
     and an optional frozen reference for the KL penalty."""
@@ -440,4 +459,5 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg)
         self.version = int(state["version"])
