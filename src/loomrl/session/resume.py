@@ -172,6 +172,7 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
         summary["first_failures"] = dict(controller.scorer.first_errors)
+        summary["failures_by_kind"] = dict(controller.scorer.failure_counts())
     write_json_atomically(run_dir / "summary.json", summary)
 
 

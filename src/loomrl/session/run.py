@@ -158,9 +158,9 @@ async def _drive(
         summary = await controller.run(checkpoint=checkpoint)
     if stopped_by:
         summary["stopped_by"] = stopped_by[0]
-    summary["first_failures"] = dict(
-        controller.scorer.first_errors
-    )  # each reason's first message, traceback and all
+    # each reason's first message, traceback and all, and how many failed for each
+    summary["first_failures"] = dict(controller.scorer.first_errors)
+    summary["failures_by_kind"] = dict(controller.scorer.failure_counts())
     # per executor; on the local runtime every executor shares the controller's process
     summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[
         0
