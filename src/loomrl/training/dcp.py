@@ -37,7 +37,7 @@ from loomrl.training.checkpoint import (
     save_checkpoint,
     sha256_file,
 )
-from loomrl.training.trainer import apply_optimizer_config
+from loomrl.training.optim_state import apply_optimizer_config
 
 logger = logging.getLogger(__name__)
 

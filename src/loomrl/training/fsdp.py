@@ -55,10 +55,10 @@ from loomrl.training.checkpoint import SHARDED_FORMAT
 from loomrl.training.dcp import load_trainer_state, save_sharded_checkpoint
 from loomrl.training.executor import TrainerExecutor, TrainerSetup
 from loomrl.training.fsdp_init import start_sharded_model
+from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
-    apply_optimizer_config,
     micro_batch_slices,
     token_logprobs,
 )

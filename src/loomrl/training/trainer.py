@@ -19,6 +19,7 @@ from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.config import TrainerConfig
+from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
@@ -201,25 +202,6 @@ def lr_factor(cfg: TrainerConfig):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-def apply_optimizer_config(optimizer, scheduler, cfg: TrainerConfig) -> None:
-    """Set the job's optimizer and schedule keys on a restored optimizer and scheduler: a
-    resumed run trains with ``trainer.lr``, ``betas``, ``weight_decay``, ``lr_schedule``,
-    ``warmup_steps`` and ``num_steps`` as its config says now, not as the checkpoint saved
-    them (their state, the AdamW moments and the step count, is kept). With the config the
-    run was saved with, every value is what the checkpoint held, bit for bit."""
-    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
-    lrs = [
-        base * fn(scheduler.last_epoch)
-        for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)
-    ]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["initial_lr"] = cfg.lr
-        group["lr"] = lr
-        group["betas"] = tuple(cfg.betas)
-        group["weight_decay"] = cfg.weight_decay
-    scheduler._last_lr = lrs
 
 
 class Trainer:
