@@ -165,7 +165,8 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
     controller = SimpleNamespace(
         version=1,
         accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()},
-        scorer=SimpleNamespace(first_errors={}),  # (a real controller always has one)
+        # (a real controller always has one)
+        scorer=SimpleNamespace(first_errors={}, failure_counts=dict),
     )
     write_failure_summary(
         tmp_path, controller, StopSignal(15)

@@ -181,12 +181,18 @@ def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from loomrl.config import ConfigError, load_config
+    from loomrl.generation.engine_config import engine_install_error
     from loomrl.job import Job, default_run_dir
 
     try:
         cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
         _print_error(str(err))
+        return 2
+    # before the progress bar and any model (run_job checks it again for Job(...).run())
+    missing = engine_install_error(cfg.generation.engine.type, cfg.runtime)
+    if missing is not None:
+        _print_error(f"ConfigError: {missing}")
         return 2
     if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
         cfg.output_dir = args.output_dir

@@ -16,6 +16,7 @@ from typing import Any
 from loomrl.config import JobConfig
 from loomrl.control import Controller
 from loomrl.data import PromptStream
+from loomrl.generation.engine_config import engine_install_error
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
@@ -69,6 +70,15 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
+def check_engine_installed(cfg: JobConfig) -> None:
+    """The engine ``generation.engine.type`` names is importable here (``engine_install_error``)."""
+    message = engine_install_error(cfg.generation.engine.type, cfg.runtime)
+    if message is not None:
+        from loomrl.config import ConfigError
+
+        raise ConfigError(message)
+
+
 def run_job(
     cfg: JobConfig,
     *,
@@ -79,7 +89,9 @@ def run_job(
 ) -> JobResult:
     """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
     run folder, which is checked and locked first."""
-    event_loop_factory(cfg.event_loop)  # a missing uvloop fails before the run folder is made
+    # a missing uvloop or vLLM fails before the run folder is made
+    event_loop_factory(cfg.event_loop)
+    check_engine_installed(cfg)
     run_dir = default_run_dir(cfg)
     # one count of executor restarts for the whole job, its own restarts included
     faults = FaultStats(cfg.faults.max_executor_restarts)
