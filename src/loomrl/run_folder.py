@@ -36,6 +36,8 @@ RUN_ENTRIES = (
     "checkpoints",
     "final",
     "weight_updates",
+    "eval.json",
+    "eval_samples.jsonl",
 )
 
 

@@ -38,6 +38,8 @@ class Evaluator:
         self.greedy = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, greedy=True)
         self.env_factory, self.max_turns = env_factory, cfg.task.max_turns
         self.history: list[dict[str, Any]] = []
+        # the last evaluation's rollouts, one a held-out row (``samples``)
+        self.last_groups: list[Group] = []
 
     async def first(self, history: dict[str, Any], resumed: bool) -> dict[str, Any]:
         """The evaluation before the first step, kept in ``history``; a resumed run keeps
@@ -69,6 +71,7 @@ class Evaluator:
         else:
             groups = await self._completions()
             await self.scorer.score_groups(groups)
+        self.last_groups = groups
         count = sum(group.size for group in groups)
         rewards = [
             reward
@@ -104,6 +107,27 @@ class Evaluator:
         return Group.from_results(
             picks, prompt_ids, self.rows, prompts.key, results, prompts.decode_batch
         )
+
+    def samples(self) -> list[dict[str, Any]]:
+        """The last evaluation, one JSON-ready dict a held-out row: its index, prompt,
+        completion, reward (None when it failed), status and error, and the row's other
+        columns under ``row``."""
+        out = []
+        for group in self.last_groups:
+            for rollout in group:
+                out.append(
+                    {
+                        "index": group.prompt_index,
+                        "prompt": rollout.prompt,
+                        "completion": rollout.completion,
+                        "reward": rollout.reward if rollout.status == "ok" else None,
+                        "status": rollout.status,
+                        "error": rollout.error,
+                        "version": rollout.version,
+                        "row": group.row,
+                    }
+                )
+        return out
 
     @staticmethod
     def _warn_failed(record: dict[str, Any], groups: list[Group], count: int) -> None:
