@@ -66,6 +66,14 @@ def test_eval_of_a_checkpoint_scores_its_weights_and_saves_every_completion(
     assert results["eval/mean_reward"] == pytest.approx(sum(rewards) / len(rewards))
     assert {s["index"] for s in samples} == set(range(12))
     assert all(s["prompt"] == s["row"]["prompt"] for s in samples)
+    # the same completions as the training run's own last evaluation, which it saved too
+    run_samples = [
+        json.loads(line)
+        for line in (result.run_dir / "eval_samples.jsonl").read_text().splitlines()
+    ]
+    assert [s["version"] for s in run_samples] == [0] * 12 + [2] * 12
+    assert [s["completion"] for s in run_samples[12:]] == [s["completion"] for s in samples]
+    assert [s["completion"] for s in run_samples[:12]] != [s["completion"] for s in samples]
     # no step trained: the folder holds no checkpoint and no final model
     assert not (tmp_path / "ckpt" / "checkpoints").exists()
     assert not (tmp_path / "ckpt" / "final").exists()
@@ -90,3 +98,14 @@ def test_eval_without_an_eval_set_says_how_to_give_one(trained, tmp_path, capsys
     assert main(["eval", str(job), "data.eval=null", "--output-dir", str(tmp_path / "x")]) == 2
     assert "data.eval is not set" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_resume_drops_the_evaluations_after_its_checkpoint(tmp_path):
+    from loomrl.session.resume import cut_record
+
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    lines = [json.dumps({"version": v, "completion": str(v)}) for v in (0, 2, 4, 4)]
+    (tmp_path / "eval_samples.jsonl").write_text("\n".join(lines) + "\n")
+    cut_record(tmp_path, tmp_path / "checkpoints" / "step_000002", 2)
+    kept = (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["version"] for line in kept] == [0, 2]

@@ -8,10 +8,12 @@ the training scorer whose failures are counted apart (``eval/*``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
@@ -38,8 +40,10 @@ class Evaluator:
         self.greedy = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, greedy=True)
         self.env_factory, self.max_turns = env_factory, cfg.task.max_turns
         self.history: list[dict[str, Any]] = []
-        # the last evaluation's rollouts, one a held-out row (``samples``)
+        # the last evaluation's rollouts, one a held-out row (``samples``), and the file
+        # every evaluation's samples are appended to (the run's eval_samples.jsonl; None: kept)
         self.last_groups: list[Group] = []
+        self.samples_path: Path | None = None
 
     async def first(self, history: dict[str, Any], resumed: bool) -> dict[str, Any]:
         """The evaluation before the first step, kept in ``history``; a resumed run keeps
@@ -91,7 +95,21 @@ class Evaluator:
         if record["eval/num_failed"]:
             self._warn_failed(record, groups, count)
         self.history.append(record)
+        if self.samples_path is not None:
+            self._append_samples(self.samples_path)
         return record
+
+    def _append_samples(self, path: Path) -> None:
+        """This evaluation's samples, one JSON line each, appended to ``path`` (an error
+        writing them is logged: a sample file must not fail the run)."""
+        lines = "".join(
+            json.dumps(s, ensure_ascii=False, default=str) + "\n" for s in self.samples()
+        )
+        try:
+            with path.open("a", encoding="utf-8") as f:
+                f.write(lines)
+        except OSError as err:
+            logger.error("could not write %s: %s", path, err)
 
     async def _completions(self) -> list[Group]:
         """One greedy completion per held-out prompt, as groups of one to score (built as

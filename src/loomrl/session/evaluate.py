@@ -7,7 +7,6 @@ prompt, completion, reward, status, error)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from loomrl.runtime.supervision import FaultStats
 from loomrl.session.assembly import job_leases, make_runtime, open_transport_ends, start_executors
 from loomrl.session.inputs import read_inputs
 from loomrl.session.run import (
+    EVAL_SAMPLES_FILE,
     _make_controller,
     _release,
     check_engine_installed,
@@ -32,7 +32,7 @@ from loomrl.training.checkpoint import CheckpointError, latest_checkpoint, load_
 
 logger = logging.getLogger(__name__)
 
-EVAL_FILE, SAMPLES_FILE = "eval.json", "eval_samples.jsonl"
+EVAL_FILE = "eval.json"
 
 
 @dataclass
@@ -99,8 +99,6 @@ def evaluate_job(
             data=cfg.data.eval,
             num_prompts=len(inputs.eval_rows),
         )
-        lines = "".join(json.dumps(s, ensure_ascii=False, default=str) + "\n" for s in samples)
-        (run_dir / SAMPLES_FILE).write_text(lines, encoding="utf-8")
         write_json_atomically(run_dir / EVAL_FILE, results)
     return EvalResult(run_dir, results, samples)
 
@@ -126,6 +124,7 @@ def _evaluate(cfg: JobConfig, run_dir: Path, inputs, state: dict[str, Any] | Non
         controller = _make_controller(
             cfg, inputs, executors, stream, None, leases, metrics, None, faults
         )
+        controller.evaluator.samples_path = run_dir / EVAL_SAMPLES_FILE
 
         async def evaluate() -> dict[str, Any]:
             await runtime.wait_ready()

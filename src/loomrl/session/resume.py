@@ -142,6 +142,7 @@ def cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
     tmp = run_dir / "metrics.jsonl.tmp"
     tmp.write_text("".join(line + "\n" for line in lines))
     os.replace(tmp, run_dir / "metrics.jsonl")
+    _cut_eval_samples(run_dir / "eval_samples.jsonl", step)
     for newer in list_checkpoints(resume_from.parent):
         if newer.name > resume_from.name:
             newer.rename(newer.with_name(f"abandoned-{newer.name}"))
@@ -151,6 +152,22 @@ def cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
                 newer.name,
                 newer.name,
             )
+
+
+def _cut_eval_samples(path: Path, step: int) -> None:
+    """Drop the evaluations after ``step`` from ``eval_samples.jsonl`` (they run again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("version", 0)) <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def write_failure_summary(run_dir: Path, controller: Controller | None, err: BaseException) -> None:

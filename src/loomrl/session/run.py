@@ -46,6 +46,8 @@ from loomrl.training.checkpoint import checkpoint_step, rng_state
 logger = logging.getLogger(__name__)
 
 OnRecord = Callable[[dict[str, Any]], None] | None
+# Every evaluation's completions, one JSON line each (docs/runs.md).
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -219,6 +221,7 @@ def _train(
             controller = _make_controller(
                 cfg, inputs, executors, stream, resumed, leases, metrics, on_record, faults
             )
+            controller.evaluator.samples_path = run_dir / EVAL_SAMPLES_FILE
             trainer_state = resumed.trainer_state if resumed is not None else None
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 summary = runner.run(
