@@ -86,7 +86,9 @@ def _print_summary(result) -> None:
     if s.get("already_finished"):
         print(f"already finished: {result.run_dir} ran all {s['steps']} steps; nothing to resume")
         return
-    title = "run interrupted" if s.get("interrupted") else "run finished"
+    title = "run finished"
+    if s.get("interrupted"):
+        title = f"run interrupted by {s.get('stopped_by') or 'SIGINT'}"
     table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")
     if start is not None and end is not None:
