@@ -68,7 +68,7 @@ def test_a_report_without_trace_or_summary_still_builds(run_dir):
     (run_dir / "summary.json").unlink()
     page = build_report(run_dir).read_text()
     assert "Executor timeline" not in page and "Reward over steps" in page
-    assert "still running or stopped early" in page
+    assert "stopped without a summary" in page
 
 
 def test_status_says_finished_running_or_stopped(run_dir):

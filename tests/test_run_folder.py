@@ -164,9 +164,8 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
     }
     controller = SimpleNamespace(
         version=1,
+        scorer=SimpleNamespace(first_failures=dict, failure_counts=dict),
         accounting=lambda: {f"rollout/{k}": v for k, v in counts.items()},
-        # (a real controller always has a scorer)
-        scorer=SimpleNamespace(first_failures=dict),
     )
     # 8 rollouts were in the step it cut short
     write_failure_summary(tmp_path, controller, StopSignal(15))

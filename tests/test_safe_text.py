@@ -75,6 +75,11 @@ def test_status_of_a_handed_run_escapes_text_and_reads_numbers_as_numbers(tmp_pa
     config = json.loads((run / "config.json").read_text())
     config["trainer"]["num_steps"] = "\x1b[2J"
     (run / "config.json").write_text(json.dumps(config))
+    # an ended run's failed count and its kinds are its summary's
+    summary = json.loads((run / "summary.json").read_text())
+    summary["failed"] = True
+    summary["first_failures"] = {"\x1b[2Jkind": "\x1b]0;title\x07 error"}
+    (run / "summary.json").write_text(json.dumps(summary))
 
     assert cli.main(["status", str(run)]) == 0
     out = capsys.readouterr().out

@@ -15,6 +15,7 @@ EPILOG = """examples:
   loomrl run examples/arithmetic/job.toml
   loomrl run examples/arithmetic/job.toml algorithm.max_staleness=0 trainer.lr=3e-4
   loomrl resume runs/arithmetic-20261129-120000
+  loomrl eval examples/arithmetic/job.toml --checkpoint runs/arithmetic-20261129-120000/final
   loomrl config            # every config key with its default and description
   loomrl scheduler serve --device cpu0=0 --policy fair   # share a device between jobs
   loomrl simulate --scenario llm-d
@@ -85,7 +86,9 @@ def _print_summary(result) -> None:
     if s.get("already_finished"):
         print(f"already finished: {result.run_dir} ran all {s['steps']} steps; nothing to resume")
         return
-    title = "run interrupted" if s.get("interrupted") else "run finished"
+    title = "run finished"
+    if s.get("interrupted"):
+        title = f"run interrupted by {s.get('stopped_by') or 'SIGINT'}"
     table = Table(title=f"{title}: {result.run_dir}", show_header=False)
     start, end = s.get("eval_start"), s.get("eval_end")
     if start is not None and end is not None:
@@ -180,12 +183,18 @@ def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from loomrl.config import ConfigError, load_config
+    from loomrl.generation.engine_config import engine_install_error
     from loomrl.job import Job, default_run_dir
 
     try:
         cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
         _print_error(str(err))
+        return 2
+    # before the progress bar and any model (run_job checks it again for Job(...).run())
+    missing = engine_install_error(cfg.generation.engine.type, cfg.runtime)
+    if missing is not None:
+        _print_error(f"ConfigError: {missing}")
         return 2
     if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
         cfg.output_dir = args.output_dir
@@ -212,6 +221,52 @@ def cmd_resume(args: argparse.Namespace) -> int:
         cfg.trainer.num_steps,
         args.run_dir,
     )
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``loomrl eval JOB.toml [--checkpoint DIR]``: evaluation only (session/evaluate.py)."""
+    from loomrl.config import ConfigError, load_config
+    from loomrl.generation.engine_config import engine_install_error
+
+    try:
+        cfg = load_config(args.job, list(args.overrides))
+    except ConfigError as err:
+        _print_error(str(err))
+        return 2
+    missing = engine_install_error(cfg.generation.engine.type, cfg.runtime)
+    if missing is not None:
+        _print_error(f"ConfigError: {missing}")
+        return 2
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    from loomrl.session.evaluate import evaluate_job
+
+    try:
+        result = evaluate_job(cfg, args.checkpoint, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, OSError, ValueError, TypeError, RuntimeError) as err:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            logging.getLogger(__name__).exception("eval failed")
+        _print_error(f"{type(err).__name__}: {err}")
+        return 2
+    _print_eval(result)
+    return 0
+
+
+def _print_eval(result) -> None:
+    """The results as lines (paths whole, never cut to the terminal's width)."""
+    r = result.results
+    lines = [
+        f"eval: {result.run_dir}",
+        f"  weights      {r['checkpoint'] or r['model']}",
+        f"  prompts      {r['num_prompts']} of {r['data']}",
+        f"  mean reward  {r.get('eval/mean_reward', float('nan')):.4f}",
+        f"  failed       {r.get('eval/num_failed', 0)}",
+        f"  results      {result.run_dir / 'eval.json'}",
+        f"  samples      {result.run_dir / 'eval_samples.jsonl'}",
+    ]
+    print(escape_controls("\n".join(lines)))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -300,9 +355,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_eval_command(sub) -> None:
+    """``loomrl eval JOB.toml [--checkpoint DIR]``."""
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a job's model or a checkpoint on data.eval (no training)"
+    )
+    evaluate.add_argument("job", help="the job's TOML file")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.eval=x.jsonl")
+    evaluate.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint (RUN/checkpoints/step_N), a run folder (its newest checkpoint) or a "
+        "model folder (RUN/final); default: the job's model.path",
+    )
+    evaluate.add_argument("--output-dir", help="where to write (default runs/<name>-eval-<time>)")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace what is there")
+    evaluate.set_defaults(fn=cmd_eval)
+
+
 def _add_view_commands(sub) -> None:
-    """``loomrl report`` and ``loomrl status`` (a run folder seen from outside), and
-    ``loomrl warmstart``."""
+    """``loomrl eval``, ``loomrl report`` and ``loomrl status`` (a run folder seen from
+    outside), and ``loomrl warmstart``."""
+    _add_eval_command(sub)
     from loomrl.training.warmstart import add_warmstart_command
 
     add_warmstart_command(sub)
@@ -328,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options: `run job.toml --output-dir x a.b=1`
-        if getattr(args, "fn", None) in (cmd_run, cmd_resume) and all(
+        if getattr(args, "fn", None) in (cmd_run, cmd_resume, cmd_eval) and all(
             "=" in e and not e.startswith("-") for e in extra
         ):
             args.overrides = [*args.overrides, *extra]

@@ -111,14 +111,22 @@ class ConfigError(ValueError):
     """A job file or override that does not describe a valid job."""
 
 
+# The override value that unsets a key (None: its "not set" of an optional key); TOML has
+# no null, and the string is written quoted: ``key='null'``.
+UNSET = "null"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``'trainer.lr=3e-4'`` -> ``(['trainer', 'lr'], 3e-4)``; values parse as TOML, else str."""
+    """``'trainer.lr=3e-4'`` -> ``(['trainer', 'lr'], 3e-4)``; values parse as TOML, else str;
+    ``key=null`` -> ``(['key'], None)``, the key unset (docs/config.md, "Unsetting a key")."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.path=value")
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if not path:
         raise ConfigError(f"override {text!r} has an empty key")
+    if raw.strip() == UNSET:
+        return path, None
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -153,6 +161,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            if got is None:
+                got_text = " (got null: only a key whose default is none can be unset)"
             lines.append(f"  {loc}: {e['msg']}{got_text}")
     return "\n".join(lines)
 

@@ -57,6 +57,11 @@ class DataConfig(Section):
     eval_split: str = Field(
         "test", description="Split of a dataset folder data.eval names (files: not read)."
     )
+    dataset_config: str | None = Field(
+        None,
+        description="Configuration (subset) of a dataset folder whose README lists several, as on "
+        "the hub (datasets' name: 'main' for gsm8k); one name for data.train and data.eval.",
+    )
     prompt_key: str = Field(
         "prompt",
         description="Column holding the prompt: a string, or a list of {role, content} messages "

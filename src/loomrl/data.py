@@ -10,7 +10,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from loomrl.data_sources import DatasetSourceError, read_folder
+from loomrl.data_sources import DatasetSourceError, cache_root, read_folder
 
 
 class DatasetError(ValueError):
@@ -18,23 +18,71 @@ class DatasetError(ValueError):
 
 
 def load_rows(
-    path: str | Path, prompt_key: str = "prompt", split: str = "train"
+    path: str | Path, prompt_key: str = "prompt", split: str = "train", config: str | None = None
 ) -> list[dict[str, Any]]:
     """All rows of a data file or folder (``loomrl.data_sources``); every row must have
     ``prompt_key``."""
-    return load_rows_with_places(path, prompt_key, split)[0]
+    return load_rows_with_places(path, prompt_key, split, config)[0]
 
 
 def load_rows_with_places(
-    path: str | Path, prompt_key: str = "prompt", split: str = "train"
+    path: str | Path, prompt_key: str = "prompt", split: str = "train", config: str | None = None
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The rows, and where each one is for error messages: ``file:LINE`` for JSON lines
     (counted from 1, like JSON errors), ``file item N`` for a JSON array, ``file row N`` (from
-    1) for Parquet, ``folder[split] row N`` for a dataset folder (``split`` is read only there)."""
-    path = Path(path)
+    1) for Parquet, ``folder[split] row N`` for a dataset folder (``split`` and ``config``
+    are read only there), ``in-memory dataset[i]`` for what ``Job(dataset=...)`` was given."""
+    rows, places = _read_rows(Path(path), split, config)
+    if in_memory(path):
+        places = [f"in-memory dataset[{n}]" for n in range(len(rows))]
+    for row, place in zip(rows, places):
+        check_row(row, place, prompt_key)
+    return rows, places
+
+
+def check_row(row: Any, place: str, prompt_key: str) -> None:
+    """A row is an object with ``prompt_key`` holding a string or a list of messages; else
+    a DatasetError naming its place (and, for a missing prompt, its columns)."""
+    if not isinstance(row, dict):
+        raise DatasetError(
+            f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column"
+        )
+    if prompt_key not in row:
+        raise DatasetError(
+            f"{place}: row has no {prompt_key!r} column (its columns: {sorted(row)}); set "
+            f"data.prompt_key to the column that holds the prompt{_guess(row, prompt_key)}"
+        )
+    prompt = row[prompt_key]
+    if isinstance(prompt, list):
+        check_messages(prompt, f"{place}: {prompt_key!r}")
+    elif not isinstance(prompt, str):
+        raise DatasetError(
+            f"{place}: {prompt_key!r} is {_kind(prompt)}, expected a string or a list of "
+            "{role, content} messages"
+        )
+
+
+# Columns that hold the prompt in common datasets, in the order they are suggested.
+PROMPT_COLUMNS = ("prompt", "messages", "question", "problem", "query", "instruction", "input")
+
+
+def _guess(row: dict[str, Any], prompt_key: str) -> str:
+    """`` (e.g. data.prompt_key='question')`` for a row with a usual prompt column."""
+    for name in PROMPT_COLUMNS:
+        if name != prompt_key and isinstance(row.get(name), str | list):
+            return f" (e.g. data.prompt_key={name!r})"
+    return ""
+
+
+def in_memory(path: str | Path) -> bool:
+    """``path`` is where ``Job(dataset=...)`` wrote a dataset or rows it was given."""
+    return Path(path).parent == cache_root()
+
+
+def _read_rows(path: Path, split: str, config: str | None) -> tuple[list[Any], list[str]]:
     if path.is_dir():
         try:
-            rows, places = read_folder(path, split)
+            rows, places = read_folder(path, split, config)
         except DatasetSourceError as err:
             raise DatasetError(str(err)) from None
     elif not path.is_file():
@@ -55,22 +103,7 @@ def load_rows_with_places(
             "or a dataset folder"
         )
     if not rows:
-        raise DatasetError(f"{path}: no rows")
-    for row, place in zip(rows, places):
-        if not isinstance(row, dict):
-            raise DatasetError(
-                f"{place}: row is {_kind(row)}, expected a JSON object with a {prompt_key!r} column"
-            )
-        if prompt_key not in row:
-            raise DatasetError(f"{place}: row has no {prompt_key!r} column")
-        prompt = row[prompt_key]
-        if isinstance(prompt, list):
-            check_messages(prompt, f"{place}: {prompt_key!r}")
-        elif not isinstance(prompt, str):
-            raise DatasetError(
-                f"{place}: {prompt_key!r} is {_kind(prompt)}, expected a string or a list of "
-                "{role, content} messages"
-            )
+        raise DatasetError(f"{'an in-memory dataset' if in_memory(path) else path}: no rows")
     return rows, places
 
 

@@ -37,16 +37,19 @@ class DatasetSourceError(ValueError):
     """A data source that cannot be read (missing, an unknown kind, a missing split)."""
 
 
-def read_folder(path: Path, split: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of ``split`` in a dataset folder, and where each one is (``PATH[split] row N``,
-    counted from 1)."""
+def read_folder(
+    path: Path, split: str, config: str | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of ``split`` in a dataset folder (of its configuration ``config``, where its
+    README lists several: ``data.dataset_config``), and where each one is (``PATH[split] row
+    N``, counted from 1)."""
     datasets = _import_datasets(path)
     _check_inside(path)
     with _quiet(datasets):
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             loaded = datasets.load_from_disk(str(path))
         else:
-            loaded = _load_data_files(datasets, path, split)
+            loaded = _load_data_files(datasets, path, split, config)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DatasetSourceError(
@@ -58,7 +61,7 @@ def read_folder(path: Path, split: str) -> tuple[list[dict[str, Any]], list[str]
     return rows, [f"{path}[{split}] row {n}" for n in range(1, len(rows) + 1)]
 
 
-def _load_data_files(datasets, path: Path, split: str):
+def _load_data_files(datasets, path: Path, split: str, config: str | None):
     """``datasets.load_dataset`` of a plain folder of data files, offline."""
     if not any(p.suffix in (".jsonl", ".json", ".parquet", ".csv") for p in path.rglob("*")):
         raise DatasetSourceError(
@@ -66,8 +69,9 @@ def _load_data_files(datasets, path: Path, split: str):
             "datasets save_to_disk folder"
         )
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local folder needs no network
+    _check_config(datasets, path, config)
     try:
-        return datasets.load_dataset(str(path), split=split)
+        return datasets.load_dataset(str(path), config, split=split)
     except ValueError as err:
         if "split" in str(err).lower() or "Unknown split" in str(err):
             raise DatasetSourceError(
@@ -76,6 +80,25 @@ def _load_data_files(datasets, path: Path, split: str):
                 "data.eval_split"
             ) from None
         raise DatasetSourceError(f"{path}: datasets could not read this folder: {err}") from None
+
+
+def _check_config(datasets, path: Path, config: str | None) -> None:
+    """A folder whose README lists several configurations needs one chosen, and a chosen
+    one must be among them: an error naming them and ``data.dataset_config``."""
+    try:
+        names = datasets.get_dataset_config_names(str(path))
+    except (ValueError, OSError):  # no configurations to read: load_dataset says what is wrong
+        return
+    names = [n for n in names if n != "default"] if config is None else names
+    if config is None and len(names) > 1:
+        raise DatasetSourceError(
+            f"{path}: holds {len(names)} configurations {names}; choose one with "
+            f"data.dataset_config (e.g. data.dataset_config={names[0]!r})"
+        )
+    if config is not None and config not in names:
+        raise DatasetSourceError(
+            f"{path}: no configuration {config!r} (data.dataset_config); it holds {names}"
+        )
 
 
 def _check_inside(path: Path) -> None:

@@ -36,6 +36,8 @@ RUN_ENTRIES = (
     "checkpoints",
     "final",
     "weight_updates",
+    "eval.json",
+    "eval_samples.jsonl",
 )
 
 
@@ -81,6 +83,30 @@ class RunFolderError(ValueError):
 
 def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_ENTRIES)
+
+
+def never_trained(run_dir: Path) -> bool:
+    """A run that failed or was stopped before its first step: its summary says so (0
+    steps), and it left no checkpoint and no final model. Nothing in it can be resumed, so a
+    new run in the folder replaces it without ``--overwrite``."""
+    checkpoints = run_dir / "checkpoints"
+    if (run_dir / "final").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        return False
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    ended_early = summary.get("job_failed") or summary.get("interrupted")
+    return bool(isinstance(summary, dict) and ended_early and not summary.get("steps"))
+
+
+def _remove_run(run_dir: Path) -> None:
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def check_writable(run_dir: Path) -> None:
@@ -145,18 +171,17 @@ def claim_run_folder(run_dir: Path, *, resume: bool, overwrite: bool) -> RunFold
     lock.acquire()
     try:
         if not resume and holds_run(run_dir):
-            if not overwrite:
+            if never_trained(run_dir):
+                _remove_run(run_dir)
+                logger.info("replaced the run in %s that ended before its first step", run_dir)
+            elif not overwrite:
                 raise RunFolderError(
                     f"output dir {str(run_dir)!r} already holds a run; `loomrl resume {run_dir}` continues it, "
                     "--overwrite (Job.run(overwrite=True)) replaces it, or choose another --output-dir"
                 )
-            for name in RUN_ENTRIES:
-                path = run_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-            logger.warning("--overwrite: removed the previous run in %s", run_dir)
+            else:
+                _remove_run(run_dir)
+                logger.warning("--overwrite: removed the previous run in %s", run_dir)
     except BaseException:
         lock.release()
         raise

@@ -8,10 +8,12 @@ the training scorer whose failures are counted apart (``eval/*``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig
@@ -39,6 +41,10 @@ class Evaluator:
         self.greedy = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, greedy=True)
         self.env_factory, self.max_turns = env_factory, cfg.task.max_turns
         self.history: list[dict[str, Any]] = []
+        # the last evaluation's rollouts, one a held-out row (``samples``), and the file
+        # every evaluation's samples are appended to (the run's eval_samples.jsonl; None: kept)
+        self.last_groups: list[Group] = []
+        self.samples_path: Path | None = None
 
     async def first(self, history: dict[str, Any], resumed: bool) -> dict[str, Any]:
         """The evaluation before the first step, kept in ``history``; a resumed run keeps
@@ -70,6 +76,7 @@ class Evaluator:
         else:
             groups = await self._completions()
             await self.scorer.score_groups(groups)
+        self.last_groups = groups
         count = sum(group.size for group in groups)
         rewards = [
             reward
@@ -89,7 +96,21 @@ class Evaluator:
         if record["eval/num_failed"]:
             self._warn_failed(record, groups, count)
         self.history.append(record)
+        if self.samples_path is not None:
+            self._append_samples(self.samples_path)
         return record
+
+    def _append_samples(self, path: Path) -> None:
+        """This evaluation's samples, one JSON line each, appended to ``path`` (an error
+        writing them is logged: a sample file must not fail the run)."""
+        lines = "".join(
+            json.dumps(s, ensure_ascii=False, default=str) + "\n" for s in self.samples()
+        )
+        try:
+            with path.open("a", encoding="utf-8") as f:
+                f.write(lines)
+        except OSError as err:
+            logger.error("could not write %s: %s", path, err)
 
     async def _completions(self) -> list[Group]:
         """One greedy completion per held-out prompt, as groups of one to score (built as
@@ -105,6 +126,27 @@ class Evaluator:
         return Group.from_results(
             picks, prompt_ids, self.rows, prompts.key, results, prompts.decode_batch
         )
+
+    def samples(self) -> list[dict[str, Any]]:
+        """The last evaluation, one JSON-ready dict a held-out row: its index, prompt,
+        completion, reward (None when it failed), status and error, and the row's other
+        columns under ``row``."""
+        out = []
+        for group in self.last_groups:
+            for rollout in group:
+                out.append(
+                    {
+                        "index": group.prompt_index,
+                        "prompt": rollout.prompt,
+                        "completion": rollout.completion,
+                        "reward": rollout.reward if rollout.status == "ok" else None,
+                        "status": rollout.status,
+                        "error": rollout.error,
+                        "version": rollout.version,
+                        "row": group.row,
+                    }
+                )
+        return out
 
     @staticmethod
     def _warn_failed(record: dict[str, Any], groups: list[Group], count: int) -> None:

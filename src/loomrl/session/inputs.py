@@ -19,6 +19,7 @@ from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
 from loomrl.scoring.calls import load_object
 from loomrl.scoring.client import Scorer
+from loomrl.session.reward_columns import check_reward_columns
 from loomrl.training.checkpoint import checkpoint_step
 from loomrl.training.precision import precision_policy
 
@@ -55,6 +56,7 @@ def read_inputs(
     datasets = load_datasets(cfg)
     (train_rows, _), (eval_rows, _) = datasets
     scorer = Scorer(cfg.task)
+    check_reward_columns(cfg, list(datasets))
     env_factory = environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     budget = check_prompt_lengths(cfg, tokenizer, datasets)
@@ -84,7 +86,9 @@ def environment_factory(cfg: JobConfig):
 
 
 def load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
-    train = load_rows_with_places(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
+    train = load_rows_with_places(
+        cfg.data.train, cfg.data.prompt_key, cfg.data.train_split, cfg.data.dataset_config
+    )
     groups = cfg.algorithm.groups_per_step
     if len(train[0]) < groups:
         logger.warning(
@@ -96,7 +100,9 @@ def load_datasets(cfg: JobConfig) -> tuple[Rows, Rows]:
         )
     if not cfg.data.eval:
         return train, ([], [])
-    rows, places = load_rows_with_places(cfg.data.eval, cfg.data.prompt_key, cfg.data.eval_split)
+    rows, places = load_rows_with_places(
+        cfg.data.eval, cfg.data.prompt_key, cfg.data.eval_split, cfg.data.dataset_config
+    )
     return train, (rows[: cfg.data.max_eval_examples], places[: cfg.data.max_eval_examples])
 
 

@@ -138,6 +138,7 @@ def cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
     tmp = run_dir / "metrics.jsonl.tmp"
     tmp.write_text("".join(line + "\n" for line in lines))
     os.replace(tmp, run_dir / "metrics.jsonl")
+    _cut_eval_samples(run_dir / "eval_samples.jsonl", step)
     for newer in list_checkpoints(resume_from.parent):
         if newer.name > resume_from.name:
             newer.rename(newer.with_name(f"abandoned-{newer.name}"))
@@ -147,6 +148,22 @@ def cut_record(run_dir: Path, resume_from: Path, step: int) -> None:
                 newer.name,
                 newer.name,
             )
+
+
+def _cut_eval_samples(path: Path, step: int) -> None:
+    """Drop the evaluations after ``step`` from ``eval_samples.jsonl`` (they run again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("version", 0)) <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def write_failure_summary(run_dir: Path, controller: Controller | None, err: BaseException) -> None:
@@ -168,6 +185,7 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
         accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
         summary.update(counts, in_step=counts["generated"] - accounted)
         summary["first_failures"] = controller.scorer.first_failures()
+        summary["failures_by_kind"] = dict(controller.scorer.failure_counts())
     write_json_atomically(run_dir / "summary.json", summary)
 
 

@@ -18,6 +18,7 @@ import torch
 from loomrl.config import ConfigError, JobConfig
 from loomrl.control import Controller
 from loomrl.data import PromptStream
+from loomrl.generation.engine_config import engine_install_error
 from loomrl.run_folder import JobResult, claim_run_folder, default_run_dir, write_json_atomically
 from loomrl.runtime.base import Runtime, peak_rss_mb
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
@@ -49,6 +50,8 @@ from loomrl.training.precision import describe_policy
 logger = logging.getLogger(__name__)
 
 OnRecord = Callable[[dict[str, Any]], None] | None
+# Every evaluation's completions, one JSON line each (docs/runs.md).
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -72,6 +75,15 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
+def check_engine_installed(cfg: JobConfig) -> None:
+    """The engine ``generation.engine.type`` names is importable here (``engine_install_error``)."""
+    message = engine_install_error(cfg.generation.engine.type, cfg.runtime)
+    if message is not None:
+        from loomrl.config import ConfigError
+
+        raise ConfigError(message)
+
+
 def run_job(
     cfg: JobConfig,
     *,
@@ -82,7 +94,9 @@ def run_job(
 ) -> JobResult:
     """Run (or resume, from the newest checkpoint or that of ``from_step``) ``cfg`` in its
     run folder, which is checked and locked first."""
-    event_loop_factory(cfg.event_loop)  # a missing uvloop fails before the run folder is made
+    # a missing uvloop or vLLM fails before the run folder is made
+    event_loop_factory(cfg.event_loop)
+    check_engine_installed(cfg)
     run_dir = default_run_dir(cfg)
     # one count of executor restarts for the whole job, its own restarts included
     faults = FaultStats(cfg.faults.max_executor_restarts)
@@ -163,6 +177,7 @@ async def _drive(
     if stopped_by:
         summary["stopped_by"] = stopped_by[0]
     summary["first_failures"] = controller.scorer.first_failures()
+    summary["failures_by_kind"] = dict(controller.scorer.failure_counts())
     # per executor; on the local runtime every executor shares the controller's process
     # uvloop or asyncio
     summary["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
@@ -203,6 +218,7 @@ def _train(
             controller = _make_controller(
                 cfg, inputs, executors, stream, resumed, leases, metrics, on_record, faults
             )
+            controller.evaluator.samples_path = run_dir / EVAL_SAMPLES_FILE
             trainer_state = resumed.trainer_state if resumed is not None else None
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 summary = runner.run(

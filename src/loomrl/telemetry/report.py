@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.safe_text import escape_controls
+from loomrl.telemetry.run_end import failures_by_kind, run_end, running_pid
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +191,20 @@ def _bar_figure(values: dict[str, float], xlabel: str, title: str):
 
 
 def _failures(summary: dict, records: list[dict]) -> dict[str, float]:
+    """Executor faults, stale drops and failed rollouts by kind, as counted in
+    ``summary.json`` (``failures_by_kind``) or, without it, the newest step record."""
     counts = {k: v for k, v in summary.get("faults", {}).items() if v}
     last = records[-1] if records else {}
-    for key in ("rollout/failed", "rollout/dropped_stale", "weight_sync/send_failures"):
+    for key in ("rollout/dropped_stale", "weight_sync/send_failures"):
         if last.get(key):
             counts[key] = last[key]
-    for reason in summary.get("first_failures", {}):
-        counts.setdefault(f"failure: {reason}", 1)
+    for kind, failure in failures_by_kind(summary, last).items():
+        if failure["count"]:
+            counts[f"failed: {kind}"] = failure["count"]
+    total = summary.get("failed", last.get("rollout/failed"))
+    if total and not any(k.startswith("failed: ") for k in counts):
+        # a summary written before failures_by_kind: the total, not a guess per kind
+        counts["failed (all kinds)"] = total
     return counts
 
 
@@ -307,6 +315,23 @@ def _summary_rows(summary: dict, records: list[dict]) -> list[tuple[str, str]]:
     return rows
 
 
+def _end_html(summary: dict, records: list[dict], running: bool) -> str:
+    """How the run ended (``run_end``) and each failure kind's count and first error."""
+    summary = {} if running else summary
+    end = run_end(summary, running)
+    state = {"stopped": "stopped without a summary (killed?)"}.get(end["state"], end["state"])
+    if end["signal"]:
+        state += f" by {end['signal']}"
+    parts = [f"<p><b>{_text(state)}</b>" + (f": {_text(end['error'])}" if end["error"] else "")]
+    failures = failures_by_kind(summary, records[-1] if records else {})
+    parts += [
+        f"<br>failed {_text(kind)}: {_text(f['count'])}"
+        + (f" (first: <code>{_text(f['first_error'])}</code>)" if f["first_error"] else "")
+        for kind, f in failures.items()
+    ]
+    return "".join(parts) + "</p>"
+
+
 def _all_figures(run_dir: Path, records: list[dict], summary: dict, out: Path) -> list:
     """Every figure, its text drawn as text (a metric key with ``$...$`` is not mathtext).
     On failure the page at ``out`` is removed, so no report of an earlier state stays in
@@ -342,9 +367,9 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         "img{max-width:100%;border:1px solid #ddd;margin:.3em 0}td{padding:2px 12px}"
         "h2{font-size:1.1em;margin-top:1.6em}</style>",
         f"<h1>Run {_text(config.get('name', run_dir.name))}</h1>",
-        f"<p>{_text(run_dir)}: {len(records)} step records"
-        + (", still running or stopped early" if not summary else "")
-        + ". The timeline comes from <code>trace.json</code> (open it in ui.perfetto.dev).</p>",
+        f"<p>{_text(run_dir)}: {len(records)} step records. The timeline comes from "
+        "<code>trace.json</code> (open it in ui.perfetto.dev).</p>",
+        _end_html(summary, records, running_pid(run_dir) is not None),
         "<table>"
         + "".join(
             f"<tr><td>{_text(k)}</td><td>{_text(v)}</td></tr>"

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import fcntl
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from loomrl.safe_text import escape_controls
 from loomrl.telemetry.report import ReportError, _read_json, read_records
+from loomrl.telemetry.run_end import failures_by_kind, run_end, running_pid
 
-LOCK_FILE = ".lock"  # loomrl.run_folder.LOCK_FILE: a running run holds an flock on it
 # The fields of a status that must be numbers; a run folder may come from someone else, so
 # each is checked, and one that is not a finite number is listed under "invalid".
 NUMBER_FIELDS = (
@@ -42,24 +40,6 @@ def _check_numbers(status: dict[str, Any]) -> None:
         status["invalid"] = invalid
 
 
-def running_pid(run_dir: Path) -> int | None:
-    """The pid of the loomrl run holding ``run_dir``'s lock, or None when none does."""
-    path = run_dir / LOCK_FILE
-    if not path.is_file():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        text = os.read(fd, 64).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else -1
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
 def run_status(run_dir: str | Path) -> dict[str, Any]:
     """State, step, reward, eval, throughput and failures of the run in ``run_dir``."""
     run_dir = Path(run_dir)
@@ -68,13 +48,15 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
     config = _read_json(run_dir / "config.json")
     summary = _read_json(run_dir / "summary.json")
     pid = running_pid(run_dir)
+    # a running resume's summary.json is the one its last session left: not this one's
+    ended = {} if pid else summary
     trainer = config.get("trainer")
     total = trainer.get("num_steps") if isinstance(trainer, dict) else None
     last = steps[-1] if steps else {}
     evals = [r for r in records if "eval/mean_reward" in r]
     status: dict[str, Any] = {
         "run_dir": str(run_dir),
-        "state": "running" if pid else ("finished" if summary else "stopped"),
+        **run_end(ended, running=bool(pid)),
         "pid": pid,
         "step": last.get("step", 0),
         "num_steps": total,
@@ -82,7 +64,8 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "eval_reward": evals[-1]["eval/mean_reward"] if evals else None,
         "completions_per_s": last.get("throughput/samples_per_s"),
         "elapsed_s": last.get("timing/elapsed_s"),
-        "failed": last.get("rollout/failed", 0),
+        "failed": ended.get("failed", last.get("rollout/failed", 0)),
+        "failures": failures_by_kind(ended, last),
         "restarts": last.get("executor/restarts", 0),
         "updated_s_ago": time.time() - (run_dir / "metrics.jsonl").stat().st_mtime,
     }
@@ -111,8 +94,7 @@ def format_status(status: dict[str, Any]) -> str:
         return "-" if value is None else format(value, fmt)
 
     lines = [
-        f"{escape_controls(status['run_dir'])}: {status['state']}"
-        + (f" (pid {status['pid']})" if status["pid"] else ""),
+        _state_line(status),
         f"  step          {num('step', '.0f')}"
         + (
             f" / {num('num_steps', '.0f')}" if status["num_steps"] or "num_steps" in invalid else ""
@@ -123,9 +105,33 @@ def format_status(status: dict[str, Any]) -> str:
         f"  elapsed       {num('elapsed_s', '.0f')} s"
         + (f", about {status['eta_s']:.0f} s to go" if "eta_s" in status else ""),
         f"  failed        {num('failed', '.0f')} rollouts, {num('restarts', '.0f')} executor restarts",
+        *_failure_lines(status["failures"]),
         f"  last record   {status['updated_s_ago']:.0f} s ago",
     ]
     return "\n".join(lines)
+
+
+def _state_line(status: dict[str, Any]) -> str:
+    """``RUN: failed: ValueError: ...``, ``RUN: interrupted by SIGTERM``, ``RUN: running (pid N)``."""
+    text = f"{escape_controls(status['run_dir'])}: {status['state']}"
+    if status["state"] == "running" and status["pid"]:
+        return f"{text} (pid {status['pid']})"
+    if status["state"] == "interrupted":
+        return f"{text} by {escape_controls(status['signal'])}"
+    if status["state"] == "failed" and status["error"]:
+        return f"{text}: {escape_controls(status['error'].partition(chr(10))[0])}"
+    if status["state"] == "stopped":
+        return f"{text} without a summary (killed, or its machine lost)"
+    return text
+
+
+def _failure_lines(failures: dict[str, dict]) -> list[str]:
+    """One line per failure kind: its count and its first error's first line."""
+    return [
+        f"    {escape_controls(kind)} {'-' if f['count'] is None else f['count']}"
+        + (f": {escape_controls(f['first_error'])}" if f["first_error"] else "")
+        for kind, f in failures.items()
+    ]
 
 
 __all__ = ["ReportError", "format_status", "run_status", "running_pid"]

@@ -37,6 +37,7 @@ from loomrl.training.checkpoint import (
     save_checkpoint,
     sha256_file,
 )
+from loomrl.training.optim_state import apply_optimizer_config
 
 logger = logging.getLogger(__name__)
 
@@ -173,4 +174,5 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
         logger.info("resharding a checkpoint of %d trainer ranks onto %d", saved, world)
     load_shards(trainer.model, trainer.optimizer, folder)
     trainer.scheduler.load_state_dict(state["scheduler"])
+    apply_optimizer_config(trainer.optimizer, trainer.scheduler, trainer.cfg)
     trainer.version = int(state["version"])

@@ -56,6 +56,7 @@ from loomrl.training.checkpoint import SHARDED_FORMAT
 from loomrl.training.dcp import load_trainer_state, save_sharded_checkpoint
 from loomrl.training.executor import TrainerExecutor, TrainerSetup
 from loomrl.training.fsdp_init import start_sharded_model
+from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
@@ -227,6 +228,7 @@ class ShardedTrainer(Trainer):
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg)
         self.version = int(state["version"])
 
 

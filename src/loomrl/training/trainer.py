@@ -19,6 +19,7 @@ from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.config import TrainerConfig
+from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
@@ -441,4 +442,5 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg)
         self.version = int(state["version"])

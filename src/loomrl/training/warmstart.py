@@ -72,7 +72,9 @@ def _rendered_pairs(cfg, answer_key: str) -> list[dict[str, Any]]:
     from loomrl.chat import PromptEncoder
     from loomrl.models import load_tokenizer
 
-    rows = load_rows(cfg.data.train, cfg.data.prompt_key, cfg.data.train_split)
+    rows = load_rows(
+        cfg.data.train, cfg.data.prompt_key, cfg.data.train_split, cfg.data.dataset_config
+    )
     missing = [n for n, row in enumerate(rows, 1) if answer_key not in row]
     if missing:
         raise ValueError(
