@@ -110,16 +110,20 @@ class StepRecord:
         reports: GeneratorReports,
         watchdog: StallWatchdog,
         extra_metrics: Callable[[], dict[str, float]] | None,
+        prompt_text: Callable[[list[int]], str] | None = None,
     ) -> None:
         """Report the generators' reports, the watchdog's counts and ``extra_metrics()``
-        (e.g. the sandbox pool's ``sandbox/*``) in each record."""
+        (e.g. the sandbox pool's ``sandbox/*``) in each record; ``prompt_text``: a prompt's
+        ids as the text the model saw, for the samples."""
         self.reports, self.watchdog, self.extra_metrics = reports, watchdog, extra_metrics
+        self.prompt_text = prompt_text
 
     def log_samples(self, step: int, groups: list) -> None:
         """A few of the step's completions, as text, for samples.jsonl
-        (``logging.completions_per_step``)."""
+        (``logging.completions_per_step``), with the prompt as the model saw it."""
         if self.completions_per_step:
-            self.metrics.log_samples(step_samples(groups, self.completions_per_step), step)
+            samples = step_samples(groups, self.completions_per_step, self.prompt_text)
+            self.metrics.log_samples(samples, step)
 
     def build(
         self,

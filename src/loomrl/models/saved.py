@@ -26,6 +26,7 @@ def save_model_object(model: Any, tokenizer: Any) -> str:
     with ``save_pretrained`` under ``models_root()`` as ``model-<digest of the files>``
     (written once; a second call with the same weights finds it)."""
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.utils import logging as hf_logging
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
@@ -39,6 +40,8 @@ def save_model_object(model: Any, tokenizer: Any) -> str:
             f"(as TRL's GRPOTrainer takes it), got {got}; or save both with save_pretrained(folder) "
             "and pass model=folder"
         )
+    # (no "Writing model shards" bar in the user's console)
+    hf_logging.disable_progress_bar()
     root = models_root()
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"model.tmp{os.getpid()}-{id(model)}"

@@ -58,9 +58,17 @@ class WandbSink:
 
     def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
         def log() -> None:
-            table = self._wandb.Table(columns=["step", "prompt", "completion", "reward"])
+            columns = ["step", "prompt", "rendered_prompt", "completion", "reward", "rewards"]
+            table = self._wandb.Table(columns=columns)
             for s in samples:
-                table.add_data(step, str(s.get("prompt")), s.get("completion"), s.get("reward"))
+                table.add_data(
+                    step,
+                    str(s.get("prompt")),
+                    s.get("rendered_prompt"),
+                    s.get("completion"),
+                    s.get("reward"),
+                    str(s.get("rewards", "")),
+                )
             self.run.log({"samples": table}, step=step)
 
         self._guard("samples", log)
