@@ -77,14 +77,22 @@ def apply_keywords(raw: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any
         )
     rewards = reward_list(kwargs)
     if rewards is not None:
-        _set(raw, "task.rewards", rewards)
+        _replace_reward(raw, "rewards", rewards)
+    if "reward" in kwargs:
+        reward = kwargs["reward"]
+        _replace_reward(raw, "reward", callable_path(reward) if callable(reward) else reward)
     for word, value in kwargs.items():
-        if word in _LIST_WORDS or word in ("rewards",):
-            continue
-        if word == "reward" and callable(value):
-            value = callable_path(value)
-        _set_keyword(raw, word, value)
+        if word not in (*_LIST_WORDS, "rewards", "reward"):
+            _set_keyword(raw, word, value)
     return raw
+
+
+def _replace_reward(raw: dict[str, Any], key: str, value: Any) -> None:
+    """A reward given by keyword replaces the base's, whatever its form: ``task.reward``,
+    ``[[task.rewards]]`` or a ``[task.scorer]`` table."""
+    task = raw.get("task") if isinstance(raw.get("task"), dict) else {}
+    others = {"reward": None, "rewards": [], "scorer": None}
+    raw["task"] = {**task, **{k: v for k, v in others.items() if k in task}, key: value}
 
 
 def translated(kwargs: dict[str, Any]) -> str:
