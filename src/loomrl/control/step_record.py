@@ -17,7 +17,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.buffer import Batch
-from loomrl.control.rollouts import GeneratorReports
+from loomrl.control.rollouts import Rollouts
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.runtime.supervision import FaultStats
 from loomrl.scoring.client import Scorer
@@ -107,16 +107,15 @@ class StepRecord:
 
     def watch(
         self,
-        reports: GeneratorReports,
+        rollouts: Rollouts,
         watchdog: StallWatchdog,
         extra_metrics: Callable[[], dict[str, float]] | None,
-        prompt_text: Callable[[list[int]], str] | None = None,
     ) -> None:
-        """Report the generators' reports, the watchdog's counts and ``extra_metrics()``
-        (e.g. the sandbox pool's ``sandbox/*``) in each record; ``prompt_text``: a prompt's
-        ids as the text the model saw, for the samples."""
-        self.reports, self.watchdog, self.extra_metrics = reports, watchdog, extra_metrics
-        self.prompt_text = prompt_text
+        """Report the generators' reports (``rollouts.reports``), the watchdog's counts and
+        ``extra_metrics()`` (e.g. the sandbox pool's ``sandbox/*``) in each record; the
+        samples show their prompts as the model saw them (``rollouts.prompts``)."""
+        self.reports, self.watchdog, self.extra_metrics = rollouts.reports, watchdog, extra_metrics
+        self.prompt_text = rollouts.prompts.prompt_text
 
     def log_samples(self, step: int, groups: list) -> None:
         """A few of the step's completions, as text, for samples.jsonl

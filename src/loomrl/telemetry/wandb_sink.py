@@ -1,7 +1,7 @@
 """Weights & Biases as a metrics sink: ``[logging.wandb]`` in the job file.
 
 Every record metrics.jsonl gets is logged at its step, and each step's samples as a table
-(step, prompt, completion, reward). The W&B run's id is derived from the run folder, so
+(step, prompt, rendered prompt, completion, reward, reward parts). The W&B run's id is derived from the run folder, so
 ``loomrl resume`` continues the same W&B run. ``mode = "offline"`` writes under
 ``RUN_DIR/wandb`` with no network (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it
 later). A W&B failure never stops training: it is logged once, and metrics.jsonl holds
@@ -40,6 +40,9 @@ class WandbSink:
             mode=options.mode,
             config=config,
             tags=list(options.tags),
+            # no history and summary tables at the end (metrics.jsonl and the report hold
+            # them): W&B's own lines on where the run is stay
+            settings=wandb.Settings(quiet=True),
         )
 
     def _guard(self, what: str, fn, *args) -> None:
