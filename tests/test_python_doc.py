@@ -15,7 +15,7 @@ def doc_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "docs/python.md").read_text(), re.S)
 
 
-def test_the_loomrl_example_of_docs_python_md_runs_as_printed(tmp_path, monkeypatch):
+def test_the_loomrl_example_of_docs_python_md_runs_as_printed(tmp_path, monkeypatch, capsys):
     trl_script, example = doc_blocks()[:2]
     assert "from trl import" in trl_script and "from loomrl import Job" in example
     monkeypatch.chdir(tmp_path)
@@ -23,6 +23,8 @@ def test_the_loomrl_example_of_docs_python_md_runs_as_printed(tmp_path, monkeypa
     scope: dict = {"__name__": "__main__"}
     exec(compile(example, "docs/python.md", "exec"), scope)
     result = scope["result"]
+    # Job.run() drew its progress bar (rich renders the last state where it is no terminal)
+    assert "step 3/3" in capsys.readouterr().out
     assert (tmp_path / result.run_dir).resolve() == tmp_path / "runs/python-example"
     assert result.summary["steps"] == 3 and result.summary["failed"] == 0
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]

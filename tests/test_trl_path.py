@@ -233,3 +233,17 @@ def test_trl_rewards_get_completions_in_the_prompts_form():
         (messages, assistant("hello")),
         ([{"role": "user", "content": "2+2="}], assistant("4")),
     ]
+
+
+def test_an_error_before_the_first_step_stands_alone_with_no_progress_bar(
+    tmp_path, tiny_data, capsys
+):
+    from loomrl.cli import main
+
+    train, evals = tiny_data
+    raw = tiny_job_raw(tmp_path, train, evals, task={"reward": "no_such_module:reward"})
+    (tmp_path / "job.toml").write_text(json_to_toml(raw))
+    assert main(["run", str(tmp_path / "job.toml")]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot import module 'no_such_module'" in err
+    assert "step 0/" not in out + err and "eta" not in out + err
