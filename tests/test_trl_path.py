@@ -247,3 +247,25 @@ def test_an_error_before_the_first_step_stands_alone_with_no_progress_bar(
     out, err = capsys.readouterr()
     assert "cannot import module 'no_such_module'" in err
     assert "step 0/" not in out + err and "eta" not in out + err
+
+
+def test_every_trl_name_in_the_map_is_a_key_or_a_translation_that_validates(tmp_path):
+    from loomrl.config import key_paths
+    from loomrl.config_hints import TRL_KEYS, TRL_NAMES, TRL_VALUES
+
+    assert set(TRL_KEYS.values()) <= set(key_paths())
+    values = {
+        "scale_rewards": True,
+        "bf16": True,
+        "fp16": True,
+        "use_vllm": False,
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.98,
+        "report_to": ["tensorboard"],
+        "log_completions": False,
+    }
+    assert set(values) == set(TRL_VALUES)
+    for name, value in values.items():
+        Job(model=TINY_MODEL, dataset="d.jsonl", reward="m:f", **{name: value})
+    # the job file's hints name every one of them
+    assert set(TRL_KEYS) | set(TRL_VALUES) <= set(TRL_NAMES)

@@ -218,7 +218,7 @@ def _checked(name: str, value: Any) -> float | None:
 def single(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A lone reward (``task.reward``) whose None means, as in a list, that it did not
     apply: the sample gets 0.0 (TRL's rule for a sample no reward answered), counted in
-    ``reward/unanswered``; any other value is checked as before."""
+    ``reward/unanswered``; any other value is checked as before. ``.reward``: ``fn``."""
     stats = RewardStats([])
 
     def answered(value: Any) -> Any:
@@ -232,13 +232,13 @@ def single(fn: Callable[..., Any]) -> Callable[..., Any]:
         async def one_async(prompt: Any, completion: str, **row: Any) -> Any:
             return answered(await fn(prompt, completion, **row))
 
-        one_async.reward_stats = stats  # type: ignore[attr-defined]
+        one_async.reward_stats, one_async.reward = stats, fn  # type: ignore[attr-defined]
         return one_async
 
     def one(prompt: Any, completion: str, **row: Any) -> Any:
         return answered(fn(prompt, completion, **row))
 
-    one.reward_stats = stats  # type: ignore[attr-defined]
+    one.reward_stats, one.reward = stats, fn  # type: ignore[attr-defined]
     return one
 
 
