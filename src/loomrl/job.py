@@ -4,6 +4,10 @@ import loomrl
 job = loomrl.Job(model="tiny:llama", dataset="examples/arithmetic/train.jsonl",
                  reward="examples.arithmetic.reward:exact_match", group_size=8, max_staleness=2)
 result = job.run()
+
+Any config key is a keyword, in loomrl's spelling or TRL's (``learning_rate=1e-6``,
+``num_generations=8``, ``reward_funcs=[f, g]``, ``reward_weights=[1, 0.2]``): see
+``loomrl.job_args`` and docs/python.md.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class Job:
-    """One RL training run. ``Job(config)``, ``Job(**shortcuts)`` or ``Job.from_toml(path)``."""
+    """One RL training run: ``Job(config)``, ``Job(**keywords)``, ``Job(config, **keywords)``
+    or ``Job.from_toml(path)``."""
 
     def __init__(
         self,
