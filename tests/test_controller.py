@@ -353,7 +353,8 @@ def raising_reward(prompt, completion, **row):
 
 
 def nan_reward(prompt, completion, **row):
-    return math.nan if len(completion) % 2 else None
+    # (None would mean "not applicable", a reward of 0.0: TRL's rule)
+    return math.nan if len(completion) % 2 else math.inf
 
 
 def sometimes_hangs(prompt, completion, answer, **row):

@@ -105,7 +105,9 @@ def test_job_keyword_api(tmp_path, tiny_data):
     )
     result = job.run()
     assert result.summary["steps"] == 2
-    with pytest.raises(TypeError, match="unknown Job arguments"):
+    with pytest.raises(
+        TypeError, match=r"Job\(modle=...\): unknown keyword \(did you mean model\?"
+    ):
         Job(modle="tiny:llama")
 
 

@@ -289,7 +289,8 @@ def test_config_needs_exactly_one_way_to_score_and_a_function_scorer_is_task_rew
         assert isinstance(executor, FunctionScorer)
         from examples.arithmetic.reward import exact_match
 
-        assert executor.fn is exact_match and Scorer(task).fn is exact_match
+        # (a lone reward, its None read as "not applicable": scoring.reward_list.single)
+        assert executor.fn.reward is exact_match and Scorer(task).fn.reward is exact_match
     finally:
         executor.close()
 

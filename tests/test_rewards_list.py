@@ -57,6 +57,8 @@ def test_a_weighted_list_sums_its_parts_and_keeps_each_ones_values():
         "reward/trl_length_sum": 0.5,
         "reward/digits_count": 2.0,
         "reward/trl_length_count": 2.0,
+        "reward/digits_none": 0.0,
+        "reward/trl_length_none": 0.0,
     }
     assert fn.reward_stats.drain() == {}
     with_async = combine([*specs, RewardSpec(path="test_rewards_list:async_half", weight=1.0)])

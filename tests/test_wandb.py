@@ -44,7 +44,10 @@ def fake_wandb(monkeypatch):
         def add_data(self, *row):
             self.rows.append(row)
 
-    module.init, module.Table = init, Table
+    def settings(**kwargs):
+        return kwargs
+
+    module.init, module.Table, module.Settings = init, Table, settings
     monkeypatch.setitem(sys.modules, "wandb", module)
     return calls
 
@@ -63,8 +66,12 @@ def test_records_and_samples_reach_wandb_and_resume_keeps_the_run(tiny_job, fake
     steps = {step for data, step in logs if "rollout/reward_mean" in data}
     assert steps == {1, 2}
     tables = [data["samples"] for data, _ in logs if "samples" in data]
-    assert tables and tables[0].columns == ["step", "prompt", "completion", "reward"]
-    assert all(isinstance(row[2], str) for t in tables for row in t.rows)
+    columns = ["step", "prompt", "rendered_prompt", "completion", "reward", "rewards"]
+    assert tables and tables[0].columns == columns
+    assert all(
+        isinstance(row[2], str) and isinstance(row[3], str) for t in tables for row in t.rows
+    )
+    assert first["settings"] == {"quiet": True}
     assert fake_wandb[-1] == ("finish",)
     resume_job(result.run_dir, overrides=["trainer.num_steps=3"])
     again = [c[1] for c in fake_wandb if c[0] == "init"]
@@ -86,7 +93,7 @@ def test_offline_mode_writes_a_local_run_with_the_records(tiny_job, tmp_path):
         "import sys, json; from loomrl.config import build_config; from loomrl.job import Job; "
         "Job(build_config(json.loads(sys.argv[1]))).run()"
     )
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
         [sys.executable, "-c", script, cfg.model_dump_json()],
         env=env,
@@ -94,6 +101,9 @@ def test_offline_mode_writes_a_local_run_with_the_records(tiny_job, tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    # quiet: no history and summary tables at the end (issue 55)
+    assert "Run summary" not in done.stdout + done.stderr
+    assert "Run history" not in done.stdout + done.stderr
     files = list((Path(cfg.output_dir) / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     assert b"rollout/reward_mean" in files[0].read_bytes()

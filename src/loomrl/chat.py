@@ -62,32 +62,21 @@ class PromptEncoder:
     ``data.system_prompt`` say."""
 
     def __init__(self, tokenizer: Any, data: DataConfig, model: str = "the model") -> None:
-        self.tokenizer, self.mode, self.system_prompt = (
-            tokenizer,
-            data.chat_template,
-            data.system_prompt,
-        )
+        self.tokenizer, self.data = tokenizer, data
         self.model = model  # for messages: the model path
         self.template_budget_s = TEMPLATE_BUDGET_S
 
     def templated(self, prompt: Prompt) -> bool:
         """Whether ``prompt`` goes through the chat template."""
-        if self.mode == "auto":
-            return isinstance(prompt, list) or self.system_prompt is not None
-        if isinstance(prompt, list) and not self.mode:
+        if isinstance(prompt, list) and self.data.chat_template is False:
             raise DatasetError(
                 "a prompt is a list of messages but data.chat_template=false; set it to 'auto' or true"
             )
-        return bool(self.mode)
+        return self.data.templated(prompt)
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The prompt as messages, with the system prompt first (unless it has its own)."""
-        messages = (
-            list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        )
-        if self.system_prompt is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return messages
+        return self.data.messages(prompt)
 
     def render(self, prompt: Prompt) -> str:
         """The text the model sees for ``prompt`` (templated or as is)."""

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
 
 from loomrl import __version__
 from loomrl.safe_text import SafeFormatter, escape_controls
@@ -20,62 +19,6 @@ EPILOG = """examples:
   loomrl scheduler serve --device cpu0=0 --policy fair   # share a device between jobs
   loomrl simulate --scenario llm-d
 """
-
-
-def _progress_callback(total_steps: int):
-    """A rich progress bar with ETA and the headline numbers; returns (callback, progress)."""
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    progress = Progress(
-        TextColumn("[bold]step {task.completed}/{task.total}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[headline]}"),
-    )
-    task = progress.add_task("train", total=total_steps, headline="")
-    state: dict[str, Any] = {"eval": None}
-
-    def on_record(record: dict[str, Any]) -> None:
-        if "eval/mean_reward" in record:
-            state["eval"] = record["eval/mean_reward"]
-        parts = []
-        if "rollout/reward_mean" in record:
-            parts.append(f"reward {record['rollout/reward_mean']:.3f}")
-        if state["eval"] is not None:
-            parts.append(f"eval {state['eval']:.3f}")
-        if "rollout/staleness_mean" in record:
-            parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
-        if "throughput/samples_per_s" in record:
-            parts.append(f"{record['throughput/samples_per_s']:.0f} samples/s")
-        parts.extend(_fault_parts(record))
-        progress.update(task, completed=record.get("step", 0), headline="  ".join(parts))
-
-    return on_record, progress
-
-
-def _fault_parts(record: dict[str, Any]) -> list[str]:
-    """Executor failures and restarts for the progress line, shown once there are any."""
-    failed = sum(
-        v for k, v in record.items() if k.startswith("executor/") and k.endswith("_failures")
-    )
-    if not failed and not record.get("executor/trainer_restarts"):
-        return []
-    parts = [
-        f"[yellow]executors failed {failed:.0f}, restarted {record.get('executor/restarts', 0):.0f}"
-    ]
-    if record.get("executor/hung_kills"):
-        parts.append(f"hung {record['executor/hung_kills']:.0f}")
-    if record.get("executor/trainer_restarts"):
-        parts.append(f"job restarts {record['executor/trainer_restarts']:.0f}")
-    return parts
 
 
 def _print_summary(result) -> None:
@@ -122,11 +65,12 @@ def _print_summary(result) -> None:
 
 def _execute(job_fn, total_steps: int, run_dir: str) -> int:
     from loomrl.config import ConfigError
+    from loomrl.progress import StepProgress
 
-    on_record, progress = _progress_callback(total_steps)
     try:
-        with progress:
-            result = job_fn(on_record)
+        # (the bar is drawn from the first step on: an early error stands alone)
+        with StepProgress(total_steps) as progress:
+            result = job_fn(progress.on_record)
     except (
         KeyboardInterrupt
     ) as err:  # a second Ctrl-C (or SIGTERM, SIGHUP), or one outside training
@@ -200,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.output_dir = args.output_dir
     cfg.output_dir = str(default_run_dir(cfg))  # fixed now, so an interrupt can name it
     return _execute(
-        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb),
+        lambda cb: Job(cfg).run(overwrite=args.overwrite, on_record=cb, progress=False),
         cfg.trainer.num_steps,
         cfg.output_dir,
     )
@@ -216,7 +160,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return 2
     return _execute(
         lambda cb: resume_job(
-            args.run_dir, on_record=cb, from_step=args.from_step, overrides=list(args.overrides)
+            args.run_dir,
+            on_record=cb,
+            from_step=args.from_step,
+            overrides=list(args.overrides),
+            progress=False,
         ),
         cfg.trainer.num_steps,
         args.run_dir,

@@ -94,6 +94,22 @@ class DataConfig(Section):
         "Tokenizing a huge prompt costs ~400x its size in memory.",
     )
 
+    def templated(self, prompt: str | list[dict[str, str]]) -> bool:
+        """Whether ``prompt`` goes through the chat template (``chat_template``'s rule)."""
+        if self.chat_template == "auto":
+            return isinstance(prompt, list) or self.system_prompt is not None
+        return bool(self.chat_template)
+
+    def messages(self, prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """The prompt as the messages the chat template renders: a text as one user
+        message, with ``system_prompt`` first (unless the prompt has its own)."""
+        messages = (
+            list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        )
+        if self.system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
     @model_validator(mode="after")
     def _system_prompt_needs_template(self) -> DataConfig:
         if self.system_prompt is not None and self.chat_template is False:

@@ -4,6 +4,10 @@ import loomrl
 job = loomrl.Job(model="tiny:llama", dataset="examples/arithmetic/train.jsonl",
                  reward="examples.arithmetic.reward:exact_match", group_size=8, max_staleness=2)
 result = job.run()
+
+Any config key is a keyword, in loomrl's spelling or TRL's (``learning_rate=1e-6``,
+``num_generations=8``, ``reward_funcs=[f, g]``, ``reward_weights=[1, 0.2]``): see
+``loomrl.job_args`` and docs/python.md.
 """
 
 from __future__ import annotations
@@ -16,65 +20,36 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import JobConfig, apply_overrides, build_config, load_config, parse_override
-from loomrl.data_sources import materialize
+from loomrl.job_args import apply_keywords, base_raw, translated
 from loomrl.run_folder import JobResult, default_run_dir
-from loomrl.scoring.calls import callable_path, is_registered
+from loomrl.scoring.calls import is_registered
 
 __all__ = ["Job", "JobResult", "default_run_dir", "load_run_config", "resume_job"]
 
 logger = logging.getLogger(__name__)
 
-# Keyword shortcuts of ``Job(...)`` and the config keys they set.
-SHORTCUTS = {
-    "model": "model.path",
-    "dataset": "data.train",
-    "eval_dataset": "data.eval",
-    "reward": "task.reward",
-    "rewards": "task.rewards",
-    "environment": "task.environment",
-    "group_size": "algorithm.group_size",
-    "groups_per_step": "algorithm.groups_per_step",
-    "max_staleness": "algorithm.max_staleness",
-    "loss": "algorithm.loss",
-    "lr": "trainer.lr",
-    "num_steps": "trainer.num_steps",
-    "name": "name",
-    "seed": "seed",
-    "output_dir": "output_dir",
-    "runtime": "runtime",
-}
-
-
-def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    node = raw
-    *parents, last = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
 
 class Job:
-    """One RL training run. ``Job(config)``, ``Job(**shortcuts)`` or ``Job.from_toml(path)``."""
+    """One RL training run: ``Job(config)``, ``Job(**keywords)``, ``Job(config, **keywords)``
+    or ``Job.from_toml(path)``."""
 
     def __init__(
-        self, config: JobConfig | None = None, *, overrides: list[str] | None = None, **kwargs: Any
+        self,
+        config: JobConfig | str | Path | dict | None = None,
+        *,
+        overrides: list[str] | None = None,
+        **kwargs: Any,
     ) -> None:
-        if config is not None and kwargs:
-            raise TypeError("pass either a JobConfig or keyword arguments, not both")
-        if config is None:
-            unknown = set(kwargs) - set(SHORTCUTS)
-            if unknown:
-                raise TypeError(
-                    f"unknown Job arguments {sorted(unknown)}; known: {sorted(SHORTCUTS)}"
-                )
-            raw: dict[str, Any] = {}
-            for key, value in _reward_paths(kwargs).items():
-                _set(raw, SHORTCUTS[key], value)
-            config = build_config(apply_overrides(raw, overrides or []), "Job(...)")
-            check_reward_reachable(config)
-        elif overrides:
-            config = build_config(apply_overrides(config.model_dump(), overrides), "Job(...)")
-        self.config = config
+        """``config``: the job to start from (a ``JobConfig``, a job file's path or a dict;
+        none: the defaults); ``kwargs``: keys to set on it, by loomrl's or TRL's names
+        (``loomrl.job_args``); ``overrides``: ``key.path=value`` strings, applied last."""
+        if isinstance(config, JobConfig) and not kwargs and not overrides:
+            self.config = config
+            return
+        raw, source = base_raw(config)
+        raw = apply_overrides(apply_keywords(raw, kwargs), overrides or [])
+        self.config = build_config(raw, source + translated(kwargs))
+        check_reward_reachable(self.config)
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: list[str] | None = None) -> Job:
@@ -87,42 +62,34 @@ class Job:
         overwrite: bool = False,
         from_step: int | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        progress: bool = True,
     ) -> JobResult:
         """Train; with ``resume=True`` continue from the run folder's latest checkpoint.
 
         A run folder that already holds a run is refused unless ``overwrite=True``
         (``--overwrite``), which replaces it; see docs/runs.md. ``on_record(record)`` is
         called on the controller's loop with each record metrics.jsonl gets, as a read-only
-        mapping (copy it to keep a changed one)."""
+        mapping (copy it to keep a changed one). ``progress``: draw a step progress bar (in
+        a terminal or a notebook, ``loomrl.progress``)."""
+        from loomrl.progress import StepProgress
         from loomrl.session import run_job
 
-        return run_job(
-            self.config,
-            resume=resume,
-            overwrite=overwrite,
-            from_step=from_step,
-            on_record=on_record,
-        )
-
-
-def _reward_paths(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``reward=`` and each ``rewards=[{"path": ...}]`` given as function objects, as import
-    paths (``callable_path``); ``dataset=`` / ``eval_dataset=`` given as a ``datasets.Dataset``
-    or a list of rows, as a path (``materialize``)."""
-    out = dict(kwargs)
-    for key in ("dataset", "eval_dataset"):  # a datasets.Dataset or rows: written once, by content
-        if out.get(key) is not None:
-            out[key] = materialize(out[key], key)
-    if callable(out.get("reward")):
-        out["reward"] = callable_path(out["reward"])
-    if isinstance(out.get("rewards"), list):
-        out["rewards"] = [
-            {**spec, "path": callable_path(spec["path"])}
-            if isinstance(spec, dict) and callable(spec.get("path"))
-            else spec
-            for spec in out["rewards"]
-        ]
-    return out
+        if not progress:
+            return run_job(
+                self.config,
+                resume=resume,
+                overwrite=overwrite,
+                from_step=from_step,
+                on_record=on_record,
+            )
+        with StepProgress(self.config.trainer.num_steps, then=on_record) as bar:
+            return run_job(
+                self.config,
+                resume=resume,
+                overwrite=overwrite,
+                from_step=from_step,
+                on_record=bar.on_record,
+            )
 
 
 def check_reward_reachable(config: JobConfig) -> None:
@@ -221,8 +188,9 @@ def resume_job(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     from_step: int | None = None,
     overrides: list[str] | None = None,
+    progress: bool = True,
 ) -> JobResult:
     """Continue the run in ``run_dir`` from its newest checkpoint, or that of ``from_step``,
     with ``overrides`` (e.g. ``["trainer.num_steps=400"]`` to train on past the end)."""
     cfg = load_run_config(run_dir, overrides)
-    return Job(cfg).run(resume=True, from_step=from_step, on_record=on_record)
+    return Job(cfg).run(resume=True, from_step=from_step, on_record=on_record, progress=progress)

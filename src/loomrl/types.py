@@ -105,6 +105,23 @@ class GenerationResult:
         return len(self.token_ids)
 
 
+class PartedReward(float):
+    """The total of a weighted reward list (``[[task.rewards]]``) that keeps each part's
+    value: ``parts`` maps a part's name to what it returned (None: the part did not apply to
+    this sample, TRL's rule). It is the float it totals to everywhere a reward is read;
+    ``samples.jsonl`` writes its parts."""
+
+    __slots__ = ("parts",)
+
+    def __new__(cls, total: float, parts: dict[str, float | None]) -> PartedReward:
+        reward = super().__new__(cls, total)
+        reward.parts = parts
+        return reward
+
+    def __reduce__(self):  # the pickle protocol's name
+        return PartedReward, (float(self), self.parts)
+
+
 RolloutStatus = Literal["ok", "failed"]
 # Why a rollout failed: its reward raised, returned no number or timed out (``RewardFailure``'s
 # reasons), every scorer executor was lost while scoring it, or its environment failed the episode.

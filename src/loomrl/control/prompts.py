@@ -74,6 +74,10 @@ class PromptCache:
         """A turn's text as ids (an episode's observations), not cut."""
         return self.tokenizer(text).input_ids
 
+    def prompt_text(self, ids: list[int]) -> str:
+        """A prompt's ids as the text the model saw, special tokens included."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

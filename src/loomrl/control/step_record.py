@@ -17,7 +17,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.buffer import Batch
-from loomrl.control.rollouts import GeneratorReports
+from loomrl.control.rollouts import Rollouts
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.runtime.supervision import FaultStats
 from loomrl.scoring.client import Scorer
@@ -107,19 +107,22 @@ class StepRecord:
 
     def watch(
         self,
-        reports: GeneratorReports,
+        rollouts: Rollouts,
         watchdog: StallWatchdog,
         extra_metrics: Callable[[], dict[str, float]] | None,
     ) -> None:
-        """Report the generators' reports, the watchdog's counts and ``extra_metrics()``
-        (e.g. the sandbox pool's ``sandbox/*``) in each record."""
-        self.reports, self.watchdog, self.extra_metrics = reports, watchdog, extra_metrics
+        """Report the generators' reports (``rollouts.reports``), the watchdog's counts and
+        ``extra_metrics()`` (e.g. the sandbox pool's ``sandbox/*``) in each record; the
+        samples show their prompts as the model saw them (``rollouts.prompts``)."""
+        self.reports, self.watchdog, self.extra_metrics = rollouts.reports, watchdog, extra_metrics
+        self.prompt_text = rollouts.prompts.prompt_text
 
     def log_samples(self, step: int, groups: list) -> None:
         """A few of the step's completions, as text, for samples.jsonl
-        (``logging.completions_per_step``)."""
+        (``logging.completions_per_step``), with the prompt as the model saw it."""
         if self.completions_per_step:
-            self.metrics.log_samples(step_samples(groups, self.completions_per_step), step)
+            samples = step_samples(groups, self.completions_per_step, self.prompt_text)
+            self.metrics.log_samples(samples, step)
 
     def build(
         self,

@@ -51,6 +51,24 @@ TRACE_BUDGET_FRAC = 0.05  # ... plus this share of the time spent in the forward
 WASTED_TRACES_MAX = 8  # traces dropped after fewer than TRACE_AFTER calls before tracing stops
 
 
+def quiet_tracer_warnings(module: torch.nn.Module) -> None:
+    """Ignore the tracer's warnings, for the whole process: shape-derived constants are what
+    a trace's per-shape key is for, and torch.jit.trace's deprecation is known (module
+    docstring). Set once, not inside ``warnings.catch_warnings()``: that swaps the global
+    filter list and puts it back, and the generator's and the trainer's threads trace at
+    the same time on the ``local`` runtime, so one's restore let the other's warnings out.
+
+    The tracer also reads every attribute of every submodule: a transformers base model
+    (``Qwen2Model``, no ``loss_type`` of its own) answers ``loss_function`` with a warning
+    that its loss type None is "unrecognized"; it is given its causal LM's."""
+    for sub in module.modules():
+        if hasattr(sub, "loss_type") and sub.loss_type is None:
+            sub.loss_type = "ForCausalLM"
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace.*", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace.*", category=FutureWarning)
+
+
 class ShapeTraces:
     """``module(*tensors)`` from a trace per input shape, eager until a shape is traced.
 
@@ -125,11 +143,8 @@ class ShapeTraces:
         try:
             for p in frozen:
                 p.requires_grad_(False)
-            # shape-derived constants are what the per-shape key is for
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                fn = torch.jit.trace(target, args, check_trace=False)
+            quiet_tracer_warnings(module)
+            fn = torch.jit.trace(target, args, check_trace=False)
         except Exception as exc:  # noqa: BLE001 - any failure leaves this forward eager, counted
             self.enabled, self.failures = False, self.failures + 1
             logger.warning(

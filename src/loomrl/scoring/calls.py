@@ -24,6 +24,8 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+from loomrl.types import PartedReward
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,7 +120,9 @@ def _safe_repr(value: Any) -> str:
 def check_value(value: Any) -> float:
     """The reward as a float the trainer can hold (in float32), or ``RewardFailure``:
     ``invalid`` for what is not a number (or nan/inf), ``out_of_range`` for a number past
-    float32 (an int too large for a float included). A bool is 1.0 or 0.0."""
+    float32 (an int too large for a float included). A bool is 1.0 or 0.0; a reward list's
+    ``PartedReward`` is kept as it is. None is ``invalid`` here: a reward that returns None
+    (not applicable) is read as such before (``loomrl.scoring.reward_list``)."""
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, (int, float)):
@@ -137,7 +141,8 @@ def check_value(value: Any) -> float:
             f"reward function returned {_describe_number(value)}, out of range "
             f"(a reward must be finite and within float32, |r| <= {FP32_MAX:.4g})",
         )
-    return number
+    # (a reward list's total keeps its parts, for samples.jsonl)
+    return value if isinstance(value, PartedReward) else number
 
 
 class DaemonThreads:

@@ -20,6 +20,7 @@ from functools import partial
 from itertools import repeat
 from typing import Any
 
+from loomrl.config_common import DataConfig
 from loomrl.runtime.replicas import Replicas
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scoring.base import (
@@ -76,11 +77,11 @@ class JobFailedError(RuntimeError):
 class Scorer:
     """Scores rollouts with the task's reward function and tracks the failure rate."""
 
-    def __init__(self, task: TaskConfig) -> None:
+    def __init__(self, task: TaskConfig, data: DataConfig | None = None) -> None:
         self.task = task
         task = function_task(task)
         # A model or judge scores in its executors.
-        self.fn = load_reward(task) if task.scorer is None else None
+        self.fn = load_reward(task, data) if task.scorer is None else None
         self.scores = task.environment is None  # (an environment scores in its episodes)
         self._reward_sums: dict[
             str, float
@@ -97,6 +98,7 @@ class Scorer:
         self.recent: deque[bool] = deque(maxlen=task.failure_window)
         self.last_error: str | None = None
         self.busy_s = 0.0
+        self.unanswered = 0  # rollouts no reward answered (all returned None), so far
 
     def for_eval(self) -> Scorer:
         """The same reward with its own failure counts, so evaluation failures never mix
@@ -173,14 +175,33 @@ class Scorer:
             self._reward_sums[key] = self._reward_sums.get(key, 0.0) + value
 
     def reward_metrics(self) -> dict[str, float]:
-        """Each part of a reward list as ``reward/<name>_mean``, over the rollouts scored
-        since the last call (empty for a single reward)."""
+        """Since the last call: each part of a reward list as ``reward/<name>_mean`` over the
+        rollouts it answered and ``reward/<name>_none`` the rollouts it returned None for;
+        ``reward/unanswered``, the rollouts no reward answered (0.0, as TRL gives them),
+        when there were some (empty for a single reward that always answered)."""
         sums, self._reward_sums = self._reward_sums, {}
-        return {
+        out = {
             key.removesuffix("_sum") + "_mean": value / sums[key.removesuffix("_sum") + "_count"]
             for key, value in sums.items()
-            if key.endswith("_sum")
+            if key.endswith("_sum") and sums[key.removesuffix("_sum") + "_count"]
         }
+        out.update((k, v) for k, v in sums.items() if k.endswith("_none"))
+        if sums.get("reward/unanswered"):
+            self._warn_unanswered(sums["reward/unanswered"])
+            out["reward/unanswered"] = sums["reward/unanswered"]
+        return out
+
+    def _warn_unanswered(self, count: float) -> None:
+        """Say, the first time and then at each power of two, that no reward answered some
+        rollouts (every reward returned None: TRL's warning)."""
+        before, self.unanswered = self.unanswered, self.unanswered + int(count)
+        if before == 0 or self.unanswered.bit_length() > before.bit_length():
+            logger.warning(
+                "%d rollouts so far got no reward: every reward function returned None for them "
+                "(not applicable), so their reward is 0.0, as TRL's GRPOTrainer gives it; make at "
+                "least one reward answer each sample (reward/unanswered counts them per step)",
+                self.unanswered,
+            )
 
     def _apply_to_group(self, group: Group, outcomes: list[ScoreOutcome]) -> None:
         if set(map(_first, outcomes)) <= {"ok"}:  # the common case: no pass in Python

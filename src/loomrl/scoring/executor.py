@@ -11,6 +11,7 @@ whole by a ``WeightedScorer`` (``scoring/weighted.py``). Every kind answers the 
 
 from __future__ import annotations
 
+from loomrl.config_common import DataConfig
 from loomrl.sandbox.config import SandboxConfig
 from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.config import TaskConfig
@@ -20,15 +21,18 @@ from loomrl.scoring.model import RewardModelScorer
 from loomrl.scoring.weighted import WeightedScorer
 
 
-def start_scorer_executor(task: TaskConfig, sandbox: SandboxConfig | None) -> ScorerEndpoints:
+def start_scorer_executor(
+    task: TaskConfig, sandbox: SandboxConfig | None, data: DataConfig | None = None
+) -> ScorerEndpoints:
     """The scorer executor ``task`` asks for (module-level, so a ``functools.partial`` of it
     pickles to a process or an actor): a reward function's, a reward model's, a judge's, or a
-    weighted list's that holds a model or judge."""
+    weighted list's that holds a model or judge. ``data``: how prompts are rendered (a
+    TRL-signature reward gets templated ones as messages)."""
     if any(spec.scorer is not None for spec in task.rewards):
-        return WeightedScorer(task, sandbox)
+        return WeightedScorer(task, sandbox, data)
     kind = task.scorer.type if task.scorer is not None else "function"
     if kind == "model":
         return RewardModelScorer(task.scorer)
     if kind == "judge":
         return JudgeScorer(task.scorer)
-    return start_function_scorer(task, sandbox)
+    return start_function_scorer(task, sandbox, data)

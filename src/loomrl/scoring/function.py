@@ -15,6 +15,7 @@ import threading
 from itertools import repeat
 from typing import Any
 
+from loomrl.config_common import DataConfig
 from loomrl.sandbox.config import SandboxConfig
 from loomrl.sandbox.default import configure_default_pool, default_pool_metrics
 from loomrl.scoring.base import ScoreItem, ScoreOutcome, ScorerEndpoints
@@ -52,10 +53,15 @@ class FunctionScorer(ScorerEndpoints):
     reward that keeps a client bound to its loop keeps working), sync ones on the reward
     worker threads, with ``call_reward_batch``'s timeouts either way."""
 
-    def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
+    def __init__(
+        self,
+        task: TaskConfig,
+        sandbox: SandboxConfig | None = None,
+        data: DataConfig | None = None,
+    ) -> None:
         # The controller loaded it already: what fails here fails in this process only.
         try:
-            self.fn = load_reward(function_task(task))
+            self.fn = load_reward(function_task(task), data)
         except UserCodeError as err:
             raise UserCodeError(
                 f"scorer executor {_this_executor()} cannot load the task's reward: {err}"
@@ -99,6 +105,8 @@ def _this_executor() -> str:
     return f"{named}(pid {os.getpid()})"
 
 
-def start_function_scorer(task: TaskConfig, sandbox: SandboxConfig | None) -> FunctionScorer:
+def start_function_scorer(
+    task: TaskConfig, sandbox: SandboxConfig | None, data: DataConfig | None = None
+) -> FunctionScorer:
     """A function scorer executor (module-level, so a ``functools.partial`` of it pickles)."""
-    return FunctionScorer(task, sandbox)
+    return FunctionScorer(task, sandbox, data)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from loomrl.config_common import DataConfig
 from loomrl.runtime.endpoints import endpoint
 from loomrl.sandbox.config import SandboxConfig
 from loomrl.scoring.base import GroupItems, GroupOutcome, ScoreItem, ScoreOutcome, ScorerEndpoints
@@ -22,7 +23,8 @@ from loomrl.scoring.config import JudgeScorerConfig, ModelScorerConfig, TaskConf
 from loomrl.scoring.function import FunctionScorer
 from loomrl.scoring.judge import JudgeScorer
 from loomrl.scoring.model import RewardModelScorer
-from loomrl.scoring.reward_list import RewardStats
+from loomrl.scoring.reward_list import RewardStats, total_of
+from loomrl.types import PartedReward
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +40,33 @@ def start_model_part(cfg: ModelScorerConfig | JudgeScorerConfig) -> ScorerEndpoi
 def combine_outcomes(
     labels: list[str], weights: list[float], row: tuple[ScoreOutcome, ...], stats: RewardStats
 ) -> ScoreOutcome:
-    """One item's outcome from its parts' outcomes (in list order): the weighted sum when
-    every part scored (their values into ``stats``), else the first failed part's reason,
-    with the part named in the message."""
+    """One item's outcome from its parts' outcomes (in list order): the weighted sum of the
+    parts that answered when every part scored (their values into ``stats``; a function
+    part that returned None did not answer), else the first failed part's reason, with the
+    part named in the message."""
     seconds = sum(outcome[2] for outcome in row)
     for label, (status, value, _) in zip(labels, row):
         if status != "ok":
             message = str(value)
             named = message if repr(label) in message else f"reward {label!r}: {message}"
             return status, named, seconds
-    values = [outcome[1] for outcome in row]
-    stats.add(values)
-    return "ok", sum(w * v for w, v in zip(weights, values)), seconds
+    # (a function part is a list of one: its PartedReward holds what the function returned)
+    values = [
+        outcome[1].parts[label] if isinstance(outcome[1], PartedReward) else outcome[1]
+        for label, outcome in zip(labels, row)
+    ]
+    return "ok", total_of(labels, weights, values, stats), seconds
 
 
 class WeightedScorer(ScorerEndpoints):
     """Scores a ``[[task.rewards]]`` list that holds at least one model or judge part."""
 
-    def __init__(self, task: TaskConfig, sandbox: SandboxConfig | None = None) -> None:
+    def __init__(
+        self,
+        task: TaskConfig,
+        sandbox: SandboxConfig | None = None,
+        data: DataConfig | None = None,
+    ) -> None:
         self.labels = [spec.label for spec in task.rewards]
         self.weights = [spec.weight for spec in task.rewards]
         self.functions: dict[int, ScorerEndpoints] = {}
@@ -64,7 +75,7 @@ class WeightedScorer(ScorerEndpoints):
             if spec.scorer is None:  # a one-function list: its own name in its messages
                 alone = spec.model_copy(update={"weight": 1.0})
                 self.functions[i] = FunctionScorer(
-                    task.model_copy(update={"rewards": [alone]}), sandbox
+                    task.model_copy(update={"rewards": [alone]}), sandbox, data
                 )
             else:
                 self.models[i] = start_model_part(spec.scorer)

@@ -146,7 +146,9 @@ def start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
     sandbox = None if runtime.in_process else cfg.sandbox
     return [
         runtime.start(
-            f"scorer{i}", partial(start_scorer_executor, cfg.task, sandbox), ScorerEndpoints
+            f"scorer{i}",
+            partial(start_scorer_executor, cfg.task, sandbox, cfg.data),
+            ScorerEndpoints,
         )
         for i in range(cfg.task.num_scorers)
     ]

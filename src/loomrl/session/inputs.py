@@ -55,7 +55,7 @@ def read_inputs(
     """Load and check the datasets, the scorer, the environment class and the tokenizer."""
     datasets = load_datasets(cfg)
     (train_rows, _), (eval_rows, _) = datasets
-    scorer = Scorer(cfg.task)
+    scorer = Scorer(cfg.task, cfg.data)
     check_reward_columns(cfg, list(datasets))
     env_factory = environment_factory(cfg)
     tokenizer = load_tokenizer(cfg.model.path)

@@ -10,26 +10,33 @@ says so in the log instead of training on silently.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from loomrl.types import PartedReward
 
 logger = logging.getLogger(__name__)
 
 
-def step_samples(groups: list[Any], count: int) -> list[dict[str, Any]]:
+def step_samples(
+    groups: list[Any], count: int, prompt_text: Callable[[list[int]], str] | None = None
+) -> list[dict[str, Any]]:
     """The first completion of each of the first ``count`` groups, as
-    ``{"prompt_index", "prompt", "completion", "reward"}``: the prompt as the dataset holds it
-    and the completion as text, read from the group's columns (no rollout built)."""
+    ``{"prompt_index", "prompt", "rendered_prompt", "completion", "reward", "rewards"}``: the
+    prompt as the dataset holds it, the text the model saw (``prompt_text`` of its token ids:
+    after the chat template, special tokens and any cut included), the completion as text,
+    the reward, and a reward list's value of each part (None where a part did not apply),
+    read from the group's columns (no rollout built)."""
     samples = []
     for group in groups[:count]:
         prompt, completion, reward = group.prompts[0], group.texts[0], group.rewards[0]
-        samples.append(
-            {
-                "prompt_index": group.prompt_index,
-                "prompt": prompt,
-                "completion": completion,
-                "reward": reward,
-            }
-        )
+        sample = {"prompt_index": group.prompt_index, "prompt": prompt}
+        if prompt_text is not None:
+            sample["rendered_prompt"] = prompt_text(group.prompt_ids[0])
+        sample.update(completion=completion, reward=reward)
+        if isinstance(reward, PartedReward):
+            sample.update(reward=float(reward), rewards=dict(reward.parts))
+        samples.append(sample)
     return samples
 
 

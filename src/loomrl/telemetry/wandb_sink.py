@@ -1,7 +1,7 @@
 """Weights & Biases as a metrics sink: ``[logging.wandb]`` in the job file.
 
 Every record metrics.jsonl gets is logged at its step, and each step's samples as a table
-(step, prompt, completion, reward). The W&B run's id is derived from the run folder, so
+(step, prompt, rendered prompt, completion, reward, reward parts). The W&B run's id is derived from the run folder, so
 ``loomrl resume`` continues the same W&B run. ``mode = "offline"`` writes under
 ``RUN_DIR/wandb`` with no network (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it
 later). A W&B failure never stops training: it is logged once, and metrics.jsonl holds
@@ -41,6 +41,9 @@ class WandbSink:
             mode=options.mode,
             config=config,
             tags=list(options.tags),
+            # no history and summary tables at the end (metrics.jsonl and the report hold
+            # them): W&B's own lines on where the run is stay
+            settings=wandb.Settings(quiet=True),
         )
 
     def _guard(self, what: str, fn, *args) -> None:
@@ -59,9 +62,17 @@ class WandbSink:
 
     def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
         def log() -> None:
-            table = self._wandb.Table(columns=["step", "prompt", "completion", "reward"])
+            columns = ["step", "prompt", "rendered_prompt", "completion", "reward", "rewards"]
+            table = self._wandb.Table(columns=columns)
             for s in samples:
-                table.add_data(step, str(s.get("prompt")), s.get("completion"), s.get("reward"))
+                table.add_data(
+                    step,
+                    str(s.get("prompt")),
+                    s.get("rendered_prompt"),
+                    s.get("completion"),
+                    s.get("reward"),
+                    str(s.get("rewards", "")),
+                )
             self.run.log({"samples": table}, step=step)
 
         self._guard("samples", log)
