@@ -54,6 +54,8 @@ def _progress_callback(total_steps: int):
             parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
         if "throughput/samples_per_s" in record:
             parts.append(f"{record['throughput/samples_per_s']:.0f} samples/s")
+        if record.get("rollout/dropped_zero_variance"):
+            parts.append(f"zero-variance dropped {record['rollout/dropped_zero_variance']}")
         parts.extend(_fault_parts(record))
         progress.update(task, completed=record.get("step", 0), headline="  ".join(parts))
 
@@ -96,6 +98,7 @@ def _print_summary(result) -> None:
     table.add_row(
         "rollouts",
         f"generated {s['generated']} = trained {s['trained']} + dropped stale {s['dropped_stale']}"
+        f" + dropped zero-variance {s.get('dropped_zero_variance', 0)}"
         f" + failed {s['failed']} + in flight {s['in_flight']}",
     )
     faults = s.get("faults") or {}

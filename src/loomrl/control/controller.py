@@ -31,6 +31,7 @@ from loomrl.config import JobConfig
 from loomrl.control.background import Background
 from loomrl.control.buffer import Batch, RolloutBuffer, StalenessGate
 from loomrl.control.checkpoints import Checkpoints
+from loomrl.control.dynamic_sampling import ZeroVarianceFilter
 from loomrl.control.evaluation import Evaluator
 from loomrl.control.intake import Intake
 from loomrl.control.prompts import PromptCache
@@ -102,8 +103,23 @@ class Controller:
         self.requeues = Requeues(
             self.stream, self.gate, self.counters, self.faults, self.versions, algo.groups_per_step
         )
+        self.zero_variance = ZeroVarianceFilter(
+            algo.dynamic_sampling,
+            algo.max_oversampling,
+            algo.groups_per_step,
+            self.stream,
+            self.counters,
+            self.buffer,
+            warn_every_steps=self.cfg.logging.zero_variance_warning_every_steps,
+        )
         self.intake = Intake(
-            self.scorer, self.buffer, self.gate, self.counters, self.requeues, self.background
+            self.scorer,
+            self.buffer,
+            self.gate,
+            self.counters,
+            self.requeues,
+            self.background,
+            self.zero_variance,
         )
 
     def _build_generation(self, tokenizer, train_rows, eval_rows, max_prompt_tokens) -> None:
@@ -279,14 +295,24 @@ class Controller:
         wait_s = time.perf_counter() - t0
         facts = BatchFacts.of(batch)  # (read before the trainer has the batch)
         self.step_record.log_samples(self.version + 1, batch.groups)
+        await self._count_short(len(batch.groups))
         metrics = await self._train(batch)
         await self.gate.set_version(self.version)
+        facts.dropped_rewards = self.zero_variance.step_done()
         metrics.update(
             self.step_record.build(self.version, facts, wait_s, t0, clock.session_s(), metrics)
         )
         metrics.update(self.accounting())
         release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
+
+    async def _count_short(self, taken: int) -> None:
+        """Dynamic sampling spent its bound before the batch was full: the step trains on
+        the ``taken`` groups it has, says so, and the places it left empty count as taken."""
+        missing = self.cfg.algorithm.groups_per_step - taken
+        if missing > 0:
+            self.zero_variance.trained_short(self.version + 1, taken, missing)
+            await self.gate.count_as_taken(missing)
 
     async def _train(self, batch: Batch) -> dict[str, Any]:
         """The trainer's step on ``batch``, publishing the new version when it is due: in

@@ -70,6 +70,7 @@ def trainer_setup(cfg: JobConfig) -> TrainerSetup:
         trace=cfg.uses_traces(cfg.trainer.trace),
         runtime=cfg.runtime,
         quantize=cfg.generation.engine.quantize,
+        max_new_tokens=cfg.generation.max_new_tokens,
     )
 
 
