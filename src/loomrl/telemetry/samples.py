@@ -75,7 +75,7 @@ class ZeroVarianceWatch:
     ) -> dict[str, float]:
         """``rollout/zero_variance_frac`` (and its ``_wrong`` and ``_right`` parts) over the
         step's groups (each a list of rewards): those trained, and those ``dropped`` by
-        dynamic sampling since the last step."""
+        dynamic sampling since the last step; ``_trained_frac`` over the trained ones."""
         groups = [*rewards, *dropped]
         if not groups:
             return {"rollout/zero_variance_frac": 0.0}
@@ -87,8 +87,10 @@ class ZeroVarianceWatch:
         n = len(groups)
         if len(flat) / n > self.threshold and self.said.due(step):
             self._warn(step, n, flat, wrong, right)
+        trained_flat = sum(1 for group in rewards if len(set(group)) <= 1)
         return {
             "rollout/zero_variance_frac": len(flat) / n,
+            "rollout/zero_variance_trained_frac": trained_flat / max(len(rewards), 1),
             "rollout/zero_variance_wrong_frac": wrong / n,
             "rollout/zero_variance_right_frac": right / n,
         }
