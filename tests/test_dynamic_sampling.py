@@ -4,14 +4,15 @@ until the batch is full, and the oversampling bound ends a step short, saying so
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 from test_controller import RecordingTrainer, run_fake
 
 from loomrl import Job
-from loomrl.control.buffer import RolloutBuffer
-from loomrl.control.dynamic_sampling import ZeroVarianceFilter
+from loomrl.control.buffer import Batch, RolloutBuffer, StalenessGate
+from loomrl.control.dynamic_sampling import DynamicSampling
 from loomrl.control.step_record import Counters
 from loomrl.data import PromptStream
 from loomrl.telemetry.metrics import read_metrics
@@ -110,17 +111,31 @@ def _group(index: int, rewards: list[float]) -> Group:
 def test_the_filter_counts_sets_aside_and_stops_at_its_bound():
     stream, counters, buffer = PromptStream(10, 0), Counters(), RolloutBuffer(1)
     picks = stream.next_many(5)
-    zv = ZeroVarianceFilter(True, 2.0, 2, stream, counters, buffer)  # at most 2 dropped a step
+    zv = DynamicSampling(True, 2.0, 2, stream, counters, buffer)  # at most 2 dropped a step
     groups = [_group(i, r) for (_, i), r in zip(picks, [[1, 1], [0, 1], [0, 0], [1, 1], [0, 1]])]
     kept = zv.keep(groups)
     # the first two flat groups are dropped; the third flat one is past the bound
     assert [g.prompt_index for g in kept] == [picks[1][1], picks[3][1], picks[4][1]]
     assert counters.dropped_zero_variance == 4 and stream.set_aside == [picks[0][1], picks[2][1]]
-    assert zv.step_done() == [[1.0, 1.0], [0.0, 0.0]] and zv.dropped_since_step == 0
+
+    # the bound was reached: the next take returns what the buffer holds, and the step
+    # taking a full batch hands over the dropped groups' rewards and starts the count again
+    async def take_short():
+        await buffer.put_many(kept[:1])
+        return await buffer.take(2, 0, None)
+
+    assert len(asyncio.run(take_short()).groups) == 1
+    gate = StalenessGate(0, 2)
+    dropped = asyncio.run(zv.after_take(1, Batch(kept[:2]), gate))
+    assert dropped == [[1.0, 1.0], [0.0, 0.0]] and zv.dropped_since_step == 0
+    assert counters.short_steps == 0 and gate.accepted == 0
+    # a short batch counts its empty place as taken at the gate and as a short step
+    asyncio.run(zv.after_take(2, Batch(kept[:1]), gate))
+    assert counters.short_steps == 1 and gate.accepted == 1
     # the rest of the epoch never hands the set-aside prompts out again
     rest = [i for _, i in stream.next_many(5)]
     assert not set(rest) & set(stream.set_aside)
-    off = ZeroVarianceFilter(False, 2.0, 2, stream, counters, buffer)
+    off = DynamicSampling(False, 2.0, 2, stream, counters, buffer)
     assert off.keep(groups) == groups
 
 

@@ -11,9 +11,10 @@ synchronous baseline through the same code. The two loops below read as docs/asy
       score the request's groups -> buffer      v += 1; gate.set_version(v)
 
 The plumbing is in components the controller holds: ``Rollouts`` (requests -> groups),
-``Intake`` (a request's groups scored into the buffer), ``Requeues`` (prompts handed out
-again), ``StepRecord`` (each step's metrics), ``Evaluator``, ``StallWatchdog``,
-``Checkpoints`` and ``Background`` (the first failure of a background task ends the step).
+``Intake`` (a request's groups scored into the buffer, less those ``DynamicSampling``
+drops), ``Requeues`` (prompts handed out again), ``StepRecord`` (each step's metrics),
+``Evaluator``, ``StallWatchdog``, ``Checkpoints`` and ``Background`` (the first failure of a
+background task ends the step).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from loomrl.config import JobConfig
 from loomrl.control.background import Background
 from loomrl.control.buffer import Batch, RolloutBuffer, StalenessGate
 from loomrl.control.checkpoints import Checkpoints
-from loomrl.control.dynamic_sampling import ZeroVarianceFilter
 from loomrl.control.evaluation import Evaluator
 from loomrl.control.intake import Intake
 from loomrl.control.prompts import PromptCache
@@ -103,28 +103,11 @@ class Controller:
         self.requeues = Requeues(
             self.stream, self.gate, self.counters, self.faults, self.versions, algo.groups_per_step
         )
-        self.zero_variance = ZeroVarianceFilter(
-            algo.dynamic_sampling,
-            algo.max_oversampling,
-            algo.groups_per_step,
-            self.stream,
-            self.counters,
-            self.buffer,
-            warn_every_steps=self.cfg.logging.zero_variance_warning_every_steps,
-        )
-        self.intake = Intake(
-            self.scorer,
-            self.buffer,
-            self.gate,
-            self.counters,
-            self.requeues,
-            self.background,
-            self.zero_variance,
-        )
+        parts = (self.scorer, self.buffer, self.gate, self.counters, self.requeues, self.background)
+        self.intake = Intake(*parts, self.cfg)
 
     def _build_generation(self, tokenizer, train_rows, eval_rows, max_prompt_tokens) -> None:
-        """Generate calls (training requests and evaluations) and restarted generators'
-        weights."""
+        """Generate calls (training requests and evaluations), restarted generators' weights."""
         cfg = self.cfg
         encode_all = self.env_factory is None  # (an environment's episodes encode their own turns)
         prompts = PromptCache(
@@ -159,9 +142,8 @@ class Controller:
         self.step_record.watch(self.rollouts.reports, self.watchdog, extra_metrics)
         self.resumed = history is not None
         self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
-        self.checkpoints = Checkpoints(
-            self.cfg, version, self.history
-        )  # (resumed: at a checkpoint)
+        # (resumed: at a checkpoint)
+        self.checkpoints = Checkpoints(self.cfg, version, self.history)
 
     # -- where the run stands ------------------------------------------------------------
 
@@ -293,26 +275,17 @@ class Controller:
         if batch is None:
             return None
         wait_s = time.perf_counter() - t0
-        facts = BatchFacts.of(batch)  # (read before the trainer has the batch)
+        dropped = await self.intake.dynamic_sampling.after_take(self.version + 1, batch, self.gate)
+        facts = BatchFacts.of(batch, dropped)  # (read before the trainer has the batch)
         self.step_record.log_samples(self.version + 1, batch.groups)
-        await self._count_short(len(batch.groups))
         metrics = await self._train(batch)
         await self.gate.set_version(self.version)
-        facts.dropped_rewards = self.zero_variance.step_done()
         metrics.update(
             self.step_record.build(self.version, facts, wait_s, t0, clock.session_s(), metrics)
         )
         metrics.update(self.accounting())
         release_later(batch)  # (its thousand objects are freed off the loop once this frame ends)
         return metrics
-
-    async def _count_short(self, taken: int) -> None:
-        """Dynamic sampling spent its bound before the batch was full: the step trains on
-        the ``taken`` groups it has, says so, and the places it left empty count as taken."""
-        missing = self.cfg.algorithm.groups_per_step - taken
-        if missing > 0:
-            self.zero_variance.trained_short(self.version + 1, taken, missing)
-            await self.gate.count_as_taken(missing)
 
     async def _train(self, batch: Batch) -> dict[str, Any]:
         """The trainer's step on ``batch``, publishing the new version when it is due: in

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import math
 
-from loomrl.control.buffer import RolloutBuffer
+from loomrl.config import JobConfig
+from loomrl.control.buffer import Batch, RolloutBuffer, StalenessGate
 from loomrl.data import PromptStream
 from loomrl.types import Group
 
@@ -33,7 +34,7 @@ def has_zero_variance(group: Group) -> bool:
     return len(set(group.rewards)) <= 1
 
 
-class ZeroVarianceFilter:
+class DynamicSampling:
     def __init__(
         self,
         enabled: bool,
@@ -45,6 +46,7 @@ class ZeroVarianceFilter:
         warn_every_steps: int = 20,
     ) -> None:
         self.enabled, self.max_oversampling = enabled, max_oversampling
+        self.groups_per_step = groups_per_step
         self.warn_every_steps = warn_every_steps
         self.last_warned: int | None = None
         self.stream, self.counters, self.buffer = stream, counters, buffer
@@ -52,6 +54,22 @@ class ZeroVarianceFilter:
         self.max_drops = math.ceil(round((max_oversampling - 1) * groups_per_step, 9))
         self.dropped_since_step = 0
         self.dropped_rewards: list[list[float]] = []  # of the groups dropped since the last step
+
+    @classmethod
+    def of(cls, cfg: JobConfig | None, stream: PromptStream, counters, buffer: RolloutBuffer):
+        """The filter of a job (``algorithm.dynamic_sampling``; off, or no job: a no-op)."""
+        if cfg is None:
+            return cls(False, 1.0, 1, stream, counters, buffer)
+        algo = cfg.algorithm
+        return cls(
+            algo.dynamic_sampling,
+            algo.max_oversampling,
+            algo.groups_per_step,
+            stream,
+            counters,
+            buffer,
+            warn_every_steps=cfg.logging.zero_variance_warning_every_steps,
+        )
 
     def keep(self, groups: list[Group]) -> list[Group]:
         """``groups`` (one request's, scored, without failed rollouts) less those dropped."""
@@ -73,9 +91,21 @@ class ZeroVarianceFilter:
         if self.dropped_since_step == self.max_drops:
             self.buffer.allow_short()
 
-    def trained_short(self, step: int, taken: int, missing: int) -> None:
-        """Step ``step`` trains on ``taken`` groups, ``missing`` short of a batch: counted in
+    async def after_take(self, step: int, batch: Batch, gate: StalenessGate) -> list[list[float]]:
+        """Step ``step`` took ``batch``: the drop count starts again for the next step, and
+        the rewards of the groups dropped for this one (for the zero-variance watch). A
+        batch short of ``groups_per_step`` groups (the bound was spent) trains on what it
+        has: its empty places count as taken at the gate, the step is counted in
         ``rollout/short_steps`` and said at most once every ``warn_every_steps`` steps."""
+        missing = self.groups_per_step - len(batch.groups)
+        if missing > 0:
+            await gate.count_as_taken(missing)
+            self._trained_short(step, len(batch.groups), missing)
+        dropped, self.dropped_rewards = self.dropped_rewards, []
+        self.dropped_since_step = 0
+        return dropped
+
+    def _trained_short(self, step: int, taken: int, missing: int) -> None:
         self.counters.short_steps += 1
         if self.last_warned is not None and step - self.last_warned < self.warn_every_steps:
             return
@@ -91,10 +121,3 @@ class ZeroVarianceFilter:
             self.max_oversampling,
             self.warn_every_steps,
         )
-
-    def step_done(self) -> list[list[float]]:
-        """A step was trained: the drop count starts again; the rewards of the groups
-        dropped for it (for the zero-variance watch)."""
-        dropped, self.dropped_rewards = self.dropped_rewards, []
-        self.dropped_since_step = 0
-        return dropped

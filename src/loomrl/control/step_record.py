@@ -65,11 +65,11 @@ class BatchFacts:
     rewards: list[list[float]]  # per group
     reward_sum: float
     staleness: list[int]
-    # the rewards of the groups dynamic sampling dropped since the last step (set after it)
+    # the rewards of the groups dynamic sampling dropped for this step
     dropped_rewards: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, batch: Batch) -> BatchFacts:
+    def of(cls, batch: Batch, dropped_rewards: list[list[float]] | None = None) -> BatchFacts:
         rewards = [g.rewards for g in batch.groups]
         return cls(
             num_rollouts=sum(batch.sizes),
@@ -78,6 +78,7 @@ class BatchFacts:
             rewards=rewards,
             reward_sum=sum(chain.from_iterable(rewards)),  # (in the order summed before)
             staleness=batch.staleness,
+            dropped_rewards=dropped_rewards or [],
         )
 
 
