@@ -11,9 +11,10 @@ again, never trained, back in the next epoch's order; so no prompt is trained tw
 epoch and none is resampled over and over while its group stays flat).
 
 The bound: at most ``(max_oversampling - 1) x groups_per_step`` groups are dropped between
-two steps. Past it no group is dropped until the next step, and the step takes the groups
-the buffer holds as soon as it holds any (``RolloutBuffer.allow_short``): it trains on fewer
-groups than a batch, and the controller counts it in ``rollout/short_steps`` and says so.
+two batches taken. Past it no group is dropped until the next batch is taken, and that
+batch is the groups the buffer holds as soon as it holds any (``RolloutBuffer.allow_short``):
+the step trains on fewer groups than a batch, and ``after_take`` counts it in
+``rollout/short_steps``, says so, and counts its empty places as taken at the gate.
 """
 
 from __future__ import annotations
