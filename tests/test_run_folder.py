@@ -154,9 +154,10 @@ def test_an_aborted_step_is_counted_in_the_summary(tmp_path):
     from loomrl.stop_signals import StopSignal
 
     counts = {
-        "generated": 40,
+        "generated": 43,
         "trained": 16,
         "dropped_stale": 4,
+        "dropped_zero_variance": 3,
         "failed": 2,
         "in_flight": 10,
         "lost_on_resume": 0,

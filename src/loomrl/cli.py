@@ -42,6 +42,7 @@ def _print_summary(result) -> None:
     table.add_row(
         "rollouts",
         f"generated {s['generated']} = trained {s['trained']} + dropped stale {s['dropped_stale']}"
+        f" + dropped zero-variance {s.get('dropped_zero_variance', 0)}"
         f" + failed {s['failed']} + in flight {s['in_flight']}",
     )
     faults = s.get("faults") or {}

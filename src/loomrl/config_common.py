@@ -121,16 +121,31 @@ class DataConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    loss: Literal["pg", "grpo", "aipo", "tis"] = Field(
-        "aipo", description="Policy loss; 'pg' is plain policy gradient with no importance weight."
+    loss: Literal["pg", "grpo", "aipo", "tis", "dr_grpo", "gspo", "cispo"] = Field(
+        "aipo",
+        description="Policy loss (loomrl.algorithms.losses; docs/async.md's table): 'pg' is plain "
+        "policy gradient with no importance weight; 'dr_grpo', 'gspo' and 'cispo' as their papers.",
     )
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
     groups_per_step: int = Field(8, gt=0, description="Groups per optimizer step (B).")
     max_staleness: int = Field(
         1, ge=0, description="Max versions a rollout may lag when trained; 0 = synchronous."
     )
-    delta: float = Field(2.0, gt=0, description="Truncation of the importance weight (AIPO/TIS).")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range (grpo/tis).")
+    delta: float = Field(
+        2.0, gt=0, description="Truncation of the importance weight (AIPO/TIS/CISPO)."
+    )
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range (grpo/tis/dr_grpo/gspo).")
+    clip_eps_low: float | None = Field(
+        None,
+        gt=0,
+        description="Lower clip range: the ratio is clipped at 1 - clip_eps_low (None: clip_eps).",
+    )
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip range: 1 + clip_eps_high (None: clip_eps); DAPO's clip-higher "
+        "sets it above clip_eps_low (0.2 / 0.28).",
+    )
     advantage_scale: Literal["none", "std"] = Field(
         "none", description="Divide group-centred rewards by the group's std."
     )
@@ -141,6 +156,51 @@ class AlgorithmConfig(Section):
         description="KL penalty to the initial model (0 = off). The frozen reference is kept "
         "in model.dtype's compute dtype (bf16 by default where bf16 is native), not as a second fp32 copy.",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage) "
+        "is dropped when scored (rollout/dropped_zero_variance) and the generators keep going "
+        "until the step's batch is full; its prompt is set aside for the rest of the epoch.",
+    )
+    max_oversampling: float = Field(
+        3.0,
+        ge=1.0,
+        description="Dynamic sampling's bound: at most (max_oversampling - 1) x groups_per_step "
+        "groups dropped per step; past it the step trains on the groups it has (and says so).",
+    )
+    overlong: Literal["none", "filter", "soft"] = Field(
+        "none",
+        description="Completions cut at generation.max_new_tokens: 'filter' trains on none of "
+        "their tokens (their rewards still enter the group's mean), 'soft' adds DAPO's linear "
+        "penalty over the last overlong_buffer_tokens tokens to the reward (-1 at the maximum).",
+    )
+    overlong_buffer_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="'soft': the length of the penalty's ramp, ending at generation.max_new_tokens "
+        "(None: a fifth of it, DAPO's 4096 of 20480).",
+    )
+
+    @model_validator(mode="after")
+    def _loss_fits_its_options(self) -> AlgorithmConfig:
+        if self.loss == "dr_grpo" and self.advantage_scale == "std":
+            raise ValueError(
+                "algorithm.loss='dr_grpo' does not scale advantages by the group's std (that is half "
+                "of Dr. GRPO); set algorithm.advantage_scale='none' or pick another loss"
+            )
+        if self.loss == "dr_grpo" and self.aggregation == "sequence":
+            raise ValueError(
+                "algorithm.loss='dr_grpo' divides by a constant (generation.max_new_tokens), not by "
+                "each sequence's length; leave algorithm.aggregation='token' or pick another loss"
+            )
+        return self
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(low, high)``: the ratio is clipped to ``[1 - low, 1 + high]``."""
+        low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        return low, high
 
 
 class CheckpointConfig(Section):

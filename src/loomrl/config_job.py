@@ -141,6 +141,17 @@ def check_job(cfg: JobConfig) -> None:
     colocate_fits_job(cfg)
     quantized_publish_fits_job(cfg)
     vllm_fits_job(cfg)
+    overlong_fits_job(cfg)
+
+
+def overlong_fits_job(cfg: JobConfig) -> None:
+    """'soft' reads a completion's length against generation.max_new_tokens, which bounds
+    one turn: a multi-turn episode has no such maximum."""
+    if cfg.algorithm.overlong == "soft" and cfg.task.environment is not None:
+        raise ValueError(
+            "algorithm.overlong='soft' penalises a completion near generation.max_new_tokens, a "
+            "limit per turn; an environment's episode has several turns: use 'filter' or 'none'"
+        )
 
 
 def parallel_fits_job(cfg: JobConfig) -> None:

@@ -191,7 +191,9 @@ class PromptStream:
     ``trained`` holds the indices trained on in the current epoch. Prompts handed out but
     not trained (dropped as stale, or lost in a crash) are handed out again: ``requeue``
     puts them back at the front, and on resume every untrained prompt of the epoch is
-    still to come.
+    still to come. ``set_aside`` holds those whose group had nothing to learn from
+    (dynamic sampling dropped it): they are not handed out again in the epoch, trained or
+    not, and come back with every other prompt in the next epoch's order.
     """
 
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
@@ -200,6 +202,7 @@ class PromptStream:
         self.shuffle = shuffle
         self.epoch = 0
         self.trained: list[int] = []
+        self.set_aside: list[int] = []
         self.trained_twice = 0  # prompts trained a second time in one epoch: a bug if ever > 0
         self._start_epoch()
 
@@ -210,7 +213,8 @@ class PromptStream:
         return order
 
     def _start_epoch(self) -> None:
-        done = self._trained_set = set(self.trained)
+        self._trained_set = set(self.trained)
+        done = self._trained_set | set(self.set_aside)
         self._pending = deque(i for i in self._order(self.epoch) if i not in done)
         self._outstanding: set[int] = set()
 
@@ -220,7 +224,7 @@ class PromptStream:
             # Epoch over: groups of the old epoch still in flight train but are not
             # recorded (or requeued) in the new one.
             self.epoch += 1
-            self.trained = []
+            self.trained, self.set_aside = [], []
             self._start_epoch()
         index = self._pending.popleft()
         self._outstanding.add(index)
@@ -240,6 +244,12 @@ class PromptStream:
             self._outstanding.discard(index)
             self._pending.appendleft(index)
 
+    def set_aside_for_epoch(self, epoch: int, index: int) -> None:
+        """Dynamic sampling dropped the prompt's group: not handed out again this epoch."""
+        if epoch == self.epoch and index in self._outstanding:
+            self._outstanding.discard(index)
+            self.set_aside.append(index)
+
     def mark_trained(self, epoch: int, index: int) -> None:
         self.mark_trained_many([(epoch, index)])
 
@@ -255,9 +265,16 @@ class PromptStream:
         self.trained += indices
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "trained": list(self.trained), "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "trained": list(self.trained),
+            "set_aside": list(self.set_aside),
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.trained = list(state["trained"])
+        # (a checkpoint from before dynamic sampling has none)
+        self.set_aside = list(state.get("set_aside", []))
         self._start_epoch()

@@ -71,6 +71,8 @@ class StepProgress:
             parts.append(f"stale {record['rollout/staleness_mean']:.2f}")
         if "throughput/samples_per_s" in record:
             parts.append(f"{record['throughput/samples_per_s']:.0f} samples/s")
+        if record.get("rollout/dropped_zero_variance"):
+            parts.append(f"zero-variance dropped {record['rollout/dropped_zero_variance']}")
         return parts + fault_parts(record)
 
 

@@ -79,6 +79,12 @@ class StalenessGate:
         self.accepted -= 1
         self._wake_if_open()
 
+    async def count_as_taken(self, count: int) -> None:
+        """A step trained ``count`` groups short of a full batch (dynamic sampling at its
+        bound): their places count as taken, as a full step's would, so the next version
+        admits one batch and no more."""
+        self.accepted += count
+
     async def set_version(self, version: int) -> None:
         self.version = version
         self._wake_if_open()
@@ -115,6 +121,7 @@ class RolloutBuffer:
         self.num_rollouts = 0
         self._waiters = _Waiters()
         self._interrupted = False
+        self._short_ok = False
 
     async def put_many(self, groups: list[Group]) -> None:
         """Add ``groups`` (one request's) with one wake-up of the trainer for all of them."""
@@ -123,6 +130,12 @@ class RolloutBuffer:
         self._min_versions.extend(map(_min_version, groups))
         self._sizes.extend(sizes)
         self.num_rollouts += sum(sizes)
+        self._waiters.wake()
+
+    def allow_short(self) -> None:
+        """The next ``take`` returns what it has as soon as it has any group, fewer than it
+        asked for if so (dynamic sampling spent its bound; ``take`` clears this)."""
+        self._short_ok = True
         self._waiters.wake()
 
     def interrupt(self) -> None:
@@ -155,9 +168,13 @@ class RolloutBuffer:
                 continue  # (on_drop awaited: look again before taking)
             if len(self.groups) >= count:
                 break
+            if self._short_ok and self.groups:
+                count = len(self.groups)
+                break
             if self._interrupted:
                 return None
             await self._waiters.wait()
+        self._short_ok = False
         chosen, self.groups = self.groups[:count], self.groups[count:]
         versions, self._min_versions = self._min_versions[:count], self._min_versions[count:]
         sizes, self._sizes = self._sizes[:count], self._sizes[count:]

@@ -11,9 +11,10 @@ synchronous baseline through the same code. The two loops below read as docs/asy
       score the request's groups -> buffer      v += 1; gate.set_version(v)
 
 The plumbing is in components the controller holds: ``Rollouts`` (requests -> groups),
-``Intake`` (a request's groups scored into the buffer), ``Requeues`` (prompts handed out
-again), ``StepRecord`` (each step's metrics), ``Evaluator``, ``StallWatchdog``,
-``Checkpoints`` and ``Background`` (the first failure of a background task ends the step).
+``Intake`` (a request's groups scored into the buffer, less those ``DynamicSampling``
+drops), ``Requeues`` (prompts handed out again), ``StepRecord`` (each step's metrics),
+``Evaluator``, ``StallWatchdog``, ``Checkpoints`` and ``Background`` (the first failure of a
+background task ends the step).
 """
 
 from __future__ import annotations
@@ -102,13 +103,11 @@ class Controller:
         self.requeues = Requeues(
             self.stream, self.gate, self.counters, self.faults, self.versions, algo.groups_per_step
         )
-        self.intake = Intake(
-            self.scorer, self.buffer, self.gate, self.counters, self.requeues, self.background
-        )
+        parts = (self.scorer, self.buffer, self.gate, self.counters, self.requeues, self.background)
+        self.intake = Intake(*parts, self.cfg)
 
     def _build_generation(self, tokenizer, train_rows, eval_rows, max_prompt_tokens) -> None:
-        """Generate calls (training requests and evaluations) and restarted generators'
-        weights."""
+        """Generate calls (training requests and evaluations), restarted generators' weights."""
         cfg = self.cfg
         encode_all = self.env_factory is None  # (an environment's episodes encode their own turns)
         prompts = PromptCache(
@@ -276,7 +275,8 @@ class Controller:
         if batch is None:
             return None
         wait_s = time.perf_counter() - t0
-        facts = BatchFacts.of(batch)  # (read before the trainer has the batch)
+        dropped = await self.intake.dynamic_sampling.after_take(self.version + 1, batch, self.gate)
+        facts = BatchFacts.of(batch, dropped)  # (read before the trainer has the batch)
         self.step_record.log_samples(self.version + 1, batch.groups)
         metrics = await self._train(batch)
         await self.gate.set_version(self.version)

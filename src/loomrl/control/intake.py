@@ -3,8 +3,9 @@
 A request's groups are scored as one batch and enter the buffer together (one wake-up of
 the trainer and of the gate per request, not per group). A failed rollout is counted and
 left out (never trained on); a group left with none frees its place at the gate, and one
-that every scorer lost goes out again (``Requeues.lost_scoring``). Rollouts count as in
-flight while they are scored here or wait in the buffer.
+that every scorer lost goes out again (``Requeues.lost_scoring``). With dynamic sampling a
+group with nothing to learn from is dropped here too (``DynamicSampling``). Rollouts
+count as in flight while they are scored here or wait in the buffer.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import operator
 
+from loomrl.config import JobConfig
 from loomrl.control.background import Background
 from loomrl.control.buffer import RolloutBuffer, StalenessGate
+from loomrl.control.dynamic_sampling import DynamicSampling
 from loomrl.control.requeues import Requeues
 from loomrl.scoring.base import lost_by_scorer
 from loomrl.scoring.client import Scorer
@@ -31,9 +34,13 @@ class Intake:
         counters,
         requeues: Requeues,
         background: Background,
+        cfg: JobConfig | None = None,
     ) -> None:
+        """``cfg``: the job's, for ``algorithm.dynamic_sampling`` (None: off)."""
         self.scorer, self.buffer, self.gate = scorer, buffer, gate
         self.counters, self.requeues, self.background = counters, requeues, background
+        # algorithm.dynamic_sampling (a no-op when it is off)
+        self.dynamic_sampling = DynamicSampling.of(cfg, requeues.stream, counters, buffer)
         self.scoring: set[asyncio.Task] = set()  # requests being scored
         self.scoring_rollouts = 0
 
@@ -69,6 +76,7 @@ class Intake:
             kept, outcomes = groups, None
         else:
             kept, outcomes = self._drop_failed(groups)
+        kept = self.dynamic_sampling.keep(kept)
         if kept:
             await self.buffer.put_many(kept)
         await self.gate.finish_many(len(groups), len(kept))

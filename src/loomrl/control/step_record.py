@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -29,23 +29,28 @@ _completion_tokens = operator.attrgetter("completion_tokens")
 
 @dataclass
 class Counters:
-    """Rollout accounting: generated = trained + dropped_stale + failed + in_flight."""
+    """Rollout accounting: generated = trained + dropped_stale + dropped_zero_variance +
+    failed + in_flight."""
 
     generated: int = 0
     trained: int = 0
     dropped_stale: int = 0
+    dropped_zero_variance: int = 0  # dynamic sampling: groups with nothing to learn from
     failed: int = 0
     lost_on_resume: int = 0  # in flight at the checkpoint a run resumed from (regenerated)
+    short_steps: int = 0  # steps dynamic sampling trained on fewer groups than a batch
 
     def accounting(self, in_flight: int, prompts_trained_twice: int) -> dict[str, int]:
         return {
             "rollout/generated": self.generated,
             "rollout/trained": self.trained,
             "rollout/dropped_stale": self.dropped_stale,
+            "rollout/dropped_zero_variance": self.dropped_zero_variance,
             "rollout/failed": self.failed,
             "rollout/in_flight": in_flight,
             "rollout/lost_on_resume": self.lost_on_resume,
             "rollout/prompts_trained_twice": prompts_trained_twice,
+            "rollout/short_steps": self.short_steps,
         }
 
 
@@ -56,19 +61,24 @@ class BatchFacts:
 
     num_rollouts: int
     completion_tokens: int
+    truncated: int  # completions cut at generation.max_new_tokens
     rewards: list[list[float]]  # per group
     reward_sum: float
     staleness: list[int]
+    # the rewards of the groups dynamic sampling dropped for this step
+    dropped_rewards: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, batch: Batch) -> BatchFacts:
+    def of(cls, batch: Batch, dropped_rewards: list[list[float]] | None = None) -> BatchFacts:
         rewards = [g.rewards for g in batch.groups]
         return cls(
             num_rollouts=sum(batch.sizes),
             completion_tokens=sum(map(_completion_tokens, batch.groups)),
+            truncated=sum(g.finish_reasons.count("length") for g in batch.groups),
             rewards=rewards,
             reward_sum=sum(chain.from_iterable(rewards)),  # (in the order summed before)
             staleness=batch.staleness,
+            dropped_rewards=dropped_rewards or [],
         )
 
 
@@ -101,7 +111,9 @@ class StepRecord:
             faults,
         )
         every = cfg.logging.zero_variance_warning_every_steps
-        self.zero_variance = ZeroVarianceWatch(every)
+        self.zero_variance = ZeroVarianceWatch(
+            every, dynamic_sampling=cfg.algorithm.dynamic_sampling
+        )
         self.mismatch = MismatchWatch(cfg.logging.logprob_mismatch_warning, every)
         self.trained_tokens = 0
 
@@ -154,7 +166,8 @@ class StepRecord:
             **self.executor_metrics(elapsed),
             **self.failed_metrics(),
             **self.scorer.reward_metrics(),
-            "rollout/zero_variance_frac": self.zero_variance.observe(step, facts.rewards),
+            **self.zero_variance.observe(step, facts.rewards, facts.dropped_rewards),
+            "rollout/truncated_frac": facts.truncated / n,
             **self.mismatch.observe(step, trained),
             **self.faults.metrics(),
             **(self.extra_metrics() if self.extra_metrics else {}),

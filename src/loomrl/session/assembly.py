@@ -81,6 +81,7 @@ def trainer_setup(cfg: JobConfig) -> TrainerSetup:
         temperature=cfg.generation.temperature,
         trace=cfg.uses_traces(cfg.trainer.trace),
         quantize=cfg.generation.engine.quantize,
+        max_new_tokens=cfg.generation.max_new_tokens,
     )
 
 

@@ -182,7 +182,8 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
     if controller is not None:  # ("failed" below counts failed rollouts, as in every summary)
         summary["steps"] = controller.version
         counts = {k.split("/")[1]: v for k, v in controller.accounting().items()}
-        accounted = sum(counts[k] for k in ("trained", "dropped_stale", "failed", "in_flight"))
+        parts = ("trained", "dropped_stale", "dropped_zero_variance", "failed", "in_flight")
+        accounted = sum(counts[k] for k in parts)
         summary.update(counts, in_step=counts["generated"] - accounted)
         summary["first_failures"] = controller.scorer.first_failures()
         summary["failures_by_kind"] = dict(controller.scorer.failure_counts())

@@ -225,6 +225,17 @@ LINE_FIGURES = [
         "policy versions behind (trained rollouts)",
     ),
     (
+        "Groups with nothing to learn from",
+        {
+            "rollout/zero_variance_wrong_frac": "all wrong",
+            "rollout/zero_variance_right_frac": "all right",
+            "rollout/truncated_frac": "completions truncated",
+        },
+        "step",
+        "step",
+        "fraction of the step's groups (completions)",
+    ),
+    (
         "Weight sync bytes",
         {"weight_sync/bytes_sent": "sent", "weight_sync/bytes_full": "a full copy"},
         "step",
@@ -305,6 +316,8 @@ def _summary_rows(summary: dict, records: list[dict]) -> list[tuple[str, str]]:
         ("generated", "rollouts generated"),
         ("trained", "rollouts trained"),
         ("dropped_stale", "dropped as stale"),
+        ("dropped_zero_variance", "dropped: zero variance"),
+        ("short_steps", "steps short of a batch"),
         ("failed", "failed"),
         ("eval_start", "eval reward at start"),
         ("eval_end", "eval reward at end"),

@@ -3,8 +3,9 @@ per step for ``samples.jsonl``, and a warning when most groups had nothing to le
 
 A GRPO group whose completions all got the same reward has zero advantage everywhere: it
 moves no weight. A step where most groups are like that (a random model that never gets an
-exact-match answer right, a reward that always returns 1) is a run learning nothing, and
-says so in the log instead of training on silently.
+exact-match answer right, a model that has learnt the task, a reward that always returns 1)
+is a run learning nothing, and says so in the log, with which of these it is, instead of
+training on silently.
 """
 
 from __future__ import annotations
@@ -57,33 +58,86 @@ class _EverySteps:
 
 
 class ZeroVarianceWatch:
-    """Counts the groups of each step whose rewards are all equal; warns when more than
-    ``threshold`` of a step's groups are, at most once every ``every_steps`` steps."""
+    """Counts the groups of each step whose rewards are all equal, and which kind they are;
+    warns when more than ``threshold`` of a step's groups are, at most once every
+    ``every_steps`` steps.
 
-    def __init__(self, every_steps: int, threshold: float = 0.5) -> None:
+    A flat group is *all-wrong* when its reward is the lowest seen in the run so far, and
+    *all-right* when it is the highest (until two different rewards have been seen, a
+    reward above 0 counts as right, 0 or below as wrong); other flat groups are neither.
+    The two need opposite advice: all-wrong groups want a model that can solve some of the
+    prompts (a warm-start, partial credit, larger groups), all-right ones harder prompts
+    (dynamic sampling, harder data, a curriculum)."""
+
+    def __init__(
+        self, every_steps: int, threshold: float = 0.5, dynamic_sampling: bool = False
+    ) -> None:
         self.every_steps, self.threshold = every_steps, threshold
+        self.dynamic_sampling = dynamic_sampling
         self.said = _EverySteps(every_steps)
+        self.lowest, self.highest = float("inf"), float("-inf")
 
-    def observe(self, step: int, rewards: list[list[float]]) -> float:
-        """The fraction of groups (each a list of rewards) with zero variance at ``step``."""
-        if not rewards:
-            return 0.0
-        flat = sum(1 for group in rewards if len(set(group)) <= 1)
-        fraction = flat / len(rewards)
-        if fraction > self.threshold and self.said.due(step):
-            logger.warning(
-                "step %d: %d of %d groups had the same reward for every completion (mean %.3g): zero advantage, "
-                "nothing to learn from them. A random or untrained model on an exact-match reward does this; "
-                "warm-start it with supervised steps first (loomrl.training.sft, as examples/arithmetic does), use a "
-                "reward with partial credit, or raise group_size "
-                "(said at most every %d steps; rollout/zero_variance_frac has each step's fraction)",
-                step,
-                flat,
-                len(rewards),
-                sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1),
-                self.every_steps,
-            )
-        return fraction
+    def observe(
+        self, step: int, rewards: list[list[float]], dropped: list[list[float]] = ()
+    ) -> dict[str, float]:
+        """``rollout/zero_variance_frac`` (and its ``_wrong`` and ``_right`` parts) over the
+        step's groups (each a list of rewards): those trained, and those ``dropped`` by
+        dynamic sampling since the last step; ``_trained_frac`` over the trained ones."""
+        groups = [*rewards, *dropped]
+        if not groups:
+            return {"rollout/zero_variance_frac": 0.0}
+        for group in groups:
+            self.lowest, self.highest = min(self.lowest, *group), max(self.highest, *group)
+        flat = [group[0] for group in groups if len(set(group)) <= 1]
+        wrong = sum(1 for r in flat if self._is_wrong(r))
+        right = sum(1 for r in flat if not self._is_wrong(r) and self._is_right(r))
+        n = len(groups)
+        if len(flat) / n > self.threshold and self.said.due(step):
+            self._warn(step, n, flat, wrong, right)
+        trained_flat = sum(1 for group in rewards if len(set(group)) <= 1)
+        return {
+            "rollout/zero_variance_frac": len(flat) / n,
+            "rollout/zero_variance_trained_frac": trained_flat / max(len(rewards), 1),
+            "rollout/zero_variance_wrong_frac": wrong / n,
+            "rollout/zero_variance_right_frac": right / n,
+        }
+
+    def _is_wrong(self, reward: float) -> bool:
+        return reward <= self.lowest if self.lowest < self.highest else reward <= 0
+
+    def _is_right(self, reward: float) -> bool:
+        return reward >= self.highest if self.lowest < self.highest else reward > 0
+
+    def _warn(self, step: int, n: int, flat: list[float], wrong: int, right: int) -> None:
+        advice = {
+            "wrong": f"{wrong} all wrong ({wrong / n:.0%}: all at the lowest reward seen, "
+            f"{self.lowest:.3g}): the model cannot solve these prompts yet; warm-start it with "
+            "supervised steps first (loomrl.training.sft, as examples/arithmetic does), use a reward "
+            "with partial credit, or raise group_size",
+            "right": f"{right} all right ({right / n:.0%}: all at the highest reward seen, "
+            f"{self.highest:.3g}): these prompts are too easy for the model now; "
+            + (
+                "algorithm.dynamic_sampling drops them (rollout/dropped_zero_variance), harder "
+                "data or a curriculum would waste less generation"
+                if self.dynamic_sampling
+                else "turn on algorithm.dynamic_sampling, use harder data, or a curriculum"
+            ),
+        }
+        counts = {"wrong": wrong, "right": right}
+        parts = [advice[k] for k in sorted(counts, key=counts.get, reverse=True) if counts[k]]
+        if len(flat) - wrong - right:
+            parts.append(f"{len(flat) - wrong - right} at a reward in between")
+        logger.warning(
+            "step %d: %d of %d groups had the same reward for every completion (their mean %.3g): zero "
+            "advantage, nothing to learn from them. %s (said at most every %d steps; "
+            "rollout/zero_variance_frac, _wrong_frac and _right_frac have each step's fractions)",
+            step,
+            len(flat),
+            n,
+            sum(flat) / len(flat),
+            "; ".join(parts),
+            self.every_steps,
+        )
 
 
 class MismatchWatch:

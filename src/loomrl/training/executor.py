@@ -45,6 +45,8 @@ class TrainerSetup:
     runtime: str  # 'local', 'process' or 'ray'
     # generation.engine.quantize: what weight_sync.publish_quantized publishes
     quantize: str = "none"
+    # generation.max_new_tokens: dr_grpo's constant divisor, the end of overlong='soft''s ramp
+    max_new_tokens: int | None = None
 
 
 class TrainerExecutor(TrainerEndpoints):
@@ -86,6 +88,7 @@ class TrainerExecutor(TrainerEndpoints):
             cfg.temperature,
             trace=cfg.trace,
             reference_dtype=resolve_dtype(cfg.model, device),
+            max_completion_tokens=cfg.max_new_tokens,
         )
 
     @property

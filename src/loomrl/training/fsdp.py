@@ -293,6 +293,7 @@ class ShardedTrainerExecutor(TrainerExecutor):
             cfg.temperature,
             rank=self.rank,
             world_size=self.world_size,
+            max_completion_tokens=cfg.max_new_tokens,
         )
 
     def _join_group(self, cfg: TrainerSetup, rendezvous: str) -> TrainerSetup:

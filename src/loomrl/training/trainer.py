@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -20,6 +21,7 @@ from loomrl.training import precision as prec
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.config import TrainerConfig
 from loomrl.training.optim_state import apply_optimizer_config
+from loomrl.training.overlong import mask_truncated, reward_penalty
 from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
@@ -142,9 +144,12 @@ class Logprobs(torch.nn.Module):
         return batch.input_ids, batch.attention_mask
 
 
-def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], list[float]]:
+def compute_advantages(
+    groups: list[Group], scale: str, penalty: Callable[[Rollout], float] | None = None
+) -> tuple[list[Rollout], list[float]]:
     """Advantages within each group over its successfully scored rollouts. Groups with as
-    many of those are one tensor, one row each: the same numbers as a group at a time."""
+    many of those are one tensor, one row each: the same numbers as a group at a time.
+    ``penalty``: added to each rollout's reward first (``algorithm.overlong='soft'``)."""
     kept = [group.ok_rollouts() for group in groups]
     by_size: dict[int, list[int]] = {}
     for i, ok in enumerate(kept):
@@ -156,7 +161,10 @@ def compute_advantages(groups: list[Group], scale: str) -> tuple[list[Rollout], 
             for i in members:
                 per_group[i] = [0.0]
             continue
-        rewards = torch.tensor([[float(r.reward) for r in kept[i]] for i in members])
+        if penalty is None:
+            rewards = torch.tensor([[float(r.reward) for r in kept[i]] for i in members])
+        else:
+            rewards = torch.tensor([[r.reward + penalty(r) for r in kept[i]] for i in members])
         for i, row in zip(members, group_advantages(rewards, scale=scale).tolist()):
             per_group[i] = row
     return list(chain.from_iterable(kept)), list(chain.from_iterable(per_group))
@@ -218,11 +226,14 @@ class Trainer:
         *,
         trace: bool | None = None,
         reference_dtype: torch.dtype | None = None,
+        max_completion_tokens: int | None = None,
     ) -> None:
         """``trace``: the training forward from traces; by default ``trainer.trace``, where
         'auto' is off (a trainer on its own shares its process with no other executor).
         ``reference_dtype``: of the KL reference (the job's ``resolve_dtype(model)``); by
-        default the precision's compute dtype."""
+        default the precision's compute dtype. ``max_completion_tokens``: the completions'
+        maximum length (``generation.max_new_tokens``), the constant of ``dr_grpo`` and the
+        end of ``overlong='soft'``'s ramp."""
         self.device = module_device(model)
         self.precision = prec.resolve_precision(trainer, self.device)
         self.model = model.to(prec.master_dtype(self.precision)).train()
@@ -237,6 +248,7 @@ class Trainer:
             self.chunk = None
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
+        self._set_lengths(max_completion_tokens)
         self.cfg = trainer
         self.temperature = temperature
         self.version = 0
@@ -251,6 +263,17 @@ class Trainer:
         if algorithm.kl_coef > 0:
             dtype = reference_dtype or prec.compute_dtype(self.precision)
             self.reference = prec.frozen_copy(self.model, dtype)
+
+    def _set_lengths(self, max_completion_tokens: int | None) -> None:
+        """What the objective reads from the completions' maximum length: ``dr_grpo``'s
+        divisor and ``overlong='soft'``'s penalty."""
+        self.max_completion_tokens = max_completion_tokens
+        if self.algo.loss == "dr_grpo" and not max_completion_tokens:
+            raise ValueError(
+                "algorithm.loss='dr_grpo' divides by the completions' maximum length "
+                "(generation.max_new_tokens): the trainer needs max_completion_tokens"
+            )
+        self._penalty = reward_penalty(self.algo, max_completion_tokens)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW over the trainable parameters. Fused where torch has the kernel: it also
@@ -274,13 +297,17 @@ class Trainer:
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on ``groups``; the version grows by one."""
         t0 = time.perf_counter()
-        rollouts, advantages = compute_advantages(groups, self.algo.advantage_scale)
+        rollouts, advantages = compute_advantages(groups, self.algo.advantage_scale, self._penalty)
         if not rollouts:
             raise ValueError("train_step got no successfully scored rollout")
+        overlong = self._overlong(rollouts)
+        if self.algo.overlong == "filter":
+            rollouts, _ = mask_truncated(rollouts)
         batch_stats = _Accumulator()
         self._phase_s = {"forward": 0.0, "backward": 0.0}
         total_tokens = sum(sum(r.loss_mask) for r in rollouts)
         total_seqs = sum(1 for r in rollouts if sum(r.loss_mask) > 0)
+        self._step_rows = len(rollouts)
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulate_grads(rollouts, advantages, total_tokens, total_seqs, batch_stats)
         grad_norm = self._clip_grads()
@@ -313,8 +340,21 @@ class Trainer:
                 "timing/train_optimizer_s": optimizer_s,
             }
         )
+        metrics.update(overlong)
         if self.traces is not None:
             metrics.update(self.traces.metrics("train"))
+        return metrics
+
+    def _overlong(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """``algorithm.overlong``'s statistics of the step: the share of completions cut at
+        the limit and, under 'soft', the mean penalty added to their rewards."""
+        if self.algo.overlong == "none":
+            return {}
+        cut = sum(1 for r in rollouts if r.finish_reason == "length")
+        metrics = {"train/truncated_frac": cut / len(rollouts)}
+        if self._penalty is not None:
+            penalties = [self._penalty(r) for r in rollouts]
+            metrics["train/overlong_penalty_mean"] = sum(penalties) / len(penalties)
         return metrics
 
     # -- the step's parts a sharded trainer (loomrl.training.fsdp) replaces ----------------
@@ -381,11 +421,17 @@ class Trainer:
             batch.advantages,
             mask,
             clip_eps=self.algo.clip_eps,
+            clip_eps_low=self.algo.clip_eps_low,
+            clip_eps_high=self.algo.clip_eps_high,
             delta=self.algo.delta,
             aggregation=self.algo.aggregation,
+            length_divisor=self.max_completion_tokens,
         )
         n_tokens = float(mask.sum())
-        if self.algo.aggregation == "token":
+        if self.algo.loss == "dr_grpo":
+            # the micro-batch's share of the step's rows: sum / (rows x L) over the step
+            weight = mask.shape[0] / self._step_rows
+        elif self.algo.aggregation == "token":
             weight = n_tokens / max(total_tokens, 1)
         else:
             weight = float((mask.sum(1) > 0).sum()) / max(total_seqs, 1)
