@@ -140,7 +140,7 @@ class Controller:
         self.step_record = StepRecord(
             self.cfg, self.metrics, self.trainer, self.generators, self.scorer, self.faults
         )
-        self.step_record.watch(self.rollouts.reports, self.watchdog, extra_metrics)
+        self.step_record.watch(self.rollouts, self.watchdog, extra_metrics)
         self.resumed = history is not None
         self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
         self.checkpoints = Checkpoints(

@@ -120,25 +120,22 @@ class Evaluator:
     async def _episodes(self) -> list[Group]:
         """One greedy episode per held-out prompt, each a group of one (scored by its
         environment)."""
-        from loomrl.envs.episode import run_group_episodes
-
-        rollouts, prompts = self.rollouts, self.rollouts.prompts
+        rollouts = self.rollouts
 
         async def one(i: int, row: dict[str, Any]) -> Rollout:
             env = self.env_factory()
             try:
-                (rollout,) = await run_group_episodes(
+                rollout, *_ = await rollouts.run_episodes(
                     [env],
                     row,
                     i,
-                    generate=lambda reqs: rollouts.generate(
+                    lambda reqs: rollouts.generate(
                         self.generator, rollouts.require(reqs, eval_=True)
                     ),
-                    encode=prompts.encode_text,
-                    decode=prompts.decode,
-                    sampling=self.greedy,
-                    max_turns=self.max_turns,
-                    seed=0,
+                    self.greedy,
+                    0,
+                    self.max_turns,
+                    stats=False,
                 )
             finally:
                 env.close()

@@ -17,7 +17,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.buffer import Batch
-from loomrl.control.rollouts import GeneratorReports
+from loomrl.control.rollouts import GeneratorReports, Rollouts
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.runtime.supervision import FaultStats
 from loomrl.scoring.client import Scorer
@@ -107,13 +107,15 @@ class StepRecord:
 
     def watch(
         self,
-        reports: GeneratorReports,
+        rollouts: Rollouts,
         watchdog: StallWatchdog,
         extra_metrics: Callable[[], dict[str, float]] | None,
     ) -> None:
-        """Report the generators' reports, the watchdog's counts and ``extra_metrics()``
-        (e.g. the sandbox pool's ``sandbox/*``) in each record."""
-        self.reports, self.watchdog, self.extra_metrics = reports, watchdog, extra_metrics
+        """Report the generators' reports, chat episodes' ``episode/*``, the watchdog's
+        counts and ``extra_metrics()`` (e.g. the sandbox pool's ``sandbox/*``) in each record."""
+        self.reports: GeneratorReports = rollouts.reports
+        self.episode_stats = rollouts.episode_stats
+        self.watchdog, self.extra_metrics = watchdog, extra_metrics
 
     def log_samples(self, step: int, groups: list) -> None:
         """A few of the step's completions, as text, for samples.jsonl
@@ -154,6 +156,7 @@ class StepRecord:
             "rollout/zero_variance_frac": self.zero_variance.observe(step, facts.rewards),
             **self.mismatch.observe(step, trained),
             **self.faults.metrics(),
+            **self.episode_stats.metrics(),
             **(self.extra_metrics() if self.extra_metrics else {}),
         }
 
