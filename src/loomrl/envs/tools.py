@@ -10,7 +10,7 @@ wrong, each counted by kind in the runner's ``ToolLog``:
   JSON type for the schema;
 - ``raised``: the tool raised (its type and message are shown);
 - ``timeout``: the tool ran past ``timeout_s``. An ``async`` tool is cancelled; a plain
-  function runs in a daemon thread of its own, which Python cannot stop: the episode goes
+  function runs on a daemon worker thread, which Python cannot stop: the episode goes
   on without it and the thread ends when the function returns (a tool that may hang for
   good belongs in the episode's sandbox, whose processes are killed).
 """
@@ -18,8 +18,10 @@ wrong, each counted by kind in the runner's ``ToolLog``:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -147,9 +149,36 @@ class ToolRunner:
                 )
 
 
+class _DaemonWorkers:
+    """Daemon threads that run plain-function tools, reused when idle: a new one starts only
+    while every one is busy, so a hung call holds its own thread, never another call's, and
+    never the interpreter's exit (starting a thread per call cost more than the episode's
+    rendering: ``bench/chat_episodes.py``)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle, self.lock = 0, threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            start = self.idle == 0
+            self.idle -= 0 if start else 1
+        self.jobs.put(job)
+        if start:
+            threading.Thread(target=self._work, name="loomrl-tool", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self.jobs.get()()
+            with self.lock:
+                self.idle += 1
+
+
+_WORKERS = _DaemonWorkers()
+
+
 def _in_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> asyncio.Future:
-    """``fn(**arguments)`` in a daemon thread of its own, as a future of this loop (a hung
-    call holds only its own thread, never a shared pool's)."""
+    """``fn(**arguments)`` on a daemon worker thread, as a future of this loop."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -163,7 +192,7 @@ def _in_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> asyncio.Fut
         except RuntimeError:  # the loop has closed: nobody waits for it any more
             pass
 
-    def target() -> None:
+    def job() -> None:
         try:
             value = fn(**arguments)
         except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
@@ -171,19 +200,17 @@ def _in_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> asyncio.Fut
         else:
             hand_back(future.set_result, value)
 
-    threading.Thread(target=target, name=f"tool-{fn.__name__}", daemon=True).start()
+    _WORKERS.submit(job)
     return future
 
 
 def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     """Each tool's JSON schema, as chat templates take it in ``tools=``; a function without
     type hints or a docstring fails here with transformers' own message, naming it."""
-    from transformers.utils import get_json_schema
-
     schemas = []
     for tool in tools:
         try:
-            schemas.append(get_json_schema(tool))
+            schemas.append(_schema_of(tool))
         except Exception as err:  # noqa: BLE001 - transformers raises several kinds; re-raised named
             name = getattr(tool, "__name__", repr(tool))
             raise TypeError(
@@ -191,3 +218,11 @@ def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
                 "hints and a docstring with an Args: section"
             ) from err
     return schemas
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_of(tool: Callable[..., Any]) -> dict[str, Any]:
+    """A tool's schema, made once per function (every episode offers the same tools)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(tool)
