@@ -149,3 +149,39 @@ def test_a_generator_killed_mid_episode_loses_and_duplicates_nothing(
     assert s["prompts_trained_twice"] == 0
     assert s["faults"]["executor/generator_restarts"] == 1
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_per_turn_samples_train_each_turn_alone_and_a_rewriting_template_is_named(
+    tiny_job, chat_model, monkeypatch
+):
+    from examples.calculator.model import CHAT_TEMPLATE
+    from loomrl.envs.chat_render import TemplateDriftError
+    from loomrl.models import load_tokenizer
+
+    trained: list = []
+    real_step = TrainerExecutor.train_step
+
+    def recording_step(self, groups, publish=False):
+        trained.extend(r for g in groups for r in g)
+        return real_step(self, groups, publish)
+
+    monkeypatch.setattr(TrainerExecutor, "train_step", recording_step)
+    sections = {"trainer": {"num_steps": 2}, "eval": {"every_steps": 1}}
+    cfg = _chat_job(tiny_job, chat_model, **sections)
+    cfg.task.chat.per_turn_samples = True
+    result = Job(cfg).run()
+    assert result.summary["failed"] == 0 and result.eval_history
+    assert trained and all(r.loss_mask == [1] * len(r.completion_ids) for r in trained)
+    assert len(trained) > 2 * 4 * 4  # some episodes gave two samples
+    s = result.summary
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    # The same job on a template that drops earlier tool calls stops, named.
+    tok = load_tokenizer(str(chat_model))
+    tok.chat_template = CHAT_TEMPLATE.replace(
+        "{% for c in m.tool_calls or [] %}",
+        "{% for c in (m.tool_calls if loop.last else []) or [] %}",
+    ).replace("A:{{ m.content }}", "A:{% if loop.last %}{{ m.content }}{% endif %}")
+    tok.save_pretrained(chat_model)
+    with pytest.raises(TemplateDriftError, match="rewrites earlier turns"):
+        Job(_chat_job(tiny_job, chat_model, trainer={"num_steps": 2})).run(overwrite=True)
