@@ -2,7 +2,7 @@
 token-exact by construction.
 
 Each turn asks the generator for one completion per live episode, all in one generate call
-(seeds ``turn_seed(seed, turn, episode)``). The trained sequence of an episode is its prompt
+(seeds ``turn_seed(seed, turn, episode)``), then steps the episodes concurrently. The trained sequence of an episode is its prompt
 (the opening messages through the chat template, the tools' schemas in ``tools=``), then
 each turn's ids exactly as sampled (``loss_mask`` 1, their behaviour log-probs), and between
 two turns the observation's ids (``loss_mask`` 0, log-prob 0.0): the template's rendering
@@ -23,6 +23,7 @@ the opening messages as text (``[assistant] ...``, ``[tool name] ...``), for sam
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import Callable
@@ -267,11 +268,16 @@ async def run_chat_episodes(
             break
         requests = _requests(episodes, live, sampling, seed, turn, limits)
         results = await generate(requests)
-        for i, request, result in zip(live, requests, results):
-            last = turn + 1 == limits.max_turns
-            await _take_turn(
-                episodes[i], result, request.prompt_ids, decode=decode, limits=limits, last=last
+        # the episodes' steps (their tool calls) run concurrently
+        last = turn + 1 == limits.max_turns
+        await asyncio.gather(
+            *(
+                _take_turn(
+                    episodes[i], result, req.prompt_ids, decode=decode, limits=limits, last=last
+                )
+                for i, req, result in zip(live, requests, results)
             )
+        )
     elapsed = time.perf_counter() - t0
     rollouts = []
     for ep in episodes:
