@@ -168,18 +168,17 @@ class Evaluator:
         async def one(i: int, row: dict[str, Any]) -> Rollout:
             env = self.env_factory()
             try:
-                (rollout,) = await run_group_episodes(
+                rollout, *_ = await rollouts.run_episodes(
                     [env],
                     row,
                     i,
-                    generate=lambda reqs: rollouts.generate(
+                    lambda reqs: rollouts.generate(
                         self.generator, rollouts.require(reqs, eval_=True)
                     ),
-                    encode=prompts.encode_text,
-                    decode=prompts.decode,
-                    sampling=self.greedy,
-                    max_turns=self.max_turns,
-                    seed=0,
+                    self.greedy,
+                    0,
+                    self.max_turns,
+                    stats=False,
                 )
             finally:
                 env.close()

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.prompts import PromptCache
 from loomrl.envs.episode import run_group_episodes
+from loomrl.envs.chat_episode import ChatLimits
+from loomrl.envs.episode_stats import EpisodeStats
+from loomrl.envs.tool_parsers import get_parser
 from loomrl.runtime.threads import release_later
 from loomrl.scoring.base import group_payload
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
@@ -36,6 +39,23 @@ _weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _has_t
         "has_texts",
     )
 )
+
+
+def chat_limits(cfg: JobConfig, max_prompt_tokens: int | None) -> ChatLimits:
+    """``task.chat``'s limits; an episode's tokens default to the model's context (the
+    prompt budget and ``max_new_tokens``, when the model says its context)."""
+    chat = cfg.task.chat
+    context = (
+        max_prompt_tokens + cfg.generation.max_new_tokens if max_prompt_tokens is not None else None
+    )
+    return ChatLimits(
+        parser=get_parser(chat.tool_parser),
+        max_turns=cfg.task.max_turns,
+        tool_timeout_s=chat.tool_timeout_s,
+        max_tool_result_tokens=chat.max_tool_result_tokens,
+        max_episode_tokens=chat.max_episode_tokens or context,
+        per_turn_samples=chat.per_turn_samples,
+    )
 
 
 def sample_seed(job_seed: int, epoch: int, index: int) -> int:
@@ -135,6 +155,9 @@ class Rollouts:
         )
         self.group_size, self.seed = cfg.algorithm.group_size, cfg.seed
         self.reports = GeneratorReports()
+        self.model = cfg.model.path
+        self.episode_stats = EpisodeStats()  # chat episodes' episode/* metrics
+        self.chat_limits = chat_limits(cfg, prompts.max_prompt_tokens)
 
     def generate(self, generator, requests: list[GenerationRequest], then=None) -> Awaitable[Any]:
         """Apply the newest weights the requests may use, then generate on them: one
@@ -194,21 +217,61 @@ class Rollouts:
         environment each, closed when the group ends."""
         envs = [env_factory() for _ in range(self.group_size)]
         try:
-            rollouts = await run_group_episodes(
+            rollouts = await self.run_episodes(
                 envs,
                 self.prompts.rows[index],
                 index,
-                generate=lambda requests: self.generate(generator, self.require(requests)),
-                encode=self.prompts.encode_text,
-                decode=self.prompts.decode,
-                sampling=self.sampling,
-                max_turns=max_turns,
-                seed=sample_seed(self.seed, epoch, index),
+                lambda requests: self.generate(generator, self.require(requests)),
+                self.sampling,
+                sample_seed(self.seed, epoch, index),
+                max_turns,
             )
         finally:
             for env in envs:
                 env.close()
         return Group.of_rollouts(index, epoch, rollouts)
+
+    def run_episodes(
+        self,
+        envs: list,
+        row: dict,
+        index: int,
+        generate,
+        sampling,
+        seed: int,
+        max_turns: int,
+        stats: bool = True,
+    ) -> Awaitable[list]:
+        """The episodes of ``envs`` (text environments, or chat environments with tools) on
+        ``row``, in lockstep; ``stats``: count them in ``episode/*`` (training episodes)."""
+        from loomrl.envs.chat import ChatEnvironment
+
+        if not isinstance(envs[0], ChatEnvironment):
+            return run_group_episodes(
+                envs,
+                row,
+                index,
+                generate=generate,
+                encode=self.prompts.encode_text,
+                decode=self.prompts.decode,
+                sampling=sampling,
+                max_turns=max_turns,
+                seed=seed,
+            )
+        from loomrl.envs.chat_episode import run_chat_episodes
+
+        return run_chat_episodes(
+            envs,
+            row,
+            index,
+            generate=generate,
+            tokenizer=self.prompts.tokenizer,
+            sampling=sampling,
+            limits=replace(self.chat_limits, max_turns=max_turns),
+            seed=seed,
+            stats=self.episode_stats if stats else None,
+            model=self.model,
+        )
 
     def require(
         self, requests: list[GenerationRequest], eval_: bool = False

@@ -17,7 +17,7 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.buffer import Batch
-from loomrl.control.rollouts import Rollouts
+from loomrl.control.rollouts import GeneratorReports, Rollouts
 from loomrl.control.watchdog import StallWatchdog
 from loomrl.runtime.supervision import FaultStats
 from loomrl.scoring.client import Scorer
@@ -123,10 +123,13 @@ class StepRecord:
         watchdog: StallWatchdog,
         extra_metrics: Callable[[], dict[str, float]] | None,
     ) -> None:
-        """Report the generators' reports (``rollouts.reports``), the watchdog's counts and
-        ``extra_metrics()`` (e.g. the sandbox pool's ``sandbox/*``) in each record; the
-        samples show their prompts as the model saw them (``rollouts.prompts``)."""
-        self.reports, self.watchdog, self.extra_metrics = rollouts.reports, watchdog, extra_metrics
+        """Report the generators' reports (``rollouts.reports``), chat episodes' ``episode/*``,
+        the watchdog's counts and ``extra_metrics()`` (e.g. the sandbox pool's ``sandbox/*``)
+        in each record; the samples show their prompts as the model saw them
+        (``rollouts.prompts``)."""
+        self.reports: GeneratorReports = rollouts.reports
+        self.episode_stats = rollouts.episode_stats
+        self.watchdog, self.extra_metrics = watchdog, extra_metrics
         self.prompt_text = rollouts.prompts.prompt_text
 
     def log_samples(self, step: int, groups: list) -> None:
@@ -170,6 +173,7 @@ class StepRecord:
             "rollout/truncated_frac": facts.truncated / n,
             **self.mismatch.observe(step, trained),
             **self.faults.metrics(),
+            **self.episode_stats.metrics(),
             **(self.extra_metrics() if self.extra_metrics else {}),
         }
 

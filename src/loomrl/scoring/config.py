@@ -151,6 +151,37 @@ ScorerConfig = Annotated[
 ]
 
 
+class ChatEpisodeConfig(Section):
+    """``[task.chat]``: how a chat environment's episodes run (``loomrl.envs.chat``): the
+    tool-call format, the limits that end an episode or cut a tool's answer, and what to do
+    with a chat template that rewrites earlier turns."""
+
+    tool_parser: str = Field(
+        "hermes",
+        description="How tool calls are read from the model's text: 'hermes' (Qwen/Hermes "
+        "<tool_call>{json}</tool_call>), 'llama3_json' or 'mistral' ([TOOL_CALLS]).",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="A tool call past this answers the model with a timeout error."
+    )
+    max_tool_result_tokens: int = Field(
+        512, gt=0, description="A tool's answer is cut to this many tokens, with a marker."
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Prompt plus every turn and observation of one episode; an episode that "
+        "reaches it ends (reason max_episode_tokens). None: the model's context.",
+    )
+    per_turn_samples: bool = Field(
+        False,
+        description="The fallback for a chat template that rewrites earlier turns: train each "
+        "turn as its own sample (its prompt the template's rendering of the conversation so "
+        "far), every turn with the episode's reward. Off: such a template stops the job, "
+        "named, at its first episode.",
+    )
+
+
 class TaskConfig(Section):
     reward: str | None = Field(
         None,
@@ -176,6 +207,10 @@ class TaskConfig(Section):
         default_factory=dict, description="Keyword arguments for the Environment class."
     )
     max_turns: int = Field(4, gt=0, description="Turns per episode for multi-turn environments.")
+    chat: ChatEpisodeConfig = Field(
+        default_factory=ChatEpisodeConfig,
+        description="Chat environments' episodes: tool-call parser, limits, template fallback.",
+    )
     reward_timeout_s: float = Field(10.0, gt=0, description="A reward call past this fails.")
     max_failure_rate: float = Field(
         0.5,

@@ -77,10 +77,16 @@ def read_inputs(
 def environment_factory(cfg: JobConfig):
     if cfg.task.environment is None:
         return None
+    from loomrl.envs.chat import ChatEnvironment
+    from loomrl.envs.tool_parsers import get_parser
 
     cls = load_object(cfg.task.environment)
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise TypeError(f"task.environment {cfg.task.environment!r} is not an Environment subclass")
+    if not (isinstance(cls, type) and issubclass(cls, Environment | ChatEnvironment)):
+        raise TypeError(
+            f"task.environment {cfg.task.environment!r} is neither an Environment nor a "
+            "ChatEnvironment subclass"
+        )
+    get_parser(cfg.task.chat.tool_parser)  # an unknown name fails here, in seconds
     args = dict(cfg.task.environment_args)
     return lambda: cls(**args)
 
