@@ -26,7 +26,7 @@ _LAZY = {
     "SandboxPool": "loomrl.sandbox.pool",
     "Workspace": "loomrl.sandbox.workspace",
     "WorkspaceLost": "loomrl.sandbox.workspace",
-    "workspace_tools": "loomrl.sandbox.workspace_tools",
+    "workspace_tools": "loomrl.sandbox.tools",
 }
 
 __all__ = sorted(_LAZY)

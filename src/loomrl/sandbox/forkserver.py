@@ -135,6 +135,7 @@ class Server:
         theirs = [stdin_r, out_w, err_w]
         own = {"code": req.get("code"), "argv": req.get("argv"), "workdir": workdir}
         own["cpu_s"] = req.get("cpu_s")
+        own["workspace"] = bool(req.get("workspace"))
         try:
             socket.send_fds(chan, [b"r"], theirs)
             write_frame(chan.fileno(), own)
