@@ -7,6 +7,12 @@ Prints, in one run: exec latency p50/p99 of ``print(1)`` from the warm pool next
 second at concurrency 1, 2, 4, 8; and the buffer miss rate under a bursty load, before
 and after the warm buffer has adapted. Goals: warm p50 <= 5 ms, p99 <= 20 ms,
 >= 200 execs/s on a 2-core machine, misses < 1% once adapted.
+
+Then per-episode workspaces (``--workspace-only`` runs just these): open / call / close
+latency next to a plain pool exec, episodes/s and sandbox calls/s at concurrency 1, 2, 4
+(an episode: open, write a module, import it, run a shell command, close) next to plain
+execs/s, and how many sandboxes a fresh pool keeps alive as the episode rate rises and
+falls (``--rate-s`` seconds per rate) against Little's law.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.sandbox import SandboxLimits, SandboxPool
 from loomrl.sandbox.backends import bwrap_launch, bwrap_path, sandbox_python
+from loomrl.sandbox.pool import PEAK_WINDOW_S
 
 SNIPPET = "print(1)"
 
@@ -206,16 +213,29 @@ def workspace_section(backend: str, n: int, rate_s: float) -> None:
             eps, calls = episode_throughput(pool, c, max(20, n // 4))
             plain = throughput(pool, c, n)
             print(f"{c:<12} {eps:10.1f} {calls:9.0f} {plain:14.0f}")
-        print(
-            f"\n{'episodes/s':<11} {'held s':>7} {'little':>7} {'alive p50':>10} {'peak':>5} "
-            f"{'warm_target':>12} {'miss':>7} {'open p50 ms':>12}"
-        )
-        for rate, hold in ((2.0, 0.5), (8.0, 0.5), (16.0, 1.0)):
+    rate_section(backend, rate_s)
+
+
+def rate_section(backend: str, rate_s: float) -> None:
+    """A fresh pool under rising episode rates, a quiet spell past the peak window, then
+    the lowest rate again: sandboxes alive should track Little's law (rate x time held)
+    plus the warm buffer, up and back down."""
+    limits = SandboxLimits(timeout_s=5)
+    print(
+        f"\n{'phase':<8} {'episodes/s':>10} {'held s':>7} {'little':>7} {'alive p50':>10} "
+        f"{'peak':>5} {'warm_target':>12} {'miss':>7} {'open p50 ms':>12}"
+    )
+    with SandboxPool(backend, limits=limits, min_warm=2, max_warm=16, max_sandboxes=64) as pool:
+        time.sleep(1.0)
+        phases = [("up", 2.0, 0.5), ("up", 8.0, 0.5), ("up", 16.0, 1.0), ("down", 2.0, 0.5)]
+        for phase, rate, hold in phases:
+            if phase == "down":
+                time.sleep(PEAK_WINDOW_S + 2.0)
             r = pool_follows_rate(pool, rate, hold, rate_s)
             print(
-                f"{r['rate']:<11.1f} {hold:7.1f} {r['little']:7.1f} {r['alive_median']:10.0f} "
-                f"{r['alive_peak']:5.0f} {r['warm_target']:12.0f} {r['miss_rate']:7.1%} "
-                f"{r['open_p50_ms']:12.2f}"
+                f"{phase:<8} {r['rate']:10.1f} {hold:7.1f} {r['little']:7.1f} "
+                f"{r['alive_median']:10.0f} {r['alive_peak']:5.0f} {r['warm_target']:12.0f} "
+                f"{r['miss_rate']:7.1%} {r['open_p50_ms']:12.2f}"
             )
 
 
