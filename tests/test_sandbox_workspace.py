@@ -283,3 +283,31 @@ def test_tools_have_schemas_and_act_on_the_workspace(backend):
         assert tools["read_file"]("m.py") == "X = 7\n"
         with pytest.raises(ValueError):
             tools["read_file"]("../m.py")
+
+
+def test_hostile_leftovers_are_wiped_before_the_next_episode(backend):
+    """Locked dirs, a FIFO, thousands of files and a deep tree: the wipe removes them (or
+    the sandbox is quarantined); either way the next episode starts empty."""
+    with one_sandbox_pool(backend, max_sandboxes=2, max_warm=2) as pool:
+        with pool.workspace(timeout_s=10.0) as ws:
+            code = textwrap.dedent("""
+                import os
+                os.makedirs("locked/inner")
+                open("locked/inner/f", "w").write("x")
+                os.chmod("locked/inner", 0)
+                os.chmod("locked", 0)
+                os.mkfifo("pipe")
+                os.mkdir("many")
+                for i in range(2000):
+                    open(f"many/{i}", "w").close()
+                path = "deep"
+                for _ in range(200):
+                    path += "/d"
+                os.makedirs(path)
+            """)
+            assert ws.run_python(code).ok
+        m = pool.metrics()
+        assert m["sandbox/workspaces_closed"] == 1
+        with pool.workspace() as fresh:
+            assert fresh.run_shell("ls -A").stdout == ""
+        assert not sandbox_code_processes()

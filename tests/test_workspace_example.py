@@ -5,12 +5,10 @@ files across those turns, the reward grades it, and ``close`` wipes it."""
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -51,29 +49,7 @@ def _install_chat_stand_in() -> None:
 
 _install_chat_stand_in()
 from examples.workspace.env import WorkspaceEnv  # noqa: E402
-
-ROWS = [
-    json.loads(line)
-    for line in (Path(__file__).parents[1] / "examples/workspace/train.jsonl")
-    .read_text()
-    .splitlines()
-]
-BUGGY = "def is_palindrome(s):\n    return s == s[::-1]\n"
-FIXED = "def is_palindrome(s):\n    s = s.replace(' ', '').lower()\n    return s == s[::-1]\n"
-# The scripted policy: each assistant turn is a tool call (name, arguments) or an answer.
-SCRIPT = [
-    ("write_file", {"path": "solution.py", "content": BUGGY}),
-    ("shell", {"command": "python3 test_solution.py"}),
-    ("read_file", {"path": "solution.py"}),
-    ("write_file", {"path": "solution.py", "content": FIXED}),
-    (
-        "python",
-        {
-            "code": "import subprocess; print(subprocess.run(['python3', 'test_solution.py'], capture_output=True, text=True).stdout)"
-        },
-    ),
-    "All four tests pass.",
-]
+from examples.workspace.scripted import BUGGY, ROWS, SCRIPT, drive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,22 +57,6 @@ def pool():
     p = SandboxPool(limits=SandboxLimits(timeout_s=5.0), min_warm=1, max_warm=2, max_sandboxes=2)
     yield p
     p.close()
-
-
-def drive(env: WorkspaceEnv, row: dict, script: list) -> tuple[list[dict], float]:
-    """Run the scripted turns as a chat episode: tool calls against ``env.tools``, their
-    results as tool messages, the reward when the policy answers."""
-    tools = {fn.__name__: fn for fn in env.tools}
-    messages = env.reset(row)
-    for turn in script:
-        if isinstance(turn, str):
-            messages.append({"role": "assistant", "content": turn})
-            return messages, env.reward(messages, row)
-        name, args = turn
-        call = {"type": "function", "function": {"name": name, "arguments": args}}
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        messages.append({"role": "tool", "name": name, "content": tools[name](**args)})
-    raise AssertionError("the script never answered")
 
 
 def test_scripted_episode_keeps_its_files_across_turns_and_scores(pool):

@@ -355,8 +355,8 @@ class SandboxPool:
             self._counts["infra_retries"] += 1
         with self._cond:
             self._workspaces.add(sandbox)
-        self._counts["workspaces_opened"] += 1
-        self._workspace_open_ms.append((time.perf_counter() - t0) * 1e3)
+            self._counts["workspaces_opened"] += 1
+            self._workspace_open_ms.append((time.perf_counter() - t0) * 1e3)
         return Workspace(
             sandbox,
             release=self._release_workspace,
@@ -371,9 +371,8 @@ class SandboxPool:
             if sandbox not in self._workspaces:
                 return  # the pool closed first and killed it
             self._workspaces.discard(sandbox)
-        self._counts["workspaces_closed"] += 1
-        if dirty:
-            self._counts["workspace_wipe_failures"] += 1
+            self._counts["workspaces_closed"] += 1
+            self._counts["workspace_wipe_failures"] += bool(dirty)
         self._release(sandbox, quarantine="workspace: " + "; ".join(dirty) if dirty else None)
 
     async def aexec(self, code: str | None = None, **kwargs: object) -> ExecResult:
