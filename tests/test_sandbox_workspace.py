@@ -77,6 +77,8 @@ def test_a_file_from_call_1_is_read_in_call_3_and_gone_after_close(backend):
 
 
 def test_two_concurrent_workspaces_never_see_each_others_files(backend):
+    if backend == "process":
+        needs_root("on the process backend, a uid of its own per workspace")
     limits = SandboxLimits(timeout_s=3.0)
     with SandboxPool(backend, limits=limits, min_warm=2, max_warm=2, max_sandboxes=2) as pool:
         with pool.workspace() as a, pool.workspace() as b:
