@@ -24,6 +24,9 @@ _LAZY = {
     "set_default_pool": "loomrl.sandbox.default",
     "ForkServerSandbox": "loomrl.sandbox.fork_sandbox",
     "SandboxPool": "loomrl.sandbox.pool",
+    "Workspace": "loomrl.sandbox.workspace",
+    "WorkspaceLost": "loomrl.sandbox.workspace",
+    "workspace_tools": "loomrl.sandbox.tools",
 }
 
 __all__ = sorted(_LAZY)

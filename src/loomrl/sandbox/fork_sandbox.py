@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 30.0
 ANSWER_GRACE_S = 10.0  # how long past an exec's timeout the server may take to answer
 CLOSE_TIMEOUT_S = 10.0
+WORK_DIR_PREFIX = "loomrl-sandbox-"  # process backend: <prefix><host pid>-<random> in TMPDIR
 
 
 def _b64(data: str | bytes) -> str:
@@ -117,7 +118,9 @@ class ForkServerSandbox(Sandbox):
         if self.backend == "bwrap":
             spec = backends.bwrap_launch(server_config, tmpfs_bytes=self.limits.tmpfs_mb << 20)
         else:
-            self._host_work_dir = tempfile.mkdtemp(prefix="loomrl-sandbox-")
+            # The host pid in the name lets a later pool remove it if this process is
+            # killed before it can (``sweep_stale_work_dirs``).
+            self._host_work_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-")
             os.chmod(self._host_work_dir, 0o711)
             spec = backends.process_launch(server_config, os.path.join(self._host_work_dir, "w"))
         if self.cgroup:
@@ -164,7 +167,10 @@ class ForkServerSandbox(Sandbox):
         stdin: str | bytes = b"",
         timeout_s: float | None = None,
         max_output_bytes: int | None = None,
+        workspace: bool = False,
     ) -> ExecResult:
+        """``Sandbox.exec``; with ``workspace`` the exec runs in the sandbox's workspace dir,
+        which outlives it (see ``wipe_workspace``), and takes no ``files``."""
         if (code is None) == (command is None):
             raise ValueError("exec needs exactly one of code (a Python snippet) or command (argv)")
         if command is not None and (not command or not all(isinstance(a, str) for a in command)):
@@ -177,6 +183,7 @@ class ForkServerSandbox(Sandbox):
             "stdin": _b64(stdin),
             "timeout_s": timeout_s,
             "max_output_bytes": int(max_output_bytes or self.limits.max_output_bytes),
+            "workspace": workspace,
         }
         with self._lock:
             if not self.alive:
@@ -225,6 +232,24 @@ class ForkServerSandbox(Sandbox):
             timings_ms=timings,
         )
 
+    def wipe_workspace(self) -> list[str]:
+        """Remove the workspace dir and every process of the uid; returns what was left
+        (empty when clean). Anything left, or a failed channel, kills the sandbox."""
+        with self._lock:
+            if not self.alive:
+                return ["sandbox is not running"]
+            deadline = time.monotonic() + self.limits.cleanup_s + ANSWER_GRACE_S
+            try:
+                forkserver_io.write_frame(self._proc.stdin.fileno(), {"op": "wipe_workspace"})
+                answer = _read_frame_until(self._proc.stdout.fileno(), deadline)
+            except (OSError, EOFError, TimeoutError, ValueError) as err:
+                self._dead = True
+                return [f"sandbox channel failed during the wipe: {err!r}"]
+            dirty = list(answer.get("dirty", ["garbled answer to the wipe"]))
+            if dirty:
+                self._dead = True
+            return dirty
+
     @property
     def dirty(self) -> bool:
         """True once the sandbox must not serve again (failed channel or unclean exec)."""
@@ -268,6 +293,24 @@ class ForkServerSandbox(Sandbox):
             self._host_work_dir = None
         if self._stderr_file is not None:
             self._stderr_file.close()
+
+
+def sweep_stale_work_dirs() -> int:
+    """Remove process-backend work dirs whose host process is gone (killed before it could
+    remove them: a workspace's files would otherwise outlive its episode); returns how many."""
+    removed = 0
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(WORK_DIR_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        pid, dash, _ = name[len(WORK_DIR_PREFIX) :].partition("-")
+        if not (dash and pid.isdigit()) or psutil.pid_exists(int(pid)):
+            continue
+        if forkserver_cleanup.remove_tree(os.path.join(root, name), time.monotonic() + 10):
+            removed += 1
+    return removed
 
 
 def _lost_result(message: str, t0: float) -> ExecResult:

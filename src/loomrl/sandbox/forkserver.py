@@ -49,6 +49,7 @@ else:  # run as a script (inside the sandbox): its helper modules sit next to th
 KILL_DEADLINE_S = 2.0  # leftover processes must be gone within this
 REMOVE_DEADLINE_S = 1.0  # default budget for removing an exec's files
 WAIT_DEADLINE_S = 2.0  # a SIGKILLed exec must be reaped within this
+WORKSPACE_DIR = "ws"  # under the work root; the execs' own dirs are numbered
 
 
 class Server:
@@ -68,7 +69,35 @@ class Server:
         self._next: socket.socket | None = None  # the channel to the next, waiting child
         self.zygote = Zygote(ExecChild(config), (in_fd, out_fd))
 
+    def _workspace_dir(self, req: dict) -> str:
+        """The episode's workspace: one dir that outlives the execs of its episode, created
+        on first use, owned by the sandbox uid. Files reach it only through the code (which
+        runs as that uid): the server, as root, never writes into a dir the code controls."""
+        if req.get("files"):
+            raise ValueError("a workspace exec takes no files: write them with an exec")
+        workdir = os.path.join(self.work_root, WORKSPACE_DIR)
+        if not os.path.isdir(workdir):
+            os.mkdir(workdir, 0o700)
+            if self.uid is not None:
+                os.chown(workdir, self.uid, self.gid)
+        return workdir
+
+    def wipe_workspace(self) -> list[str]:
+        """End the episode's workspace: kill what is left of the uid and remove the dir
+        within the clean-up deadline; returns what could not be cleaned (dirty)."""
+        dirty: list[str] = []
+        self._kill_leftovers(dirty)
+        workdir = os.path.join(self.work_root, WORKSPACE_DIR)
+        deadline = time.monotonic() + self.remove_deadline_s
+        if os.path.lexists(workdir) and not cleanup.remove_tree(workdir, deadline):
+            dirty.append("workspace not removed in time")
+        elif os.path.lexists(workdir):
+            dirty.append("workspace still present after removal")
+        return dirty
+
     def _prepare_workdir(self, req: dict) -> str:
+        if req.get("workspace"):
+            return self._workspace_dir(req)
         self.seq += 1
         workdir = os.path.join(self.work_root, str(self.seq))
         os.mkdir(workdir, 0o700)
@@ -106,6 +135,7 @@ class Server:
         theirs = [stdin_r, out_w, err_w]
         own = {"code": req.get("code"), "argv": req.get("argv"), "workdir": workdir}
         own["cpu_s"] = req.get("cpu_s")
+        own["workspace"] = bool(req.get("workspace"))
         try:
             socket.send_fds(chan, [b"r"], theirs)
             write_frame(chan.fileno(), own)
@@ -131,7 +161,8 @@ class Server:
         dirty: list[str] = []
         try:
             result["leftover_killed"] = killed_early + self._kill_leftovers(dirty)
-            self._remove_files(workdir, dirty)
+            # A workspace's dir stays for the episode's next exec (wiped by its own op).
+            self._remove_files(None if req.get("workspace") else workdir, dirty)
             self._clean_ipc(dirty)
         except Exception as err:  # noqa: BLE001 - cannot clean: the host replaces the sandbox
             dirty.append(f"clean-up failed: {err!r}")
@@ -211,10 +242,11 @@ class Server:
                     pass
         return found
 
-    def _remove_files(self, workdir: str, dirty: list[str]) -> None:
-        """Remove the work dir and the uid's files in scratch dirs, within the deadline."""
+    def _remove_files(self, workdir: str | None, dirty: list[str]) -> None:
+        """Remove the work dir (unless None) and the uid's files in scratch dirs, within
+        the deadline."""
         deadline = time.monotonic() + self.remove_deadline_s
-        if not cleanup.remove_tree(workdir, deadline):
+        if workdir is not None and not cleanup.remove_tree(workdir, deadline):
             dirty.append("work dir not removed in time")
         for scratch in self.scratch_dirs:
             for entry in cleanup.owned_entries(scratch, self.uid):
@@ -245,6 +277,13 @@ class Server:
                 return
             if req.get("op") == "ping":
                 write_frame(self.out_fd, {"op": "pong"})
+                continue
+            if req.get("op") == "wipe_workspace":
+                try:
+                    dirty = self.wipe_workspace()
+                except Exception as err:  # noqa: BLE001 - reported: the host replaces the sandbox
+                    dirty = [f"wipe failed: {err!r}"]
+                write_frame(self.out_fd, {"op": "wiped", "dirty": dirty})
                 continue
             try:
                 result = self.handle(req)

@@ -191,7 +191,7 @@ class ExecChild:
         try:
             if req.get("argv"):
                 self._exec_command(req["argv"], env)
-            self._run_python(req.get("code") or "")
+            self._run_python(req.get("code") or "", req.get("workspace", False))
         finally:
             os._exit(126)
 
@@ -218,8 +218,11 @@ class ExecChild:
             os.write(2, f"exec failed: {argv[0]}: {err.strerror}\n".encode())
             os._exit(127)
 
-    def _run_python(self, code: str) -> None:
+    def _run_python(self, code: str, workspace: bool) -> None:
         sys.argv = ["<snippet>"]
+        if workspace:
+            # As ``python -c`` would: the workspace's own modules import.
+            sys.path.insert(0, "")
         status = 0
         try:
             exec(compile(code, "<snippet>", "exec"), {"__name__": "__main__"})

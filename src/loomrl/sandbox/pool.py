@@ -35,8 +35,14 @@ import numpy as np
 from loomrl.sandbox.backends import resolve_backend
 from loomrl.sandbox.base import ExecResult, SandboxError, SandboxLimits
 from loomrl.sandbox.cgroups import cgroups_writable, remove_stale_cgroups
-from loomrl.sandbox.fork_sandbox import ForkServerSandbox, kill_uid_processes, uid_processes
+from loomrl.sandbox.fork_sandbox import (
+    ForkServerSandbox,
+    kill_uid_processes,
+    sweep_stale_work_dirs,
+    uid_processes,
+)
 from loomrl.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidAllocator
+from loomrl.sandbox.workspace import Workspace
 from loomrl.telemetry import trace
 
 logger = logging.getLogger(__name__)
@@ -116,6 +122,8 @@ class SandboxPool:
         self._busy_history: deque[tuple[float, int]] = deque(maxlen=4096)
         self._latency_ms: deque[float] = deque(maxlen=4096)
         self._used_uids: set[int] = set()
+        self._workspaces: set[ForkServerSandbox] = set()
+        self._workspace_open_ms: deque[float] = deque(maxlen=4096)
         self._start_threads()
 
     def _pick_backend(self, backend: str) -> str:
@@ -137,6 +145,8 @@ class SandboxPool:
             self.max_sandboxes + 4, thread_name_prefix="sandbox-exec"
         )
         remove_stale_cgroups(self._uid_is_free)
+        if self.backend == "process" and (swept := sweep_stale_work_dirs()):
+            logger.warning("removed %d work dirs left by killed sandbox hosts", swept)
         # Sandboxes die with the thread that started them (PR_SET_PDEATHSIG is per thread),
         # so they are only ever started from these long-lived threads.
         self._spawner = ThreadPoolExecutor(
@@ -326,6 +336,45 @@ class SandboxPool:
             return result
         raise AssertionError("unreachable")
 
+    # --- workspaces -----------------------------------------------------------------
+    def workspace(
+        self, timeout_s: float | None = None, max_output_bytes: int | None = None
+    ) -> Workspace:
+        """A ``Workspace`` for one episode: a warm sandbox held until its ``close``, whose
+        working dir persists across the episode's execs and is wiped at the end.
+        ``timeout_s`` is its calls' default wall time (else the pool's)."""
+        t0 = time.perf_counter()
+        for attempt in range(self.max_retries + 1):
+            sandbox = self._claim()
+            if sandbox.alive:
+                break
+            self._counts["infra_failures"] += 1
+            self._release(sandbox, quarantine="died while idle")
+            if attempt == self.max_retries:
+                raise SandboxError("no live sandbox for a workspace (all died while idle)")
+            self._counts["infra_retries"] += 1
+        with self._cond:
+            self._workspaces.add(sandbox)
+            self._counts["workspaces_opened"] += 1
+            self._workspace_open_ms.append((time.perf_counter() - t0) * 1e3)
+        return Workspace(
+            sandbox,
+            release=self._release_workspace,
+            record=self._record,
+            timeout_s=timeout_s or self.limits.timeout_s,
+            max_output_bytes=max_output_bytes or self.limits.max_output_bytes,
+        )
+
+    def _release_workspace(self, sandbox: ForkServerSandbox, dirty: list[str]) -> None:
+        """Back to the pool once wiped clean; quarantined when anything was left."""
+        with self._cond:
+            if sandbox not in self._workspaces:
+                return  # the pool closed first and killed it
+            self._workspaces.discard(sandbox)
+            self._counts["workspaces_closed"] += 1
+            self._counts["workspace_wipe_failures"] += bool(dirty)
+        self._release(sandbox, quarantine="workspace: " + "; ".join(dirty) if dirty else None)
+
     async def aexec(self, code: str | None = None, **kwargs: object) -> ExecResult:
         """``exec`` without blocking the event loop. The claim timeout counts from this
         call, so time queued for an exec thread in a burst counts against it: the wait is
@@ -357,10 +406,13 @@ class SandboxPool:
             "sandbox/warm_target": float(self.warm_target),
             "sandbox/warm": float(len(self._idle)),
             "sandbox/busy": float(self._num_busy),
+            "sandbox/workspaces_open": float(len(self._workspaces)),
+            "sandbox/workspace_open_p50_ms": _percentile(list(self._workspace_open_ms), 0.5),
         }
         names = ["claims", "buffer_misses", "execs", "started", "start_failures", "quarantined"]
         names += ["infra_failures", "infra_retries", "retired_ttl", "retired_surplus", "reaped"]
-        names += ["backend_fallbacks"]
+        names += ["backend_fallbacks", "workspaces_opened", "workspaces_closed"]
+        names += ["workspace_wipe_failures"]
         names += [f"kills_{r}" for r in (*KILL_REASONS, "leftover")]
         out.update({f"sandbox/{n}": float(self._counts[n]) for n in names})
         return out
@@ -405,6 +457,9 @@ class SandboxPool:
         with self._cond:
             idle += list(self._idle)
             self._idle.clear()
+            # Workspaces still open lose their sandbox: killing it wipes their files.
+            idle += list(self._workspaces)
+            self._workspaces.clear()
         for sandbox in idle:
             sandbox.close()
         self._executor.shutdown(wait=True)
