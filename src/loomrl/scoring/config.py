@@ -200,6 +200,12 @@ class TaskConfig(Section):
         "placed by the runtime; the controller load-balances reward batches over them.",
     )
 
+    @property
+    def has_reward(self) -> bool:
+        """Whether a reward function, list or scorer table scores completions (an
+        environment scores in its episodes; an agent may return its own rewards)."""
+        return bool(self.reward or self.rewards or self.scorer)
+
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
         if self.reward is not None and self.rewards:
