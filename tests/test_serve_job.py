@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,82 @@ def test_an_agent_that_raises_or_hangs_fails_only_its_episode(tiny_job, trained,
     kind = "raised" if agent == "raises_on_odd" else "timeout"
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     assert steps[-1][f"agent/failed_{kind}"] >= 1
+
+
+def _harness(run_dir, stop, seen: dict) -> None:
+    """A harness in its own thread (as another process would): claims episodes, runs two
+    chat turns with the sync client, closes every one but each fifth (left to the deadline)."""
+    import time
+
+    import httpx
+    import openai
+
+    from loomrl.serve.server import read_run_files
+
+    while not stop.is_set() and read_run_files(run_dir) is None:
+        time.sleep(0.05)
+    info = read_run_files(run_dir)
+    from loomrl.telemetry.run_status import format_status, run_status
+
+    while not stop.is_set() and "status" not in seen:
+        if (run_dir / "metrics.jsonl").exists():
+            seen["status"] = run_status(run_dir)
+            seen["status_text"] = format_status(seen["status"])
+        time.sleep(0.05)
+    auth = {"Authorization": f"Bearer {info['token']}"}
+    root = info["url"].removesuffix("/v1")
+    while not stop.is_set():
+        try:
+            opened = httpx.post(info["url"] + "/episodes", headers=auth, timeout=10).json()
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        if "id" not in opened:
+            continue
+        client = openai.OpenAI(
+            base_url=root + opened["base_path"], api_key=info["token"], max_retries=0
+        )
+        try:
+            messages = [{"role": "user", "content": opened["row"]["prompt"]}]
+            first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+            seen["requests"] = seen.get("requests", 0) + 1
+            seen["episodes"] = seen.get("episodes", 0) + 1
+            if seen["episodes"] % 5 == 0:
+                continue
+            reward = float(len(first.choices[0].message.content or ""))
+            httpx.post(
+                f"{info['url']}/episodes/{opened['id']}/reward",
+                json={"reward": reward},
+                headers=auth,
+            )
+        except (httpx.HTTPError, openai.OpenAIError):
+            continue
+
+
+def test_an_external_harness_runs_the_episodes_and_one_that_never_closes_cannot_stall(
+    tiny_job, trained
+):
+    import threading
+
+    cfg = tiny_job(
+        task={"reward": None, "agent": "external", "max_failure_rate": 1.0},
+        serve={"episode_deadline_s": 3.0},
+        trainer={"num_steps": 2},
+        eval={"every_steps": 100},
+        data={"eval": None},
+    )
+    stop, seen = threading.Event(), {}
+    harness = threading.Thread(target=_harness, args=(Path(cfg.output_dir), stop, seen))
+    harness.start()
+    try:
+        result = Job(cfg).run()
+    finally:
+        stop.set()
+        harness.join(timeout=30)
+    s = result.summary
+    _accounting_holds(s)
+    assert s["trained"] == len(trained) > 0 and s["failed"] > 0
+    assert seen["episodes"] >= s["trained"]
+    token = (Path(cfg.output_dir) / "serve_token").read_text().strip()
+    assert seen["status"]["endpoint"]["token"] == token
+    assert f"token         {token}" in seen["status_text"]

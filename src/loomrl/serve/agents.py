@@ -28,7 +28,7 @@ import httpx
 import openai
 
 from loomrl.scoring.calls import RewardFailure, check_value
-from loomrl.serve.episodes import Episode, EpisodeBook, Sample, merge_calls
+from loomrl.serve.episodes import Episode, EpisodeBook, EpisodeError, Sample, merge_calls
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,13 @@ class AgentEpisodes:
     """The job's agent episodes over its endpoint (module docstring)."""
 
     def __init__(
-        self, agent: Agent, book: EpisodeBook, url: str, token: str, timeout_s: float
+        self, agent: Agent | None, book: EpisodeBook, url: str, token: str, timeout_s: float
     ) -> None:
         self.agent, self.book, self.url, self.token = agent, book, url, token
         self.timeout_s = timeout_s
+        # agent None ('external'): episodes wait here for a harness (POST /v1/episodes)
+        self.external = agent is None
+        self.waiting: asyncio.Queue[Episode] = asyncio.Queue()
         # One connection pool for every episode's client (hundreds run at once).
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=timeout_s)
         self.failures: Counter[str] = Counter()
@@ -102,23 +105,23 @@ class AgentEpisodes:
         )
 
     async def run_one(self, row: dict[str, Any]) -> Outcome:
-        """One episode of ``row``: the agent run to its end, its requests merged."""
-        episode = self.book.start(row, deadline_s=self.timeout_s + 60.0)
+        """One episode of ``row``: the agent run to its end (or, ``external``, a harness's
+        episode claimed and closed), its requests merged."""
+        timeout_s = self.book.deadline_s if self.external else self.timeout_s
+        episode = self.book.start(row, deadline_s=timeout_s + 60.0)
         self.num_episodes += 1
         try:
-            value = await asyncio.wait_for(
-                self.agent(self.client(episode), dict(row)), self.timeout_s
-            )
+            value = await asyncio.wait_for(self._episode(episode, row), timeout_s)
             reward, metrics = read_result(value)
             outcome = Outcome([], reward, metrics)
         except TimeoutError:
-            outcome = self._failed("timeout", f"the agent ran past {self.timeout_s:g} s")
+            outcome = self._failed("timeout", f"the episode ran past {timeout_s:g} s")
         except AgentFailure as err:
             outcome = self._failed(err.kind, str(err))
         except Exception as err:  # noqa: BLE001 - user agent code: fails its own episode only
             outcome = self._failed("raised", f"{type(err).__name__}: {err}", traceback.format_exc())
         if episode.id in self.book.open:
-            self.book.close(episode.id, None, "the agent returned")
+            self.book.close(episode.id, None, outcome.error or "the agent returned")
         outcome.samples = merge_calls(episode.calls)
         outcome.last_text = episode.calls[-1].text if episode.calls else ""
         if outcome.failure is None and not outcome.samples:
@@ -127,6 +130,27 @@ class AgentEpisodes:
         for name, value in outcome.metrics.items():
             self._metric_sums[name] += value
         return outcome
+
+    async def _episode(self, episode: Episode, row: dict[str, Any]) -> Any:
+        """What the agent returns, or what a harness closed the episode with."""
+        if self.agent is not None:
+            return await self.agent(self.client(episode), dict(row))
+        self.waiting.put_nowait(episode)
+        return await episode.closed
+
+    async def claim(self, wait_s: float = 30.0) -> Episode:
+        """The next episode for a harness, waiting up to ``wait_s`` for the job to start one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                episode = await asyncio.wait_for(self.waiting.get(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                raise EpisodeError(
+                    503, f"no episode waiting for a harness after {wait_s:g} s"
+                ) from None
+            if episode.id in self.book.open:
+                return episode
 
     def _failed(self, kind: str, message: str, trace: str | None = None) -> Outcome:
         self.failures[kind] += 1
@@ -218,10 +242,16 @@ class AgentEpisodes:
         await self.http.aclose()
 
 
-def load_agent(path: str) -> Agent:
-    """``task.agent``: an ``async def fn(client, row)`` by import path."""
+EXTERNAL = "external"
+
+
+def load_agent(path: str) -> Agent | None:
+    """``task.agent``: an ``async def fn(client, row)`` by import path; 'external' (None):
+    a harness in another process runs the episodes through ``POST /v1/episodes``."""
     from loomrl.scoring.calls import load_object
 
+    if path == EXTERNAL:
+        return None
     fn = load_object(path)
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(

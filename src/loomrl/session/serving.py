@@ -94,6 +94,7 @@ async def serving(cfg: JobConfig, controller, run_dir: Path, tokenizer) -> Async
     if cfg.task.agent:
         agent = load_agent(cfg.task.agent)
         episodes = AgentEpisodes(agent, book, url, state.token, serve.episode_timeout_s)
+        state.claim = episodes.claim if episodes.external else None
         controller.agent = controller.evaluator.agent = JobAgent(
             episodes, controller, cfg.algorithm.group_size
         )
