@@ -175,3 +175,26 @@ def test_an_external_harness_runs_the_episodes_and_one_that_never_closes_cannot_
     token = (Path(cfg.output_dir) / "serve_token").read_text().strip()
     assert seen["status"]["endpoint"]["token"] == token
     assert f"token         {token}" in seen["status_text"]
+
+
+@pytest.mark.slow
+def test_hundreds_of_concurrent_episodes_lose_and_double_no_request(tiny_job, trained):
+    """256 episodes at once (16 prompts of 16) through one generator: every rollout
+    accounted for, none trained twice, every request answered once."""
+    from loomrl.telemetry.metrics import read_metrics
+
+    cfg = tiny_job(
+        task={"reward": None, "agent": "serve_agents:three_requests"},
+        algorithm={"group_size": 16, "groups_per_step": 16, "max_staleness": 0},
+        generation={"max_new_tokens": 3, "prompts_per_request": 16},
+        trainer={"num_steps": 1, "micro_batch_size": 64},
+        eval={"every_steps": 100},
+        data={"eval": None},
+    )
+    result = Job(cfg).run()
+    s = result.summary
+    _accounting_holds(s)
+    assert s["trained"] == len(trained) == 256 and s["failed"] == 0
+    record = [r for r in read_metrics(result.run_dir) if "train/loss" in r][-1]
+    assert record["serve/requests"] == 3 * 256
+    assert record["serve/failed_requests"] == 0

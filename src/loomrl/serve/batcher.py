@@ -3,7 +3,9 @@
 Each HTTP request becomes one ``GenerationRequest``; the batcher holds it for at most
 ``window_s`` (or until ``max_batch`` are waiting), then sends every waiting request as one
 ``generate`` call, so many concurrent agents share one batched forward pass of the HF engine
-(and arrive at vLLM's AsyncLLM together). Where the call goes is the job's choice: the
+(and arrive at vLLM's AsyncLLM together). At most ``max_in_flight`` calls run at once (one
+per generator): requests that arrive while every generator is busy wait and go together in
+the next call, as soon as one is free, instead of queueing as many small calls. Where the call goes is the job's choice: the
 ``generate`` callable routes it (the least busy generator, the newest weights first).
 
 A generator lost in the middle of a call (``ExecutorLostError``, healed by the runtime's
@@ -28,8 +30,11 @@ Generate = Callable[[list[GenerationRequest]], Awaitable[list[GenerationResult]]
 class Batcher:
     """Batches requests into generate calls (module docstring); counts what it did."""
 
-    def __init__(self, generate: Generate, window_s: float, max_batch: int) -> None:
+    def __init__(
+        self, generate: Generate, window_s: float, max_batch: int, max_in_flight: int = 1
+    ) -> None:
         self.generate, self.window_s, self.max_batch = generate, window_s, max_batch
+        self.max_in_flight = max_in_flight
         self._waiting: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._calls: set[asyncio.Task] = set()
@@ -53,13 +58,20 @@ class Batcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if len(self._calls) >= self.max_in_flight:
+            return  # (sent when a call ends: _call_ended)
         batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
         if self._waiting:
             self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
         if batch:
             task = asyncio.create_task(self._run(batch))
             self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            task.add_done_callback(self._call_ended)
+
+    def _call_ended(self, task: asyncio.Task) -> None:
+        self._calls.discard(task)
+        if self._waiting:
+            self._flush()
 
     async def _run(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         requests = [r for r, _ in batch]

@@ -118,7 +118,10 @@ class EpisodeBook:
 
     def close(self, episode_id: str, outcome: Any, how: str) -> Episode:
         """Close ``episode_id`` with ``outcome`` (a reward, a dict, or an exception)."""
-        episode = self.get(episode_id)
+        return self._close(self.get(episode_id), outcome, how)
+
+    def _close(self, episode: Episode, outcome: Any, how: str) -> Episode:
+        episode_id = episode.id
         del self.open[episode_id]
         if len(self.recent_closed) > 100_000:
             self.recent_closed.clear()
@@ -135,8 +138,8 @@ class EpisodeBook:
         now = time.monotonic()
         for episode_id in [k for k, e in self.open.items() if e.deadline < now]:
             self.num_expired += 1
-            self.close(
-                episode_id,
+            self._close(
+                self.open[episode_id],
                 TimeoutError(f"episode {episode_id} passed its deadline without a reward"),
                 "deadline passed",
             )

@@ -61,7 +61,7 @@ def _endpoint_state(cfg: JobConfig, controller, tokenizer):
     async def generate(requests):
         return await rollouts.generate(generators.least_busy(), rollouts.require(requests))
 
-    batcher = Batcher(generate, serve.batch_window_ms / 1000, serve.max_batch)
+    batcher = Batcher(generate, serve.batch_window_ms / 1000, serve.max_batch, len(generators))
     policy = ServedPolicy(
         tokenizer,
         batcher,
