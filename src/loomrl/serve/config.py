@@ -67,6 +67,12 @@ class ServeConfig(Section):
         "loomrl.envs.tool_parsers ('hermes', 'llama3_json', 'mistral'), or 'module:function' "
         "returning (content, tool_calls, errors); None: no tool_calls, the text is the content.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template (its text) that renders a chat request's messages "
+        "(and tools); None: the tokenizer's own, or, for a tokenizer without one, one "
+        "'role: content' line per message.",
+    )
     episode_timeout_s: float = Field(
         300.0,
         gt=0,

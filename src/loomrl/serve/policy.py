@@ -67,7 +67,9 @@ class ServedPolicy:
         max_tokens: int,
         seed: int = 0,
         tool_parser: ToolParser | None = None,
+        chat_template: str | None = None,
     ) -> None:
+        self.chat_template = chat_template
         self.tokenizer, self.batcher, self.tool_parser = tokenizer, batcher, tool_parser
         self.default_max_tokens, self.max_tokens = default_max_tokens, max_tokens
         self._seeds = itertools.count(seed * 1_000_003 + 1)
@@ -97,7 +99,7 @@ class ServedPolicy:
         )
 
     def render_chat(self, req: ChatRequest) -> list[int]:
-        template = self.tokenizer.chat_template or FALLBACK_TEMPLATE
+        template = self.chat_template or self.tokenizer.chat_template or FALLBACK_TEMPLATE
         messages = [_plain_message(m) for m in req.messages]
         text = self.tokenizer.apply_chat_template(
             messages,

@@ -8,6 +8,7 @@ generate calls, and evaluates with them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ def _endpoint_state(cfg: JobConfig, controller, tokenizer):
         max_tokens=serve.max_tokens or cfg.generation.max_new_tokens,
         seed=cfg.seed,
         tool_parser=load_tool_parser(serve.tool_parser),
+        chat_template=serve.chat_template,
     )
     book = EpisodeBook(serve.episode_deadline_s)
     model = serve.model_name or cfg.name
@@ -92,6 +94,8 @@ async def serving(cfg: JobConfig, controller, run_dir: Path, tokenizer) -> Async
     endpoint.write_run_files(run_dir)
     episodes = None
     if cfg.task.agent:
+        # an agent's every request would be an httpx INFO line in the run's log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         agent = load_agent(cfg.task.agent)
         episodes = AgentEpisodes(agent, book, url, state.token, serve.episode_timeout_s)
         state.claim = episodes.claim if episodes.external else None
