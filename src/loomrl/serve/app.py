@@ -29,6 +29,7 @@ from openai.types import Model
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
+from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.serve.episodes import Episode, EpisodeBook, EpisodeError
 from loomrl.serve.policy import RequestError, ServedPolicy
 from loomrl.serve.protocol import (
@@ -131,6 +132,12 @@ def build_app(state: ServeState) -> FastAPI:
     @app.exception_handler(EpisodeError)
     async def episode_error(_request: Request, err: EpisodeError):
         return _error(err.status, str(err))
+
+    @app.exception_handler(ExecutorLostError)
+    async def generator_lost(_request: Request, err: ExecutorLostError):
+        return _error(
+            503, f"the generator was lost under this request (asked twice): {err}", "server_error"
+        )
 
     @app.exception_handler(RequestError)
     async def request_error(_request: Request, err: RequestError):
