@@ -59,3 +59,44 @@ def test_requests_open_when_a_generator_dies_are_answered_once_or_failed_cleanly
         assert calls == [8, 8] and batcher.num_failed == 8
         assert all(isinstance(d, openai.InternalServerError) and d.status_code == 503 for d in done)
         assert "died" in str(done[0])
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_generator_under_open_agent_requests(tiny_job, tmp_path):
+    """runtime='process': generator0 is killed (SIGKILL) at step 3 while agents have
+    requests open; the call is asked again of the fresh generator, every request is answered
+    once, and the job completes with its accounting exact."""
+    import multiprocessing
+    import os
+    import signal
+
+    from loomrl.job import Job
+    from loomrl.telemetry.metrics import read_metrics
+
+    cfg = tiny_job(
+        runtime="process",
+        task={"reward": None, "agent": "serve_agents:three_requests"},
+        trainer={"num_steps": 6},
+        checkpoint={"every_steps": 2},
+        faults={"min_deadline_s": 3.0, "deadline_factor": 10.0},
+        eval={"every_steps": 100},
+        data={"eval": None},
+    )
+    killed = []
+
+    def on_record(record):
+        if record.get("step") == 3 and "train/loss" in record and not killed:
+            (proc,) = [
+                p for p in multiprocessing.active_children() if p.name == "loomrl-generator0"
+            ]
+            killed.append(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+
+    result = Job(cfg).run(on_record=on_record)
+    s = result.summary
+    assert killed and s["steps"] == 6
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    assert s["prompts_trained_twice"] == 0 and s["failed"] == 0
+    assert s["faults"]["executor/generator_restarts"] == 1
+    last = [r for r in read_metrics(result.run_dir) if "train/loss" in r][-1]
+    assert last["serve/retried_calls"] >= 1 and last["serve/failed_requests"] == 0
