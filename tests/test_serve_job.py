@@ -177,7 +177,6 @@ def test_an_external_harness_runs_the_episodes_and_one_that_never_closes_cannot_
     assert f"token         {token}" in seen["status_text"]
 
 
-@pytest.mark.slow
 def test_hundreds_of_concurrent_episodes_lose_and_double_no_request(tiny_job, trained):
     """256 episodes at once (16 prompts of 16) through one generator: every rollout
     accounted for, none trained twice, every request answered once."""
