@@ -29,6 +29,7 @@ from loomrl.runtime.config import FaultsConfig, RayConfig
 from loomrl.sandbox.config import SandboxConfig
 from loomrl.scheduler.config import SchedulerConfig
 from loomrl.scoring.config import TaskConfig
+from loomrl.serve.config import ServeConfig
 from loomrl.training.config import TrainerConfig
 from loomrl.weights.config import ShmTransportConfig, WeightSyncConfig
 
@@ -76,6 +77,7 @@ class JobConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="before")
     @classmethod

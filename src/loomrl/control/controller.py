@@ -79,6 +79,7 @@ class Controller:
         self.generators = Replicas(generators)
         self.metrics, self.on_record = metrics, on_record
         self.env_factory = env_factory  # multi-turn environment tasks: one instance per episode
+        self.agent: Any = None  # task.agent's episodes (set by session/serving.py)
         # device phases run in scheduler leases (scheduler.url) or colocated turns (device.colocate)
         self.leases = leases
         # Executor failures, restarts and re-queues (loomrl.runtime.supervision); a restarted
@@ -127,12 +128,7 @@ class Controller:
         self.watchdog = StallWatchdog(
             self.cfg.stall_warning_s,
             lambda: (self.trainer, *self.generators, *self.scorer.executors),
-            lambda: (
-                self.version + 1,
-                self.cfg.trainer.num_steps,
-                self.requeues.drops_since_step,
-                self.in_flight,
-            ),
+            lambda: (self.version + 1, self.cfg.trainer.num_steps, *self._unsettled()),
             stop_after_s=self.cfg.no_step_timeout_s,
             last_failure=lambda: self.scorer.last_error,
         )
@@ -146,6 +142,9 @@ class Controller:
         self.checkpoints = Checkpoints(self.cfg, version, self.history)
 
     # -- where the run stands ------------------------------------------------------------
+
+    def _unsettled(self) -> tuple[int, int]:
+        return self.requeues.drops_since_step, self.in_flight
 
     @property
     def version(self) -> int:
@@ -183,7 +182,7 @@ class Controller:
         while not self._stop:
             n = await self.gate.acquire(per_request)
             picks = self.stream.next_many(n)
-            if self.env_factory is not None:  # multi-turn episodes: a task per group
+            if self.env_factory or self.agent:  # multi-turn episodes: a task per group
                 for epoch, index in picks:
                     episodes = self._episode_group(generator, epoch, index)
                     self.background.watch(asyncio.create_task(episodes))
@@ -198,8 +197,12 @@ class Controller:
     async def _episode_group(self, generator, epoch: int, index: int) -> None:
         """One group of multi-turn episodes (environment tasks): generated and scored together."""
         try:
-            group = await self.rollouts.episode_group(
-                generator, self.env_factory, epoch, index, self.cfg.task.max_turns
+            group = await (
+                self.agent.group(epoch, index)  # task.agent: over the job's endpoint
+                if self.agent
+                else self.rollouts.episode_group(
+                    generator, self.env_factory, epoch, index, self.cfg.task.max_turns
+                )
             )
         except ExecutorLostError as err:  # the whole group runs again from its first turn
             await self.requeues.lost_generate([(epoch, index)], err)

@@ -45,6 +45,8 @@ class Evaluator:
         # every evaluation's samples are appended to (the run's eval_samples.jsonl; None: kept)
         self.last_groups: list[Group] = []
         self.samples_path: Path | None = None
+        # task.agent's episodes, run once per held-out row when set
+        self.agent: Any = None
 
     async def first(self, history: dict[str, Any], resumed: bool) -> dict[str, Any]:
         """The evaluation before the first step, kept in ``history``; a resumed run keeps
@@ -71,7 +73,9 @@ class Evaluator:
             return {}
         t0 = time.perf_counter()
         failures_before = self.scorer.failure_counts()
-        if self.env_factory is not None:
+        if self.agent is not None:
+            groups = await self.agent.evaluate(self.rows)
+        elif self.env_factory is not None:
             groups = await self._episodes()
         else:
             groups = await self._completions()
@@ -90,7 +94,7 @@ class Evaluator:
             "eval/version": min(group.min_version for group in groups),
             "timing/eval_s": time.perf_counter() - t0,
         }
-        if self.env_factory is None:
+        if self.env_factory is None and self.agent is None:
             failed = self.scorer.failure_counts() - failures_before
             record.update({f"eval/failed_{reason}": n for reason, n in failed.items()})
         if record["eval/num_failed"]:

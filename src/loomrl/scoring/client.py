@@ -82,7 +82,8 @@ class Scorer:
         task = function_task(task)
         # A model or judge scores in its executors.
         self.fn = load_reward(task, data) if task.scorer is None else None
-        self.scores = task.environment is None  # (an environment scores in its episodes)
+        # (an environment scores in its episodes, an agent may return its own rewards)
+        self.scores = task.has_reward
         self._reward_sums: dict[
             str, float
         ] = {}  # a reward list's reward/<name>_{sum,count} since the last step

@@ -203,6 +203,13 @@ class TaskConfig(Section):
         description="A scorer table instead of task.reward: type = 'function' (path), 'model' (a reward "
         "model folder) or 'judge' (a generative judge and its parser); see docs/scoring.md.",
     )
+    agent: str | None = Field(
+        None,
+        description="An agent function by import path 'module:function', run as "
+        "`await fn(client, row)` group_size times per prompt, client an openai.AsyncOpenAI bound "
+        "to the job's endpoint and that episode; it returns the reward, a dict with 'reward' and "
+        "metrics, or None (task.reward then scores the final answer); see docs/serve.md.",
+    )
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the Environment class."
     )
@@ -227,6 +234,12 @@ class TaskConfig(Section):
         "placed by the runtime; the controller load-balances reward batches over them.",
     )
 
+    @property
+    def has_reward(self) -> bool:
+        """Whether a reward function, list or scorer table scores completions (an
+        environment scores in its episodes; an agent may return its own rewards)."""
+        return bool(self.reward or self.rewards or self.scorer)
+
     @model_validator(mode="after")
     def _one_scorer(self) -> TaskConfig:
         if self.reward is not None and self.rewards:
@@ -236,7 +249,13 @@ class TaskConfig(Section):
         given = [
             name for name in ("reward", "rewards", "environment", "scorer") if getattr(self, name)
         ]
-        if len(given) != 1:
+        if self.agent is not None:
+            if self.environment is not None or len(given) > 1:
+                raise ValueError(
+                    "task.agent runs its own episodes: give at most a reward (task.reward, "
+                    f"task.rewards or task.scorer) for the answers it leaves unscored, got {given}"
+                )
+        elif len(given) != 1:
             raise ValueError(
                 f"task needs exactly one of 'reward' or 'environment' (or 'rewards' in place of "
                 f"'reward', or a 'scorer' table), got {' and '.join(map(repr, given)) or 'none'}"

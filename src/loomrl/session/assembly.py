@@ -30,7 +30,7 @@ from loomrl.weights.transports.setup import TransportEnds, transport_args, trans
 
 def executor_names(cfg: JobConfig) -> list[str]:
     """The executors a job starts, by name (a runtime may reserve resources for them)."""
-    scorers = cfg.task.num_scorers if cfg.task.environment is None else 0  # as start_scorers
+    scorers = cfg.task.num_scorers if cfg.task.has_reward else 0  # as start_scorers
     par = cfg.trainer.parallel  # a sharded trainer's ranks: trainer.rank0 ...
     trainers = (
         [rank_name("trainer", r) for r in range(par.dp_shard)]
@@ -142,7 +142,7 @@ def start_scorers(cfg: JobConfig, runtime: Runtime) -> list[Any]:
     score inside their episodes), each built from the task's sections. Executors in this
     process share its default sandbox pool, configured by the job; executors elsewhere
     configure their own."""
-    if cfg.task.environment is not None:
+    if not cfg.task.has_reward:
         return []
     sandbox = None if runtime.in_process else cfg.sandbox
     return [

@@ -41,6 +41,7 @@ from loomrl.session.resume import (
     resume_state,
     write_failure_summary,
 )
+from loomrl.session.serving import serving
 from loomrl.session.views import extra_sinks, run_views
 from loomrl.stop_signals import raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
@@ -173,7 +174,8 @@ async def _drive(
         await controller.on_device("checkpoint", lambda: trainer.load_state_dict(trainer_state))
     stopped_by: list[str] = []
     with stop_after_step(controller.request_stop, stopped_by):
-        summary = await controller.run(checkpoint=checkpoint)
+        async with serving(cfg, controller, run_dir, controller.rollouts.prompts.tokenizer):
+            summary = await controller.run(checkpoint=checkpoint)
     if stopped_by:
         summary["stopped_by"] = stopped_by[0]
     summary["first_failures"] = controller.scorer.first_failures()

@@ -70,6 +70,8 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "updated_s_ago": time.time() - (run_dir / "metrics.jsonl").stat().st_mtime,
     }
     _check_numbers(status)
+    if pid and (endpoint := _endpoint(run_dir)) is not None:
+        status["endpoint"] = endpoint
     if (
         status["state"] == "running"
         and status["num_steps"]
@@ -80,6 +82,21 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
             status["elapsed_s"] / status["step"] * (status["num_steps"] - status["step"])
         )
     return status
+
+
+def _endpoint(run_dir: Path) -> dict[str, Any] | None:
+    """A running job's OpenAI-compatible endpoint (``serve.json``, written by
+    ``loomrl.serve.server``): its URL, model and bearer token (``serve_token``, mode 0600:
+    readable by the run's own user only, who may hand it to a harness)."""
+    info = _read_json(run_dir / "serve.json")
+    if not isinstance(info.get("url"), str):
+        return None
+    token_path = run_dir / "serve_token"
+    try:
+        token = token_path.read_text().strip()
+    except OSError:
+        token = None
+    return {"url": info["url"], "model": info.get("model"), "token": token}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -108,6 +125,10 @@ def format_status(status: dict[str, Any]) -> str:
         *_failure_lines(status["failures"]),
         f"  last record   {status['updated_s_ago']:.0f} s ago",
     ]
+    if "endpoint" in status:
+        endpoint = status["endpoint"]
+        lines.append(f"  endpoint      {escape_controls(str(endpoint['url']))}")
+        lines.append(f"  token         {escape_controls(str(endpoint['token']))}")
     return "\n".join(lines)
 
 
