@@ -13,8 +13,7 @@ synchronous baseline through the same code. The two loops below read as docs/asy
 The plumbing is in components the controller holds: ``Rollouts`` (requests -> groups),
 ``Intake`` (a request's groups scored into the buffer, less those ``DynamicSampling``
 drops), ``Requeues`` (prompts handed out again), ``StepRecord`` (each step's metrics),
-``Evaluator``, ``StallWatchdog``, ``Checkpoints`` and ``Background`` (the first failure of a
-background task ends the step).
+``Evaluator``, ``StallWatchdog``, ``Checkpoints``, ``Background`` (its first failure ends a step).
 """
 
 from __future__ import annotations
@@ -138,7 +137,6 @@ class Controller:
         self.step_record.watch(self.rollouts, self.watchdog, extra_metrics)
         self.resumed = history is not None
         self.history: dict[str, Any] = {"elapsed_s": 0.0, "eval_start": None, **(history or {})}
-        # (resumed: at a checkpoint)
         self.checkpoints = Checkpoints(self.cfg, version, self.history)
 
     # -- where the run stands ------------------------------------------------------------

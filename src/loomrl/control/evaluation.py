@@ -18,7 +18,6 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.rollouts import Rollouts
-from loomrl.envs.episode import run_group_episodes
 from loomrl.runtime.supervision import ExecutorLostError
 from loomrl.scoring.client import Scorer
 from loomrl.types import GenerationRequest, Group, Rollout, SamplingParams
@@ -167,7 +166,7 @@ class Evaluator:
     async def _episodes(self) -> list[Group]:
         """One greedy episode per held-out prompt, each a group of one (scored by its
         environment)."""
-        rollouts, prompts = self.rollouts, self.rollouts.prompts
+        rollouts = self.rollouts
 
         async def one(i: int, row: dict[str, Any]) -> Rollout:
             env = self.env_factory()

@@ -19,8 +19,8 @@ from typing import Any
 
 from loomrl.config import JobConfig
 from loomrl.control.prompts import PromptCache
-from loomrl.envs.episode import run_group_episodes
 from loomrl.envs.chat_episode import ChatLimits
+from loomrl.envs.episode import run_group_episodes
 from loomrl.envs.episode_stats import EpisodeStats
 from loomrl.envs.tool_parsers import get_parser
 from loomrl.runtime.threads import release_later

@@ -12,8 +12,8 @@ from typing import Any
 from loomrl.chat import PromptEncoder
 from loomrl.config import JobConfig
 from loomrl.data import load_rows_with_places
-from loomrl.envs.base import Environment
 from loomrl.device import resolve_device
+from loomrl.envs.base import Environment
 from loomrl.models import load_tokenizer
 from loomrl.models.loading import model_context_length
 from loomrl.prompt_fit import check_prompts, prompt_budget
