@@ -455,7 +455,7 @@ def test_declared_capabilities_are_read_plainly():
 def hung_comments(source: str) -> list[int]:
     """Lines whose comment trails a bracket closing a construct opened on an earlier line
     (``)  # why``, ``):  # why``): where ``ruff format`` hangs a comment too long for its
-    line, below the code it explains. Comments go on their own line above it (``noqa`` and
+    line, below the code it explains. Comments go on their own line above it (``noqa``, ``fmt:`` and
     ``type:`` markers stay where their tools read them)."""
     found, opened_at, last = [], [], []
     closes_multiline: dict[tuple[int, int], bool] = {}
@@ -473,7 +473,7 @@ def hung_comments(source: str) -> list[int]:
     return found
 
 
-_MARKERS = ("# noqa", "# type:")
+_MARKERS = ("# noqa", "# type:", "# fmt:")
 
 
 def test_hung_comments_are_found_and_comments_above_are_not():

@@ -68,8 +68,10 @@ def test_the_trl_style_job_call_trains(tmp_path):
     assert s["steps"] == 2 and s["failed"] == 0
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     # answers are odd in 12 of the 25 rows: odd_only skipped some rollouts, and they trained
-    assert sum(r["reward/odd_only_none"] for r in steps) > 0
-    assert all(r["reward/length_reward_none"] == 0 for r in steps)
+    # (a record holds what was scored since the one before: a step may have nothing new)
+    assert sum(r.get("reward/odd_only_none", 0) for r in steps) > 0
+    assert all(r.get("reward/length_reward_none", 0) == 0 for r in steps)
+    assert any("reward/length_reward_none" in r for r in steps)
     samples = read_samples(result.run_dir)
     assert samples
     for sample in samples:
@@ -263,6 +265,8 @@ def test_every_trl_name_in_the_map_is_a_key_or_a_translation_that_validates(tmp_
         "adam_beta2": 0.98,
         "report_to": ["tensorboard"],
         "log_completions": False,
+        "importance_sampling_level": "sequence",
+        "mask_truncated_completions": True,
     }
     assert set(values) == set(TRL_VALUES)
     for name, value in values.items():

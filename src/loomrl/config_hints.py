@@ -24,8 +24,6 @@ TRL_KEYS: dict[str, str] = {
     "beta": "algorithm.kl_coef",
     "epsilon": "algorithm.clip_eps",
     "epsilon_high": "algorithm.clip_eps_high",
-    "importance_sampling_level": 'algorithm.loss = "gspo" (its sequence-level ratio)',
-    "mask_truncated_completions": 'algorithm.overlong = "filter"',
     "loss_type": "algorithm.loss",
     "per_device_train_batch_size": "trainer.micro_batch_size",
     "max_steps": "trainer.num_steps",
@@ -81,6 +79,10 @@ TRL_VALUES: dict[str, Callable[[Any, dict], dict[str, Any]]] = {
     "adam_beta2": _adam_beta(1),
     "report_to": _report_to,
     "log_completions": lambda v, raw: {} if v else {"logging.completions_per_step": 0},
+    "importance_sampling_level": lambda v, raw: (
+        {"algorithm.loss": "gspo"} if v == "sequence" else {}
+    ),
+    "mask_truncated_completions": lambda v, raw: {"algorithm.overlong": "filter"} if v else {},
 }
 
 # What to write for a TRL name, where ``TRL_KEYS`` has no key of the same values.
@@ -103,6 +105,8 @@ TRL_NOTES: dict[str, str] = {
     "log_completions": "logging.completions_per_step",
     "report_to": "logging (TensorBoard is always written; [logging.wandb] for W&B)",
     "logging_steps": "nothing: every step is a line of metrics.jsonl",
+    "importance_sampling_level": 'algorithm.loss = "gspo" (its sequence-level ratio)',
+    "mask_truncated_completions": 'algorithm.overlong = "filter"',
 }
 
 # Every TRL name with what it is in loomrl, for messages.
