@@ -4,52 +4,13 @@ files across those turns, the reward grades it, and ``close`` wipes it."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import pytest
 
+from examples.workspace.env import WorkspaceEnv
+from examples.workspace.scripted import BUGGY, ROWS, SCRIPT, drive
 from loomrl.sandbox import SandboxLimits, SandboxPool
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _install_chat_stand_in() -> None:
-    """Until loomrl.envs.chat lands (issue 50, items 1-3), a minimal stand-in of its
-    contract: ``ChatEnvironment`` with ``tools``, ``reset``, ``reward``, ``close``.
-    Only this test uses it; the scripted driver below never calls ``step``."""
-    try:
-        importlib.import_module("loomrl.envs.chat")
-        return
-    except ImportError:
-        pass
-
-    class ChatEnvironment:
-        tools: list[Callable] = []
-
-        def reward(self, messages: list[dict], row: dict) -> float:
-            return 0.0
-
-        def close(self) -> None:
-            pass
-
-    @dataclass
-    class ChatStepResult:
-        messages: list[dict] = field(default_factory=list)
-        reward: float = 0.0
-        done: bool = False
-
-    stand_in = types.ModuleType("loomrl.envs.chat")
-    stand_in.ChatEnvironment, stand_in.ChatStepResult = ChatEnvironment, ChatStepResult
-    sys.modules["loomrl.envs.chat"] = stand_in
-
-
-_install_chat_stand_in()
-from examples.workspace.env import WorkspaceEnv  # noqa: E402
-from examples.workspace.scripted import BUGGY, ROWS, SCRIPT, drive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
