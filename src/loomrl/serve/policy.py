@@ -32,23 +32,25 @@ ToolParser = Callable[[str], tuple[str | None, list[dict[str, Any]], list[str]]]
 
 def load_tool_parser(name: str | None) -> ToolParser | None:
     """``serve.tool_parser``: 'module:function', or a name of ``loomrl.envs.tool_parsers``'
-    registry (the agents issue's parsers; the name is looked up there when it exists)."""
+    registry (``hermes``, ``llama3_json``, ``mistral``: the parsers chat episodes use)."""
     if name is None:
         return None
     from loomrl.scoring.calls import load_object
 
     if ":" in name:
         return load_object(name)
+    from loomrl.envs.tool_parsers import get_parser
+
     try:
-        registry = load_object("loomrl.envs.tool_parsers:PARSERS")
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"serve.tool_parser={name!r} names a built-in parser, but loomrl.envs.tool_parsers "
-            f"is not available here ({err}); give 'module:function' instead"
-        ) from None
-    if name not in registry:
-        raise ValueError(f"serve.tool_parser={name!r}: expected one of {sorted(registry)}")
-    return registry[name].parse
+        parse = get_parser(name)
+    except ValueError as err:
+        raise ValueError(f"serve.tool_parser={name!r}: {err}") from None
+
+    def parse_as_dicts(text: str) -> tuple[str | None, list[dict[str, Any]], list[str]]:
+        content, calls, errors = parse(text)
+        return content, [call.as_message_part() for call in calls], errors
+
+    return parse_as_dicts
 
 
 class RequestError(ValueError):
