@@ -10,6 +10,8 @@ import pytest
 from loomrl.config import ConfigError
 from loomrl.generation.engine_config import vllm_quantize_refusal
 
+from conftest import TINY_MODEL
+
 
 def test_int8_is_refused_naming_what_the_vllm_engine_offers():
     refusal = vllm_quantize_refusal("int8", "bfloat16", "cpu")
@@ -49,7 +51,10 @@ def test_what_the_vllm_engine_cannot_take_is_refused_when_the_job_loads(tiny_job
     with pytest.raises(ConfigError, match="async_engine=true cannot run on runtime='process'"):
         tiny_job(runtime="process", generation={"engine": {**engine, "async_engine": True}})
     # what only the machine knows ('auto' on an 'auto' device) is left to the engine's start
-    cfg = tiny_job(generation={"engine": {**engine, "quantize": "fp8"}})
+    cfg = tiny_job(
+        model={"path": TINY_MODEL, "dtype": "auto"},
+        generation={"engine": {**engine, "quantize": "fp8"}},
+    )
     assert cfg.generation.engine.quantize == "fp8"
 
 

@@ -19,7 +19,6 @@ from loomrl.runtime.group import rank_name
 from loomrl.runtime.local import LocalRuntime
 from loomrl.runtime.process import ProcessRuntime
 from loomrl.runtime.supervision import Deadlines, FaultStats, Supervised, was_replaced
-from loomrl.scheduler.jobside import JobLeases
 from loomrl.scoring.base import ScorerEndpoints
 from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
@@ -187,6 +186,8 @@ def job_leases(cfg: JobConfig, trainer: Any, generators: list[Any]):
         return ColocatedPhases(trainer, generators, replaced=was_replaced)
     if cfg.scheduler.url is None:
         return None
+    # lazy: a job without a scheduler imports nothing of it but its config
+    from loomrl.scheduler.jobside import JobLeases
 
     return JobLeases(cfg.scheduler, cfg.name, [trainer, *generators])
 
