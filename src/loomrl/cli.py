@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from loomrl import __version__
 from loomrl.safe_text import SafeFormatter, escape_controls
@@ -126,20 +127,30 @@ def _report_interrupt(run_dir: str, signal_name: str | None = None) -> int:
     return exit_status(signal_name)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _load_job(args: argparse.Namespace) -> Any:
+    """The job file with its overrides, or None once the error is printed; an engine that is
+    not installed is refused here, before the progress bar and any model (``run_job`` checks
+    it again for ``Job(...).run()``)."""
     from loomrl.config import ConfigError, load_config
     from loomrl.generation.engine_config import engine_install_error
-    from loomrl.job import Job, default_run_dir
 
     try:
         cfg = load_config(args.job, list(args.overrides))
     except ConfigError as err:
         _print_error(str(err))
-        return 2
-    # before the progress bar and any model (run_job checks it again for Job(...).run())
+        return None
     missing = engine_install_error(cfg.generation.engine.type, cfg.runtime)
     if missing is not None:
         _print_error(f"ConfigError: {missing}")
+        return None
+    return cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from loomrl.job import Job, default_run_dir
+
+    cfg = _load_job(args)
+    if cfg is None:
         return 2
     if args.output_dir:  # set as a value, never pasted into TOML (quotes, backslashes)
         cfg.output_dir = args.output_dir
@@ -174,20 +185,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``loomrl eval JOB.toml [--checkpoint DIR]``: evaluation only (session/evaluate.py)."""
-    from loomrl.config import ConfigError, load_config
-    from loomrl.generation.engine_config import engine_install_error
-
-    try:
-        cfg = load_config(args.job, list(args.overrides))
-    except ConfigError as err:
-        _print_error(str(err))
-        return 2
-    missing = engine_install_error(cfg.generation.engine.type, cfg.runtime)
-    if missing is not None:
-        _print_error(f"ConfigError: {missing}")
+    cfg = _load_job(args)
+    if cfg is None:
         return 2
     if args.output_dir:
         cfg.output_dir = args.output_dir
+    from loomrl.config import ConfigError
     from loomrl.session.evaluate import evaluate_job
 
     try:
