@@ -30,7 +30,9 @@ timeout (which a rank should set).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import random
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -51,14 +53,49 @@ def rank_name(name: str, rank: int) -> str:
     return f"{name}.rank{rank}"
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on this host now (on ``host``'s address where it is one of this host's)."""
+# Ray's worker ports (its default min/max_worker_port) sit below this: a rendezvous above it
+# and below the kernel's ephemeral range meets neither.
+_LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source port (Linux), else 32768."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bind(sock: socket.socket, host: str, port: int) -> None:
+    try:
+        sock.bind((host, port))
+    # another node's address (a cluster's trainer node): free here, likely there
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise
+        sock.bind(("", port))
+
+
+def free_port(host: str, tries: int = 64) -> int:
+    """A TCP port free on this host now (on ``host``'s address where it is one of this host's).
+
+    Drawn below the kernel's ephemeral range: a port from ``bind(0)`` is one of those, and
+    between this check and the listen of the rank that hosts the rendezvous any outgoing
+    connection on the machine (Ray opens many) may take it as its source port (EADDRINUSE
+    in ``init_process_group``). Falls back to ``bind(0)`` where no such range is left."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(tries if low - _LISTEN_PORTS_FROM >= 1000 else 0):
+        port = rng.randrange(_LISTEN_PORTS_FROM, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                _bind(sock, host, port)
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, 0))
-        # another node's address (a cluster's trainer node): free here, likely there
-        except OSError:
-            sock.bind(("", 0))
+        _bind(sock, host, 0)
         return sock.getsockname()[1]
 
 
