@@ -119,6 +119,12 @@ def _daemon_families(daemon: dict[str, Any] | None):
             "Connections refused (503) at the cap, every one busy.",
             "connections_refused",
         ),
+        (
+            CounterMetricFamily,
+            "connections_timed_out",
+            "Connections closed at their deadline (no whole request in --idle-timeout-s).",
+            "connections_timed_out",
+        ),
     ]
     for cls, name, doc, key in specs:
         fam = cls(f"loomrl_scheduler_{name}", doc)

@@ -41,7 +41,7 @@ from typing import Any
 
 from loomrl.scheduler import api, auth
 from loomrl.scheduler.core import Scheduler
-from loomrl.scheduler.httpd import IDLE_TIMEOUT_S, CappedHTTPServer, make_handler
+from loomrl.scheduler.httpd import IDLE_TIMEOUT_S, SchedulerHTTPServer
 from loomrl.scheduler.model import (
     AcquireTimeout,
     Forbidden,
@@ -114,11 +114,13 @@ class SchedulerDaemon:
         )
         self.tick_s = tick_s
         self.stall_s = stall_s if stall_s is not None else max(2.0, 50 * tick_s)
-        self.httpd = CappedHTTPServer(
-            (host, port),
-            make_handler(self, idle_timeout_s=idle_timeout_s),
+        self.httpd = SchedulerHTTPServer(
+            self,
+            host,
+            port,
             max_connections=max_connections,
             max_per_client=max_connections_per_client,
+            idle_timeout_s=idle_timeout_s,
         )
         self.token_file, self.token = self._write_token(token_file)
         self.tick_errors = 0
@@ -178,6 +180,8 @@ class SchedulerDaemon:
 
     def stop(self) -> None:
         self._stop.set()
+        with self.lock:  # long polls in flight end now, answered "pending"
+            self.lock.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
         for thread in self._threads:
@@ -348,7 +352,7 @@ class SchedulerDaemon:
     def _wait_while_waiting(self, request: Request, poll_end: float) -> None:
         """Hold the lock's condition until ``request`` leaves "waiting", ``poll_end`` comes
         or its deadline has passed by a tick (the tick loop times it out)."""
-        while request.state == "waiting":
+        while request.state == "waiting" and not self._stop.is_set():
             now = time.time()
             limit = (
                 poll_end
@@ -390,5 +394,6 @@ class SchedulerDaemon:
             "connections": self.httpd.num_connections(),
             "connections_evicted": self.httpd.counts["evicted"],
             "connections_refused": self.httpd.counts["refused"],
+            "connections_timed_out": self.httpd.counts["timed_out"],
         }
         return render(snap)
