@@ -7,7 +7,8 @@
 - ``store``: SQLite state and event log, so a restarted daemon keeps its queue.
 - ``server``: the HTTP daemon (loopback), Prometheus ``/metrics`` and the dashboard;
   ``api`` (the bodies it takes, bounded), ``auth`` (daemon token, per-job secrets),
-  ``httpd`` (capped connections, every request answered).
+  ``routes`` (its Starlette app), ``httpd`` (uvicorn serving it: capped connections,
+  idle deadlines, every request answered).
 - ``client``: the job side: register, heartbeat, ``with client.lease(...)``.
 - ``offload``: move a module's (and optimizer's) tensors off the device and back.
 - ``simulate``: a discrete-event model of jobs under each policy.

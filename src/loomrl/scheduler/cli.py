@@ -81,7 +81,9 @@ def _add_connection_limits(serve: Any) -> None:
         "--idle-timeout-s",
         type=float,
         default=10.0,
-        help="close a connection whose read or write stalls this long",
+        help="close a connection that has not sent a whole request this long after it "
+        "opened or after its last answer (an idle or slow-loris client), or that leaves an "
+        "answer unread this long",
     )
 
 

@@ -332,8 +332,8 @@ class SchedulerHTTPServer:
         config = uvicorn.Config(
             build_app(daemon, self.pool, max_body_bytes),
             http=protocol,
-            # asyncio's accept pauses a second when descriptors run out; uvloop's (libuv)
-            # accepts and closes every queued connection then, honest ones included
+            # the loop whose accept batches ``accept_batch`` sizes (uvloop's libuv accepts
+            # on its own terms)
             loop="asyncio",
             lifespan="off",
             log_config=None,

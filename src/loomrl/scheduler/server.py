@@ -1,5 +1,6 @@
 """The scheduler daemon: the core behind an HTTP API on loopback, with SQLite state,
-Prometheus ``/metrics`` and a dashboard page.
+Prometheus ``/metrics`` and a dashboard page. The API is a Starlette app (``routes.py``)
+served by uvicorn on a thread of the daemon (``httpd.py``: connection caps, deadlines).
 
 API (JSON bodies; errors come back as ``{"error": message, "type": name}``; the bodies
 and their bounds are ``api.py``'s models; who may call what is ``auth.py``):
@@ -24,7 +25,8 @@ and their bounds are ``api.py``'s models; who may call what is ``auth.py``):
 Status codes: 400 a bad body (the field and bound named), 401 no or a wrong daemon token,
 403 a job call without that job's secret, 404 an unknown job or route, 408 an acquire past
 its deadline, 410 a lease lost, 413 a body over 64 KiB, 409 another refusal, 500 a
-failure inside the daemon (logged), 503 no free connection.
+failure inside the daemon (logged), 503 no free connection; a request HTTP cannot parse
+gets 400 (431 for a head over 64 KiB), another method 405.
 
 An acquire blocks (long poll) until granted, past its deadline (HTTP 408 with the reason
 it waited) or ``poll_s``; with no deadline the client polls again with ``/v1/wait``.
