@@ -9,7 +9,8 @@
 - a chunked body is taken, and one over the bound is refused with a 413 as it streams;
 - at the cap with every connection busy, a new one gets a JSON 503 (the idle test shows
   the eviction; this shows the refusal), counted in ``/metrics``;
-- keep-alive: one connection carries several calls.
+- keep-alive: one connection carries several calls;
+- a body refused while it still streams gets its 413; the per-client cap evicts.
 """
 
 from __future__ import annotations
@@ -159,3 +160,44 @@ def test_one_keep_alive_connection_carries_several_calls(daemon):
         assert conn.sock is sock  # the same socket all along
     finally:
         conn.close()
+
+
+def test_a_refused_body_still_streaming_gets_its_413():
+    """The client goes on sending its 16 MB while the daemon answers: the answer arrives,
+    long before the body would have. (The daemon lingers before it closes, for networks
+    where a reset can overtake the answer; on loopback an immediate close also delivered
+    it when tried, so this test does not tell the two apart.)"""
+    d = SchedulerDaemon({"cpu0": [0]}, tick_s=0.02).start()
+    host, port = d.httpd.server_address
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n\r\n")
+            s.settimeout(0.05)
+            received, sent, t0 = b"", 0, time.time()
+            while b"\r\n\r\n" not in received and time.time() - t0 < 3:
+                try:
+                    sent += s.send(b"x" * 65536)
+                except (TimeoutError, BlockingIOError, BrokenPipeError, ConnectionResetError):
+                    pass
+                try:
+                    received += s.recv(65536)
+                except TimeoutError:
+                    pass
+        assert received.startswith(b"HTTP/1.1 413"), received[:200]
+        assert sent < 16 * 2**20
+    finally:
+        d.stop()
+
+
+def test_the_per_client_cap_evicts_that_clients_oldest_idle_connection():
+    d = SchedulerDaemon({"cpu0": [0]}, tick_s=0.02, max_connections_per_client=2).start()
+    try:
+        idle = [socket.create_connection(d.httpd.server_address) for _ in range(3)]
+        status, _ = exchange(d.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200
+        assert d.httpd.counts["evicted"] == 2 and d.httpd.counts["refused"] == 0
+        assert idle[0].recv(1) == b""  # the oldest was closed
+        for s in idle:
+            s.close()
+    finally:
+        d.stop()

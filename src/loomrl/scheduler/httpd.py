@@ -336,6 +336,9 @@ class SchedulerHTTPServer:
             # on its own terms)
             loop="asyncio",
             lifespan="off",
+            # no websockets, and no proxy in front whose X-Forwarded-For is believed
+            ws="none",
+            proxy_headers=False,
             log_config=None,
             access_log=False,
             server_header=False,
