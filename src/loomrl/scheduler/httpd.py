@@ -49,10 +49,10 @@ LISTEN_QUEUE = 128  # connections the kernel holds for the daemon to accept
 MAX_HEADER_BYTES = 64 * 1024  # a request's head (line and headers) at most
 LINGER_S, LINGER_BYTES = 1.0, 2**20  # what a refused body may still send before the close
 SHUTDOWN_GRACE_S = 2.0  # in-flight answers (a long poll wakes at stop) before tasks are cancelled
+_BUSY = b'{"error": "the scheduler has no free connection; retry", "type": "Busy"}'
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Content-Length: 72\r\nConnection: close\r\n\r\n"
-    b'{"error": "the scheduler has no free connection; retry", "type": "Busy"}'
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY), _BUSY)
 )
 
 
