@@ -152,11 +152,12 @@ class TrainerConfig(Section):
         "gradients up to float order. Turns off shared_prefix ('auto'; true is an error) and traces.",
     )
     packing_max_tokens: int = Field(
-        4096,
+        2048,
         gt=0,
         description="trainer.packing's token budget per micro-batch (the packed row's length). "
-        "Attention over a pack is computed as one [tokens, tokens] block under the mask, so its cost "
-        "grows with this budget squared on the CPU (SDPA/eager); flash-attention's varlen does not.",
+        "Under SDPA/eager attention a pack's attention is one [tokens, tokens] block under the mask, "
+        "so its cost grows with this budget squared (on the CPU 4096 was slower than padding, "
+        "bench/packing.py); flash-attention's varlen path has no such block: raise it there.",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,
