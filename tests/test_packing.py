@@ -24,7 +24,8 @@ def _rollouts(seed: int, spread: str, rows: int = 8) -> list[Rollout]:
     lo, hi = SPREADS[spread]
     out = []
     for i in range(rows):
-        n = rng.randint(lo, hi) if not (spread == "one_long" and i == 5) else 120
+        # one_long: a rollout over the 160-token budget, a pack of its own
+        n = rng.randint(lo, hi) if not (spread == "one_long" and i == 5) else 170
         prompt = [rng.randrange(3, 60) for _ in range(rng.randint(2, 9))]
         completion = [rng.randrange(3, 60) for _ in range(n)]
         out.append(
@@ -71,6 +72,8 @@ def _step(
     total = sum(sum(r.loss_mask) for r in rollouts)
     seqs = sum(1 for r in rollouts if sum(r.loss_mask))
     trainer._step_rows = len(rollouts)
+    if packing and spread == "one_long":
+        assert slice(5, 6) in trainer._slices(rollouts)  # over the budget: alone
     for rows in trainer._slices(rollouts):
         batch = trainer._micro_batch(rollouts[rows], adv[rows])
         assert isinstance(batch, PackedBatch) == packing
