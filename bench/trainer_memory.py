@@ -19,6 +19,13 @@ Figures (each printed, none hidden):
     python bench/trainer_memory.py                    # 24 layers, the auto device
     python bench/trainer_memory.py --layers 2 --device cpu
 
+``--spread --batch-rows 8``: eight rows of 16 to 512 tokens (2,109 tokens, 4,096 padded)
+instead of four of 512, and the variants at the defaults (issue 52): ``defaults`` (the
+large vocabulary chunks the log-probs even in fp32 on the CPU), ``defaults + packing``
+(``trainer.packing``: no padding) and a smaller chunk:
+
+    python bench/trainer_memory.py --layers 1 --device cpu --spread --batch-rows 8 --variants 0,3,4,5
+
 ``--sharded``: the sharded trainer (fsdp2) against the single one instead: per-rank state
 for 1, 2 and 4 ranks on a 134M-parameter model, step times for 1 and 2 ranks and their
 projection to 8 (``bench/trainer_sharding.py``; ~5 minutes on 2 cores):
@@ -52,6 +59,9 @@ VARIANTS = {  # name -> trainer overrides
     "before (full log-softmax)": {"chunked_logprobs": False},
     "after (chunked)": {"chunked_logprobs": True},
     "after (chunked + checkpointing)": {"chunked_logprobs": True, "gradient_checkpointing": True},
+    "defaults": {},
+    "defaults + packing": {"packing": True},
+    "defaults, 128-token chunks": {"logprob_chunk_tokens": 128},
 }
 ROWS, ROW_TOKENS, PROMPT_TOKENS = 4, 512, 32
 
@@ -96,26 +106,36 @@ def _model(layers: int, device):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
 
 
-def _groups(row_tokens: int, rows: int, prompt_tokens: int):
+def _lengths(row_tokens: int, rows: int, spread: bool) -> list[int]:
+    """Each row's prompt + completion length: all ``row_tokens``, or (``spread``) evenly
+    from 16 to ``row_tokens``, where padding to the longest wastes about half the batch."""
+    if not spread or rows == 1:
+        return [row_tokens] * rows
+    return [16 + (row_tokens - 16) * i // (rows - 1) for i in range(rows)]
+
+
+def _groups(row_tokens: int, rows: int, prompt_tokens: int, spread: bool = False):
     from loomrl.types import Group, Rollout
 
-    n = row_tokens - prompt_tokens
-    rollouts = [
-        Rollout(
-            i,
-            [2 + i % 7] * prompt_tokens,
-            [(11 * i + j) % 151_000 + 5 for j in range(n)],
-            [-3.0] * n,
-            [1] * n,
-            0,
-            reward=float(i % 2),
+    rollouts = []
+    for i, length in enumerate(_lengths(row_tokens, rows, spread)):
+        prompt = min(prompt_tokens, length // 2)
+        n = length - prompt
+        rollouts.append(
+            Rollout(
+                i,
+                [2 + i % 7] * prompt,
+                [(11 * i + j) % 151_000 + 5 for j in range(n)],
+                [-3.0] * n,
+                [1] * n,
+                0,
+                reward=float(i % 2),
+            )
         )
-        for i in range(rows)
-    ]
     return [Group.of_rollouts(0, 0, rollouts)]
 
 
-def child(variant: str, layers: int, device_name: str) -> dict:
+def child(variant: str, layers: int, device_name: str, rows: int, spread: bool) -> dict:
     """One variant's step, measured in this (fresh) process."""
     import torch
 
@@ -126,14 +146,19 @@ def child(variant: str, layers: int, device_name: str) -> dict:
     device = resolve_device(device_name)
     model = _model(layers, device)
     cfg = TrainerConfig(
-        lr=1e-5, micro_batch_size=ROWS, shared_prefix=False, trace=False, **VARIANTS[variant]
+        lr=1e-5,
+        micro_batch_size=rows,
+        packing_max_tokens=rows * ROW_TOKENS,
+        **({"shared_prefix": False} if "packing" not in variant else {}),
+        trace=False,
+        **VARIANTS[variant],
     )
     trainer = Trainer(
-        model, type("Tok", (), {"pad_token_id": 0})(), AlgorithmConfig(group_size=ROWS), cfg, 1.0
+        model, type("Tok", (), {"pad_token_id": 0})(), AlgorithmConfig(group_size=rows), cfg, 1.0
     )
     # gradients and AdamW state exist now
-    trainer.train_step(_groups(PROMPT_TOKENS + 8, ROWS, PROMPT_TOKENS))
-    groups = _groups(ROW_TOKENS, ROWS, PROMPT_TOKENS)
+    trainer.train_step(_groups(PROMPT_TOKENS + 8, rows, PROMPT_TOKENS))
+    groups = _groups(ROW_TOKENS, rows, PROMPT_TOKENS, spread)
     out = {
         "variant": variant,
         "precision": trainer.precision,
@@ -165,7 +190,7 @@ def child(variant: str, layers: int, device_name: str) -> dict:
     return out
 
 
-def _run_variant(variant: str, layers: int, device: str) -> dict:
+def _run_variant(variant: str, layers: int, device: str, rows: int, spread: bool) -> dict:
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -179,6 +204,9 @@ def _run_variant(variant: str, layers: int, device: str) -> dict:
         str(layers),
         "--device",
         device,
+        "--batch-rows",
+        str(rows),
+        *(["--spread"] if spread else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -219,6 +247,12 @@ def main() -> None:
         help="indices of the variants to run, comma-separated: "
         + "; ".join(f"{i}={v}" for i, v in enumerate(VARIANTS)),
     )
+    parser.add_argument("--batch-rows", type=int, default=ROWS, help="rows of the micro-batch")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="row lengths evenly from 16 to 512 tokens (padding wastes about half) instead of all 512",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--sharded", action="store_true", help="fsdp2 ranks vs the single trainer")
     parser.add_argument("--ranks", default="1,2,4", help="--sharded: rank counts (with 1)")
@@ -237,14 +271,21 @@ def main() -> None:
         _sharded(args)
         return
     if args.child:
-        print(json.dumps(child(args.child, args.layers, args.device)))
+        print(json.dumps(child(args.child, args.layers, args.device, args.batch_rows, args.spread)))
         return
     names = [list(VARIANTS)[int(i)] for i in args.variants.split(",")]
-    rows = [_run_variant(v, args.layers, args.device) for v in names]
+    n = args.batch_rows
+    rows = [_run_variant(v, args.layers, args.device, n, args.spread) for v in names]
+    lengths = _lengths(ROW_TOKENS, n, args.spread)
+    batch = (
+        f"{n} rows of {lengths[0]}-{lengths[-1]} tokens ({sum(lengths)} tokens, {n * max(lengths)} padded)"
+        if args.spread
+        else f"{n} x {ROW_TOKENS} = {n * ROW_TOKENS} tokens"
+    )
     cuda = rows[0]["device"].startswith("cuda")
     print(
         f"\nQwen2-shaped, {args.layers} layers, {rows[0]['params_m']:.0f}M parameters, vocabulary 151,936, "
-        f"one micro-batch of {ROWS} x {ROW_TOKENS} = {ROWS * ROW_TOKENS} tokens, precision {rows[0]['precision']}, "
+        f"one micro-batch of {batch}, precision {rows[0]['precision']}, "
         f"device {rows[0]['device']}\n"
     )
     peak_name = "step peak allocated GiB" if cuda else "peak RSS GiB (ru_maxrss)"

@@ -63,14 +63,19 @@ def _uneven_groups() -> list:
     return [Group.of_rollouts(g, 0, rollouts[g * 4 : (g + 1) * 4]) for g in range(2)]
 
 
-def _configs(aggregation: str):
+def _configs(aggregation: str, packing: bool = False):
     from loomrl.config import AlgorithmConfig, TrainerConfig
 
     algorithm = AlgorithmConfig(aggregation=aggregation)
+    if packing:  # packs of up to 12 tokens: several rollouts each, the long one alone
+        trainer = TrainerConfig(lr=1e-3, micro_batch_size=4, packing=True, packing_max_tokens=12)
+        return algorithm, trainer
     return algorithm, TrainerConfig(lr=1e-3, micro_batch_size=1, shared_prefix=False)
 
 
-def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str, out: str):
+def _sharded_step(
+    rank: int, world_size: int, rendezvous: str, aggregation: str, out: str, packing=False
+):
     """One rank of a sharded step (run by torch.multiprocessing.spawn)."""
     import torch
     import torch.distributed as dist
@@ -82,7 +87,7 @@ def _sharded_step(rank: int, world_size: int, rendezvous: str, aggregation: str,
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
     model, tok = build_tiny_model("llama", seed=3, **TINY)
     shard_model(model, init_device_mesh("cpu", (world_size,)), "fp32", reshard=True)
-    algorithm, trainer_cfg = _configs(aggregation)
+    algorithm, trainer_cfg = _configs(aggregation, packing)
     trainer = ShardedTrainer(
         model, tok, algorithm, trainer_cfg, 1.0, rank=rank, world_size=world_size
     )
@@ -144,6 +149,32 @@ def test_a_sharded_step_with_idle_micro_batches_is_the_single_step_and_resumes_o
     assert_same_step(
         step2, want2, ("train/loss", "train/grad_norm", "train/update_rms", "train/lr")
     )
+
+
+def test_a_packed_sharded_step_is_the_padded_single_step(tmp_path):
+    """trainer.packing under fsdp2: the same micro-batch path (packs, idle packs included)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from loomrl.models.tiny import build_tiny_model
+    from loomrl.runtime.group import new_rendezvous
+    from loomrl.training.packing import pack_slices
+    from loomrl.training.trainer import Trainer
+
+    groups = _uneven_groups()
+    rollouts = [r for g in groups for r in g]
+    counts = [
+        len(pack_slices([rollouts[i] for i in s], 4, 12)) for s in shard_rollouts(rollouts, 2)
+    ]
+    assert counts[0] != counts[1] and max(counts) > 1  # idle packs on one rank
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_sharded_step, (2, new_rendezvous("127.0.0.1"), "token", out, True), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    model, tok = build_tiny_model("llama", seed=3, **TINY)
+    want = Trainer(model, tok, *_configs("token"), 1.0).train_step(groups)
+    assert_same_step(got["metrics"], want, ("train/loss", "train/grad_norm", "train/entropy"))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(got["state"]["model"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_fsdp2_on_the_local_runtime_is_a_config_error_naming_process(tiny_job):

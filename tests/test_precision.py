@@ -51,6 +51,21 @@ def test_auto_dtype_and_precision_are_fp32_on_the_cpu_and_bf16_on_cuda():
     assert chunk_tokens(TrainerConfig(), "bf16_mixed", torch.device("cpu")) == 512
 
 
+def test_auto_chunks_the_log_probs_of_a_large_vocabulary_in_fp32_on_the_cpu():
+    """Where the [tokens, vocabulary] log-softmax holds the step's peak (Qwen2's 151,936),
+    'auto' chunks even in fp32 on the CPU; a small vocabulary keeps the exact path."""
+    cpu, cfg = torch.device("cpu"), TrainerConfig()
+    assert chunk_tokens(cfg, "fp32", cpu, vocab=151_936) == 512
+    assert chunk_tokens(cfg, "fp32", cpu, vocab=cfg.chunked_logprobs_min_vocab - 1) is None
+    assert chunk_tokens(TrainerConfig(chunked_logprobs=False), "fp32", cpu, vocab=151_936) is None
+    model, tok = build_tiny_model("llama", hidden_size=32, num_layers=1, num_heads=2)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    assert vocab < cfg.chunked_logprobs_min_vocab <= 151_936
+    assert Trainer(model, tok, AlgorithmConfig(), TrainerConfig(trace=False), 1.0).chunk is None
+    low = TrainerConfig(chunked_logprobs_min_vocab=vocab, trace=False)
+    assert Trainer(model, tok, AlgorithmConfig(), low, 1.0).chunk == 512
+
+
 def test_load_policy_loads_the_compute_dtype():
     model, _ = load_policy(
         ModelConfig(

@@ -123,16 +123,41 @@ class TrainerConfig(Section):
         "auto",
         description="Log-probs and entropy from the final hidden states a chunk of tokens at a "
         "time (logits in fp32 per chunk, recomputed in backward), never the [tokens, vocabulary] "
-        "log-softmax of a whole micro-batch. 'auto': on, except fp32 training on the CPU, which keeps "
-        "the full computation (its sums round in another order, and the golden record is bit-exact), "
-        "and under parallel.type='fsdp2' (the output projection is a shard outside the root's "
-        "forward), where true is an error.",
+        "log-softmax of a whole micro-batch. 'auto': on, except fp32 training on the CPU with a "
+        "vocabulary under trainer.chunked_logprobs_min_vocab, which keeps the full computation (its "
+        "sums round in another order, and the golden record is bit-exact), and under "
+        "parallel.type='fsdp2' (the output projection is a shard outside the root's forward), where "
+        "true is an error.",
+    )
+    chunked_logprobs_min_vocab: int = Field(
+        32_768,
+        gt=0,
+        description="Under chunked_logprobs='auto', fp32 training on the CPU chunks the log-probs "
+        "of a model whose output vocabulary has at least this many rows (where the [tokens, "
+        "vocabulary] log-softmax holds the step's peak); smaller vocabularies keep the full path.",
     )
     logprob_chunk_tokens: int = Field(
         512,
         gt=0,
         description="Tokens per chunk of the chunked log-probs: about 2 x this x vocabulary x 4 bytes "
         "alive at once (0.6 GB for 512 tokens of a 151,936-token vocabulary).",
+    )
+    packing: bool = Field(
+        False,
+        description="Pack each micro-batch's sequences end to end in one row (position ids "
+        "restarting per sequence, attention kept within each by a block-diagonal mask, or "
+        "flash-attention's varlen path from the position ids) instead of padding every row to the "
+        "longest: no compute on padding. A micro-batch holds at most micro_batch_size rollouts and "
+        "packing_max_tokens tokens; a longer rollout is a pack of its own. Same loss, log-probs and "
+        "gradients up to float order. Turns off shared_prefix ('auto'; true is an error) and traces.",
+    )
+    packing_max_tokens: int = Field(
+        2048,
+        gt=0,
+        description="trainer.packing's token budget per micro-batch (the packed row's length). "
+        "Under SDPA/eager attention a pack's attention is one [tokens, tokens] block under the mask, "
+        "so its cost grows with this budget squared (on the CPU 4096 was slower than padding, "
+        "bench/packing.py); flash-attention's varlen path has no such block: raise it there.",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,
@@ -157,6 +182,18 @@ class TrainerConfig(Section):
     @classmethod
     def _parallel_tagged(cls, table: Any) -> Any:
         return _tagged_parallel(table)
+
+    @model_validator(mode="after")
+    def _packing_is_its_own_forward(self) -> TrainerConfig:
+        # a packed row has no per-row prompt to share a key/value cache from
+        if self.packing and self.shared_prefix is True:
+            raise ValueError(
+                "trainer.packing=true runs every sequence in one packed row, and "
+                "trainer.shared_prefix=true would run each prompt once on a key/value cache shared "
+                "by its rows: they cannot combine; set shared_prefix='auto' (off under packing) "
+                "or packing=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sharded_takes_its_own_path(self) -> TrainerConfig:

@@ -60,7 +60,6 @@ from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.trainer import (
     Trainer,
     _Accumulator,
-    micro_batch_slices,
     token_logprobs,
 )
 from loomrl.types import Rollout
@@ -133,11 +132,7 @@ class ShardedTrainer(Trainer):
 
     def _accumulate_grads(self, rollouts, advantages, total_tokens, total_seqs, acc) -> None:
         shares = shard_rollouts(rollouts, self.world_size)
-        mbs, max_tokens = self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
-        counts = [
-            len(micro_batch_slices([rollouts[i] for i in s], mbs, max_tokens)) if s else 0
-            for s in shares
-        ]
+        counts = [len(self._slices([rollouts[i] for i in s])) if s else 0 for s in shares]
         mine = [rollouts[i] for i in shares[self.rank]]
         mine_adv = [advantages[i] for i in shares[self.rank]]
         if mine:

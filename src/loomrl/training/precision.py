@@ -51,12 +51,16 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def chunk_tokens(cfg: TrainerConfig, precision: str, device: torch.device) -> int | None:
+def chunk_tokens(
+    cfg: TrainerConfig, precision: str, device: torch.device, vocab: int | None = None
+) -> int | None:
     """Tokens per chunk of the chunked log-probs, or None for the full log-softmax:
-    'auto' is on except fp32 training on the CPU (bit-identical to the record there)."""
+    'auto' is on except fp32 training on the CPU of a model whose output ``vocab`` is under
+    ``trainer.chunked_logprobs_min_vocab`` (or unknown): bit-identical to the record there."""
     on = cfg.chunked_logprobs
     if on == "auto":
-        on = not (precision == "fp32" and torch.device(device).type == "cpu")
+        exact = precision == "fp32" and torch.device(device).type == "cpu"
+        on = not exact or (vocab is not None and vocab >= cfg.chunked_logprobs_min_vocab)
     return cfg.logprob_chunk_tokens if on else None
 
 

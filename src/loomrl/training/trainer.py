@@ -7,7 +7,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -18,130 +17,22 @@ from loomrl.device import module_device
 from loomrl.models.cache import probe_can_repeat
 from loomrl.models.traces import ShapeTraces, can_trace
 from loomrl.training import precision as prec
-from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
+from loomrl.training.chunked import output_weight
 from loomrl.training.config import TrainerConfig
+from loomrl.training.logprobs import (  # noqa: F401 (TokenBatch: the trainer's API)
+    Logprobs,
+    TokenBatch,
+    build_token_batch,
+    token_logprobs,
+)
 from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.overlong import mask_truncated, reward_penalty
-from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
+from loomrl.training.packing import PackedBatch, build_packed_batch, check_packable, pack_slices
+from loomrl.training.prefix import PrefixBatch, build_prefix_batch
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenBatch:
-    input_ids: torch.Tensor  # [batch, seq] prompt + completion, right-padded
-    attention_mask: torch.Tensor  # [batch, seq]
-    target_mask: torch.Tensor  # [batch, seq-1] 1 where the next token is a trained completion token
-    behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
-    advantages: torch.Tensor  # [batch]
-    same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
-
-    def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.target_mask,
-                    self.behaviour,
-                    self.advantages,
-                    self.same_version,
-                )
-            )
-        )
-
-
-def build_token_batch(
-    rollouts: list[Rollout], advantages: list[float], version: int, pad_id: int
-) -> TokenBatch:
-    ids = [r.prompt_ids + r.completion_ids for r in rollouts]
-    width = max(map(len, ids))
-    # Logits at position p predict token p + 1: a completion's targets start one before it.
-    shift = [[0.0] * (len(r.prompt_ids) - 1) for r in rollouts]
-    return TokenBatch(
-        padded_tensor(ids, width, pad_id, torch.long),
-        padded_tensor([[1] * len(row) for row in ids], width, 0, torch.long),
-        padded_tensor(
-            [a + r.loss_mask for a, r in zip(shift, rollouts)], width - 1, 0.0, torch.float32
-        ),
-        padded_tensor(
-            [a + r.behaviour_logprobs for a, r in zip(shift, rollouts)],
-            width - 1,
-            0.0,
-            torch.float32,
-        ),
-        torch.tensor(advantages, dtype=torch.float32),
-        torch.tensor([r.version == version for r in rollouts]),
-    )
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    batch: TokenBatch | PrefixBatch,
-    temperature: float,
-    chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token and the entropy of each prediction, in fp32, aligned
-    with ``batch.target_mask``: ``[batch, seq-1]`` for a ``TokenBatch``, ``[batch,
-    completion]`` for a ``PrefixBatch`` (each prompt computed once). ``chunk``: from the
-    final hidden states ``chunk`` tokens at a time (``loomrl.training.chunked``), where the
-    model's output projection is a plain ``Linear``; None: the full log-softmax."""
-    weight = output_weight(model) if chunk is not None else None
-    if weight is not None:
-        if isinstance(batch, PrefixBatch):
-            hidden, targets = prefix_logits(model, batch, hidden=True), batch.suffix_ids
-        else:
-            out = final_hidden(
-                model,
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                use_cache=False,
-            )
-            hidden, targets = out.last_hidden_state[:, :-1], batch.input_ids[:, 1:]
-        return chunked_logprobs(hidden, weight, targets, temperature, chunk)
-    if isinstance(batch, PrefixBatch):
-        logits = prefix_logits(model, batch).float() / temperature
-        targets = batch.suffix_ids.unsqueeze(-1)
-    else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logits = logits[:, :-1, :].float() / temperature
-        targets = batch.input_ids[:, 1:].unsqueeze(-1)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-class Logprobs(torch.nn.Module):
-    """``token_logprobs`` over a batch's tensors (a ``PrefixBatch``'s six inputs, or a
-    ``TokenBatch``'s ids and mask), so that it can run from traces."""
-
-    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
-        super().__init__()
-        self.model, self.temperature = model, temperature
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(tensors) == 2:
-            batch = TokenBatch(tensors[0], tensors[1], *([None] * 4))
-        else:
-            batch = PrefixBatch(*tensors, *([None] * 4))
-        return token_logprobs(self.model, batch, self.temperature)
-
-    @staticmethod
-    def inputs(batch: TokenBatch | PrefixBatch) -> tuple[torch.Tensor, ...]:
-        if isinstance(batch, PrefixBatch):
-            return (
-                batch.prefix_ids,
-                batch.prefix_attn,
-                batch.prefix_len,
-                batch.owner,
-                batch.suffix_ids,
-                batch.suffix_attn,
-            )
-        return batch.input_ids, batch.attention_mask
 
 
 def compute_advantages(
@@ -240,12 +131,7 @@ class Trainer:
         prec.allow_tf32(trainer, self.device)
         if trainer.gradient_checkpointing:
             prec.enable_gradient_checkpointing(self.model)
-        self.chunk = prec.chunk_tokens(trainer, self.precision, self.device)
-        if self.chunk is not None and output_weight(self.model) is None:
-            logger.info(
-                "trainer.chunked_logprobs: the output projection is not a plain Linear; full log-softmax"
-            )
-            self.chunk = None
+        self.chunk = self._chunk_tokens(trainer)
         self.pad_id = tokenizer.pad_token_id
         self.algo = algorithm
         self._set_lengths(max_completion_tokens)
@@ -253,8 +139,12 @@ class Trainer:
         self.temperature = temperature
         self.version = 0
         self._phase_s = {"forward": 0.0, "backward": 0.0}  # of the step in progress
-        # can rows share their prompt's forward (trainer.shared_prefix); checkpointed layers keep no cache
-        self._prefix_ok: bool | None = False if trainer.gradient_checkpointing else None
+        # can rows share their prompt's forward (trainer.shared_prefix); checkpointed layers
+        # keep no cache, and a packed row has no per-row prompt
+        no_prefix = trainer.gradient_checkpointing or trainer.packing
+        self._prefix_ok: bool | None = False if no_prefix else None
+        if trainer.packing:
+            check_packable(self.model)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(trainer))
         self.traces = self._build_traces(trainer.trace is True if trace is None else trace)
@@ -263,6 +153,19 @@ class Trainer:
         if algorithm.kl_coef > 0:
             dtype = reference_dtype or prec.compute_dtype(self.precision)
             self.reference = prec.frozen_copy(self.model, dtype)
+
+    def _chunk_tokens(self, cfg: TrainerConfig) -> int | None:
+        """``trainer.chunked_logprobs`` on this model: its chunk, or None for the full
+        log-softmax ('auto' reads the output projection's vocabulary)."""
+        head = output_weight(self.model)
+        vocab = None if head is None else head.shape[0]
+        chunk = prec.chunk_tokens(cfg, self.precision, self.device, vocab)
+        if chunk is not None and head is None:
+            logger.info(
+                "trainer.chunked_logprobs: the output projection is not a plain Linear; full log-softmax"
+            )
+            return None
+        return chunk
 
     def _set_lengths(self, max_completion_tokens: int | None) -> None:
         """What the objective reads from the completions' maximum length: ``dr_grpo``'s
@@ -289,8 +192,9 @@ class Trainer:
     def _build_traces(self, wanted: bool) -> ShapeTraces | None:
         """The training forward from traces (loomrl.models.traces): no GIL held while it
         runs. fp32 only: a trace would freeze autocast's choices, and the chunked path's own
-        backward."""
-        if wanted and can_trace(self.model) and self.chunk is None and self.precision == "fp32":
+        backward; packed rows run eager."""
+        plain = self.chunk is None and self.precision == "fp32" and not self.cfg.packing
+        if wanted and plain and can_trace(self.model):
             return ShapeTraces(Logprobs(self.model, self.temperature), what="trainer's forward")
         return None
 
@@ -369,11 +273,17 @@ class Trainer:
     ) -> None:
         """Forward and backward over ``rollouts`` a micro-batch at a time, the loss of each
         weighted by its share of ``total_tokens`` (or ``total_seqs``): the step's gradients."""
-        for rows in micro_batch_slices(
-            rollouts, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
-        ):
+        for rows in self._slices(rollouts):
             micro = self._micro_batch(rollouts[rows], advantages[rows])
             self._micro_step(micro, total_tokens, total_seqs, acc)
+
+    def _slices(self, rollouts: list[Rollout]) -> list[slice]:
+        """The step's micro-batches: packed (``trainer.packing``) up to its token budget,
+        or padded up to ``max_tokens_per_micro_batch``."""
+        cfg = self.cfg
+        if cfg.packing:
+            return pack_slices(rollouts, cfg.micro_batch_size, cfg.packing_max_tokens)
+        return micro_batch_slices(rollouts, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
 
     def _clip_grads(self) -> torch.Tensor:
         """Clip the gradients to ``max_grad_norm``; their norm before clipping."""
@@ -389,8 +299,9 @@ class Trainer:
 
     def _micro_batch(
         self, rollouts: list[Rollout], advantages: list[float]
-    ) -> TokenBatch | PrefixBatch:
-        """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do."""
+    ) -> TokenBatch | PrefixBatch | PackedBatch:
+        """Rows sharing a prompt share its forward (``trainer.shared_prefix``) when any do;
+        under ``trainer.packing`` the rows run end to end in one."""
         if self._prefix_ok is None:  # decided once, from the model's own cache
             # 'auto' is on here (the sharded trainer decides it off before any batch)
             wanted = self.cfg.shared_prefix is not False
@@ -404,10 +315,17 @@ class Trainer:
             return build_prefix_batch(rollouts, advantages, self.version, self.pad_id).to(
                 self.device
             )
-        return build_token_batch(rollouts, advantages, self.version, self.pad_id).to(self.device)
+        padded = build_token_batch(rollouts, advantages, self.version, self.pad_id)
+        if self.cfg.packing:
+            return build_packed_batch(rollouts, padded).to(self.device)
+        return padded.to(self.device)
 
     def _micro_step(
-        self, batch: TokenBatch | PrefixBatch, total_tokens: int, total_seqs: int, acc: _Accumulator
+        self,
+        batch: TokenBatch | PrefixBatch | PackedBatch,
+        total_tokens: int,
+        total_seqs: int,
+        acc: _Accumulator,
     ) -> None:
         """Forward and backward of one micro-batch, its loss weighted by its share of the
         step's tokens (or sequences); its statistics into ``acc``."""
@@ -448,7 +366,9 @@ class Trainer:
         self._phase_s["backward"] += time.perf_counter() - t1
         add_micro_batch_stats(acc, batch, logp, entropy, loss, stats, weight, self.algo.delta)
 
-    def _logprobs(self, batch: TokenBatch | PrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(
+        self, batch: TokenBatch | PrefixBatch | PackedBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's token log-probs and entropies (fp32), from traces when there are."""
         if self.traces is not None:
             logp, entropy = self.traces(*Logprobs.inputs(batch))
