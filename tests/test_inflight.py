@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import threading
 import time
 
@@ -16,7 +17,10 @@ import torch
 from loomrl.config import ConfigError
 from loomrl.control.buffer import RolloutBuffer
 from loomrl.generation.hf import HFGenerator
+from loomrl.job import Job
 from loomrl.models import load_model_and_tokenizer
+from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.prefix import build_prefix_batch
 from loomrl.training.trainer import build_token_batch
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 from loomrl.weights import encode_update
@@ -47,14 +51,15 @@ def weight_sets(model, count: int) -> list[dict[str, torch.Tensor]]:
     return states
 
 
-def inflight_generator(model, tok, every: int, partial: bool = False, prefetch: bool = False):
-    """An engine fed by an inproc transport, holding version 0; and the transport's sender."""
+def inflight_generator(model, tok, every: int, partial=False, prefetch=False, static=False):
+    """An engine fed by an inproc transport, and the transport's sender."""
     transport = make_transport("inproc")
     gen = HFGenerator(
         copy.deepcopy(model),
         tok,
         subscriber=Subscriber(transport.receiver(0), prefetch=prefetch),
         publish_dtype="float32",
+        static_cache=static,
         inflight_every_tokens=every,
         partial_rollouts=partial,
     )
@@ -122,13 +127,14 @@ def by_hand(model, tok, gen, states, switches: dict[int, int], recompute: bool):
     return tokens, logprobs, versions
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
 @pytest.mark.parametrize("partial", [False, True], ids=["kv_kept", "partial_rollout"])
 def test_a_request_spanning_versions_matches_the_weight_sets_stepped_by_hand(
-    model_and_tok, partial
+    model_and_tok, partial, static
 ):
     model, tok = model_and_tok
     states = weight_sets(model, 3)
-    gen, sender = inflight_generator(model, tok, every=3, partial=partial)
+    gen, sender = inflight_generator(model, tok, every=3, partial=partial, static=static)
     sender.send(encode_update(None, states[0], version=0, base_version=None))
     gen.apply_weights(0)
     # v1 is sent during forward 2 (token 2's), v2 during forward 7: the engine looks after
@@ -143,7 +149,10 @@ def test_a_request_spanning_versions_matches_the_weight_sets_stepped_by_hand(
     tokens, logprobs, versions = by_hand(model, tok, gen, states, {3: 1, 9: 2}, partial)
     assert result.token_ids[0] == tokens
     assert versions == expected_versions
-    assert result.logprobs[0] == logprobs  # fp32, the same ops: bit for bit
+    if static:  # (attention over the static cache's masked slots sums in another order)
+        assert result.logprobs[0] == pytest.approx(logprobs, abs=1e-5)
+    else:  # fp32, the same ops: bit for bit
+        assert result.logprobs[0] == logprobs
     # and not what one version alone gives: the switch changed the log-probs
     _, only_v0, _ = by_hand(model, tok, gen, states, {}, partial)
     assert result.logprobs[0][3:] != pytest.approx(only_v0[3 : len(result.logprobs[0])], abs=1e-4)
@@ -210,14 +219,25 @@ def test_every_forward_runs_on_one_whole_version_while_updates_stream_in(model_a
     publisher.publish(states[0], 0)
     gen.apply_weights(0)
     versions_of = {_fingerprint_state(gen.model, s): v for v, s in enumerate(states)}
-    seen = []
-    gen.model.register_forward_pre_hook(lambda m, a: seen.append([_fingerprint(m)]))
+    seen, go, first_sent = [], threading.Event(), threading.Event()
+
+    def before(module, args):
+        seen.append([_fingerprint(module)])
+        if len(seen) == 2:  # the trainer starts publishing while the batch decodes
+            go.set()
+        if len(seen) == 10:  # (so that at least one update lands mid-request)
+            first_sent.wait(10)
+            time.sleep(0.1)  # the prefetch thread verifies it meanwhile
+
+    gen.model.register_forward_pre_hook(before)
     gen.model.register_forward_hook(lambda m, a, o: seen[-1].append(_fingerprint(m)))
 
     def trainer():
+        go.wait(10)
         for v in range(1, len(states)):
-            time.sleep(0.03)
             publisher.publish(states[v], v)
+            first_sent.set()
+            time.sleep(0.02)
 
     thread = threading.Thread(target=trainer)
     sampling = SamplingParams(max_new_tokens=48)
@@ -235,7 +255,7 @@ def test_every_forward_runs_on_one_whole_version_while_updates_stream_in(model_a
     for row in per_token:
         assert row == forward_versions[: len(row)]  # forward j made token j's logits
         assert row == sorted(row)
-    assert gen.version >= max(forward_versions)
+    assert gen.version >= max(forward_versions) and len(set(forward_versions)) >= 2
 
 
 def _fingerprint_state(model, state) -> tuple[float, ...]:
@@ -261,6 +281,13 @@ def test_a_rollout_is_as_stale_as_its_oldest_token():
     # the trainer's batch keeps each token's own behaviour log-prob, aligned with its target
     batch = build_token_batch(rows, [1.0, -1.0], 4, pad_id=0)
     assert batch.behaviour[0, 1:5].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3])
+    # the parity metrics (trainer vs engine at equal versions) read the tokens of version 4
+    assert batch.same_version.tolist() == [
+        [False, False, False, True, True],
+        [False, False, False, False, False],
+    ]
+    prefix = build_prefix_batch(rows, [1.0, -1.0], 4, pad_id=0)
+    assert prefix.same_version.tolist() == [[False, False, True, True], [False] * 4]
 
     async def train_at(version: int):
         buffer, dropped = RolloutBuffer(max_staleness=1), []
@@ -289,3 +316,27 @@ def test_inflight_config_keys_and_refusals(tiny_job):
         tiny_job(generation={"inflight_updates": True, "engine": "vllm"})
     with pytest.raises(ConfigError, match="inflight_every_tokens"):
         tiny_job(generation={"inflight_updates": True, "inflight_every_tokens": 0})
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["kv_kept", "partial_rollout"])
+def test_an_async_job_with_inflight_updates_trains_and_accounts(tiny_job, partial):
+    cfg = tiny_job(
+        generation={
+            "max_new_tokens": 12,
+            "inflight_updates": True,
+            "inflight_every_tokens": 2,
+            "partial_rollouts": partial,
+        },
+        algorithm={"max_staleness": 1},
+        data={"eval": None},
+    )
+    result = Job(cfg).run()
+    records = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 for r in records)
+    assert all(math.isfinite(r["train/loss"]) for r in records)
+    s = result.summary
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s[
+        "in_flight"
+    ] + s.get("dropped_zero_variance", 0)
+    assert any("generation/inflight_updates" in r for r in read_metrics(result.run_dir))

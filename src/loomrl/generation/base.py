@@ -32,8 +32,10 @@ class Generator(ABC):
     ``generate`` samples completions and reports, per token, the log-prob of the sampled
     token under ``log_softmax(logits / temperature)`` (top-p truncation is not folded in),
     and the policy version of the weights used. Weights change only in ``apply_weights``
-    or ``update_weights``, never in the middle of a request; ``generate`` applies them
-    itself only when it is asked for a version it does not hold yet. An engine that batches
+    or ``update_weights``, never in the middle of a request (except between two decode
+    steps with the hf engine's in-flight updates, each token then reporting its version:
+    ``loomrl.generation.inflight``); ``generate`` applies them itself only when it is asked
+    for a version it does not hold yet. An engine that batches
     continuously marks its own ``generate`` ``@endpoint(concurrent=True)``.
     """
 

@@ -109,7 +109,8 @@ def add_micro_batch_stats(
             float(over.sum()) / max(n_tokens, 1.0),
             n_tokens,
         )
-        same = batch.same_version.unsqueeze(1).float() * mask
+        same = batch.same_version  # per rollout, or per token (weights changed mid-request)
+        same = (same if same.dim() == 2 else same.unsqueeze(1)).float() * mask
         if same.sum() > 0:
             add_mismatch_stats(acc, logp.detach() - batch.behaviour, same)
         add_offpolicy_stats(acc, logp.detach() - batch.behaviour, mask)

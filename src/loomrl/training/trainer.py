@@ -22,7 +22,13 @@ from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weigh
 from loomrl.training.config import TrainerConfig
 from loomrl.training.optim_state import apply_optimizer_config
 from loomrl.training.overlong import mask_truncated, reward_penalty
-from loomrl.training.prefix import PrefixBatch, build_prefix_batch, padded_tensor, prefix_logits
+from loomrl.training.prefix import (
+    PrefixBatch,
+    build_prefix_batch,
+    padded_tensor,
+    prefix_logits,
+    same_version_mask,
+)
 from loomrl.training.step_stats import _Accumulator, add_micro_batch_stats, step_and_measure
 from loomrl.types import Group, Rollout
 
@@ -36,7 +42,7 @@ class TokenBatch:
     target_mask: torch.Tensor  # [batch, seq-1] 1 where the next token is a trained completion token
     behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [batch]
-    same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
+    same_version: torch.Tensor  # [batch] or [batch, seq-1] bool: sampled at the trainer's version
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(
@@ -74,7 +80,7 @@ def build_token_batch(
             torch.float32,
         ),
         torch.tensor(advantages, dtype=torch.float32),
-        torch.tensor([r.version == version for r in rollouts]),
+        same_version_mask(rollouts, version, width - 1, list(map(len, shift))),
     )
 
 
