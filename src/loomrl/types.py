@@ -127,6 +127,19 @@ class GenerationResult:
         return len(self.token_ids)
 
 
+def sampled_versions(result: GenerationResult, i: int = 0) -> list[int]:
+    """The version that sampled each token of ``result``'s completion ``i``."""
+    if result.token_versions is not None:
+        return list(result.token_versions[i])
+    return [result.version] * len(result.token_ids[i])
+
+
+def versions_column(per_token: list[int], version: int) -> list[int] | None:
+    """A rollout's ``token_versions``: ``per_token``, or None where every token is at
+    ``version`` (the rollout's own: nothing to carry)."""
+    return per_token if any(v != version for v in per_token) else None
+
+
 class PartedReward(float):
     """The total of a weighted reward list (``[[task.rewards]]``) that keeps each part's
     value: ``parts`` maps a part's name to what it returned (None: the part did not apply to
