@@ -85,7 +85,7 @@ def publish_on_forwards(gen, sender, states, on: dict[int, int]) -> list[int]:
 def load(model, state) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(state[name])
+            p.copy_(state[name].to(p.device))
 
 
 @torch.no_grad()
@@ -93,15 +93,15 @@ def by_hand(model, tok, gen, states, switches: dict[int, int], recompute: bool):
     """Tokens, log-probs and versions of one sample stepped by hand: version 0 first, and
     from token ``t`` on (for each ``t`` in ``switches``) the weights of ``switches[t]``,
     either over the kept KV cache or with prompt + tokens so far prefilled again."""
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(gen.device)
     load(model, states[0])
     uniforms = gen._uniforms([SEED * 1_000_003], SAMPLING.max_new_tokens)
     ids, version = list(tok(PROMPT).input_ids), 0
 
     def forward(input_ids, start, cache):
-        positions = torch.arange(start, start + len(input_ids))[None]
+        positions = torch.arange(start, start + len(input_ids), device=gen.device)[None]
         out = model(
-            input_ids=torch.tensor([input_ids]),
+            input_ids=torch.tensor([input_ids], device=gen.device),
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
@@ -179,6 +179,39 @@ def test_partial_rollouts_recompute_the_prefix_and_kept_kv_does_not(model_and_to
     assert kept.token_versions[0][:5] == cut.token_versions[0][:5] == [0, 0, 0, 0, 1]
     assert kept.logprobs[0][:4] == cut.logprobs[0][:4]
     assert kept.logprobs[0][4] != pytest.approx(cut.logprobs[0][4], abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_an_update_between_cuda_graph_replays_matches_the_weights_stepped_by_hand(model_and_tok):
+    """On CUDA the decode step is one graph replay: the update lands between two replays, in
+    place in the parameters the graph reads (fp32; log-probs to kernel rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, tok = model_and_tok
+    states = weight_sets(model, 2)
+    transport = make_transport("inproc")
+    gen = HFGenerator(
+        copy.deepcopy(model).to("cuda"),
+        tok,
+        subscriber=Subscriber(transport.receiver(0)),
+        publish_dtype="float32",
+        static_cache=True,
+        cuda_graphs=True,
+        inflight_every_tokens=4,
+    )
+    sender = transport.sender()
+    sender.send(encode_update(None, states[0], version=0, base_version=None))
+    gen.apply_weights(0)
+    request = GenerationRequest(tok(PROMPT).input_ids, 1, SAMPLING, SEED)
+    gen.generate([request])  # the graph captured, on version 0
+    sender.send(encode_update(None, states[1], version=1, base_version=None))
+    (result,) = gen.generate([request])
+    n = len(result.token_ids[0])
+    assert n > 4 and result.token_versions == [[0] * 4 + [1] * (n - 4)]
+    tokens, logprobs, versions = by_hand(model, tok, gen, states, {4: 1}, recompute=False)
+    assert result.token_ids[0] == tokens and versions == result.token_versions[0]
+    assert result.logprobs[0] == pytest.approx(logprobs, abs=1e-3)
+    assert result.engine_metrics["generation/cuda_graphs"] >= 1
 
 
 def test_without_an_update_inflight_changes_nothing(model_and_tok):
