@@ -181,6 +181,31 @@ def test_partial_rollouts_recompute_the_prefix_and_kept_kv_does_not(model_and_to
     assert kept.logprobs[0][4] != pytest.approx(cut.logprobs[0][4], abs=1e-6)
 
 
+def test_an_update_lands_under_traced_forwards(model_and_tok, monkeypatch):
+    """Forwards run from TorchScript traces (runtime 'local' on a CPU) read the parameters
+    an in-flight update writes in place."""
+    from loomrl.generation.traced import KVForward
+    from loomrl.models import traces
+
+    monkeypatch.setattr(traces, "TRACE_BUDGET_S", 1e9)  # every shape traced on first use
+    model, tok = model_and_tok
+    states = weight_sets(model, 2)
+    gen, sender = inflight_generator(model, tok, every=4)
+    gen.trace = True
+    gen._start_tracing()
+    gen._traced = traces.ShapeTraces(
+        KVForward(gen.model), what="forward", params_as_constants=True, trace_after=1
+    )
+    sender.send(encode_update(None, states[0], version=0, base_version=None))
+    gen.apply_weights(0)
+    sender.send(encode_update(None, states[1], version=1, base_version=None))
+    (result,) = gen.generate([GenerationRequest(tok(PROMPT).input_ids, 1, SAMPLING, SEED)])
+    assert result.engine_metrics["generation/traced_forwards"] > 0
+    tokens, logprobs, versions = by_hand(model, tok, gen, states, {4: 1}, recompute=False)
+    assert result.token_versions == [versions] and versions[3:5] == [0, 1]
+    assert result.token_ids[0] == tokens and result.logprobs[0] == logprobs
+
+
 @pytest.mark.gpu
 def test_an_update_between_cuda_graph_replays_matches_the_weights_stepped_by_hand(model_and_tok):
     """On CUDA the decode step is one graph replay: the update lands between two replays, in
