@@ -13,7 +13,8 @@ small model built from its config (no download, no warm start), asynchronous
 
 Prints one row each: completions/s, the trainer's idle fraction (the step's
 ``timing/wait_for_batch_s`` over the run's time), the staleness the trainer saw (mean and
-max of its oldest-token staleness), groups dropped as stale, and the versions applied
+max of its oldest-token staleness), the share of trained tokens its own version sampled
+(``train/current_version_token_frac``), groups dropped as stale, and the versions applied
 mid-request. The model is untrained, so there is no learning column here: the demo's
 warm-started learning comparison needs its ~10 min warm start per seed.
 
@@ -87,6 +88,7 @@ def run(mode: str, args, out: Path) -> dict:
         "staleness_max": max(r["rollout/staleness_max"] for r in steps),
         "dropped_stale": result.summary["dropped_stale"],
         "inflight_updates": max(inflight, default=0.0),
+        "current_tokens": statistics.mean(r["train/current_version_token_frac"] for r in steps),
     }
 
 
@@ -110,13 +112,15 @@ def main() -> None:
         f"seed {args.seed}\n"
     )
     print(
-        "| mode | completions/s | trainer idle | staleness mean / max | dropped stale | mid-request updates |"
+        "| mode | completions/s | trainer idle | staleness mean / max | tokens at the trainer's "
+        "version | dropped stale | mid-request updates |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['mode']} | {r['completions_per_s']:.1f} | {r['trainer_idle']:.0%} | "
-            f"{r['staleness_mean']:.2f} / {r['staleness_max']} | {r['dropped_stale']} | "
+            f"{r['staleness_mean']:.2f} / {r['staleness_max']} | {r['current_tokens']:.0%} | "
+            f"{r['dropped_stale']} | "
             f"{r['inflight_updates']:.0f} |"
         )
 

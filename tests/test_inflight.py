@@ -21,6 +21,7 @@ from loomrl.job import Job
 from loomrl.models import load_model_and_tokenizer
 from loomrl.telemetry.metrics import read_metrics
 from loomrl.training.prefix import build_prefix_batch
+from loomrl.training.step_stats import _Accumulator, add_current_version_stats
 from loomrl.training.trainer import build_token_batch
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 from loomrl.weights import encode_update
@@ -344,6 +345,9 @@ def test_a_rollout_is_as_stale_as_its_oldest_token():
         [False, False, False, True, True],
         [False, False, False, False, False],
     ]
+    acc = _Accumulator()
+    add_current_version_stats(acc, batch.same_version.float() * batch.target_mask, 6.0)
+    assert acc.finish()["train/current_version_token_frac"] == pytest.approx(2 / 6)
     prefix = build_prefix_batch(rows, [1.0, -1.0], 4, pad_id=0)
     assert prefix.same_version.tolist() == [[False, False, True, True], [False] * 4]
 
