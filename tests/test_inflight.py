@@ -8,8 +8,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +22,10 @@ import torch
 from loomrl.config import ConfigError
 from loomrl.control.buffer import RolloutBuffer
 from loomrl.generation.hf import HFGenerator
-from loomrl.job import Job
+from loomrl.job import Job, resume_job
 from loomrl.models import load_model_and_tokenizer
 from loomrl.telemetry.metrics import read_metrics
+from loomrl.training.checkpoint import latest_checkpoint, load_checkpoint
 from loomrl.training.prefix import build_prefix_batch
 from loomrl.training.step_stats import _Accumulator, add_current_version_stats
 from loomrl.training.trainer import build_token_batch
@@ -29,7 +35,7 @@ from loomrl.weights.params import published_state
 from loomrl.weights.publisher import Publisher, Subscriber
 from loomrl.weights.transports import make_transport
 
-from conftest import TINY_MODEL
+from conftest import ROOT, TINY_MODEL, child_env, json_to_toml, tiny_job_raw
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=14)
 PROMPT = "12+34="
@@ -402,3 +408,52 @@ def test_an_async_job_with_inflight_updates_trains_and_accounts(tiny_job, partia
         "in_flight"
     ] + s.get("dropped_zero_variance", 0)
     assert any("generation/inflight_updates" in r for r in read_metrics(result.run_dir))
+
+
+@pytest.mark.slow
+def test_an_inflight_run_killed_mid_sequence_and_resumed_loses_and_duplicates_nothing(
+    tmp_path, tiny_data
+):
+    """kill -9 of a local-runtime run while requests decode across versions (long
+    completions, a look every 2 tokens), then ``loomrl resume``: every prompt trained once,
+    the accounting closes."""
+    train, _ = tiny_data
+    raw = tiny_job_raw(
+        tmp_path,
+        train,
+        None,
+        generation={"max_new_tokens": 24, "inflight_updates": True, "inflight_every_tokens": 2},
+        algorithm={"max_staleness": 2},
+        trainer={"num_steps": 16},
+        checkpoint={"every_steps": 3, "keep": 50},
+    )
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(json_to_toml(raw))
+    run_dir = Path(raw["output_dir"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomrl.cli", "run", str(job_file)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    steps = lambda: [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]  # noqa: E731
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and max(steps(), default=0) < 7:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    last = latest_checkpoint(run_dir / "checkpoints")
+    assert last is not None and int(last.name.split("_")[1]) < 16
+    result = resume_job(run_dir)
+    assert result.summary["steps"] == 16
+    trained = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["controller"]["stream"]
+    trained = trained["trained"]
+    assert len(trained) == 16 * 4 and len(set(trained)) == len(trained)
+    assert (
+        trained[: len(before := load_checkpoint(last)["controller"]["stream"]["trained"])] == before
+    )
+    s = result.summary
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    assert any(r.get("generation/inflight_updates", 0) > 0 for r in read_metrics(run_dir))
