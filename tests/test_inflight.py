@@ -28,7 +28,7 @@ from loomrl.telemetry.metrics import read_metrics
 from loomrl.training.checkpoint import latest_checkpoint, load_checkpoint
 from loomrl.training.prefix import build_prefix_batch
 from loomrl.training.step_stats import _Accumulator, add_current_version_stats
-from loomrl.training.trainer import build_token_batch
+from loomrl.training.trainer import build_token_batch, token_logprobs
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 from loomrl.weights import encode_update
 from loomrl.weights.params import published_state
@@ -244,6 +244,37 @@ def test_an_update_between_cuda_graph_replays_matches_the_weights_stepped_by_han
     assert result.token_ids[0] == tokens and versions == result.token_versions[0]
     assert result.logprobs[0] == pytest.approx(logprobs, abs=1e-3)
     assert result.engine_metrics["generation/cuda_graphs"] >= 1
+
+
+def test_the_trainer_rescores_the_new_versions_tokens_exactly_only_when_the_prefix_is_recomputed(
+    model_and_tok,
+):
+    """The parity the trainer measures at equal versions: after a cut (partial rollouts) a
+    token's behaviour log-prob is the new version's over a prefix it computed itself, which
+    the trainer's forward at that version reproduces; over a kept cache it is the new weights
+    attending to keys and values the old ones computed, which no single version's forward
+    gives: the gap the parity metrics then show for those tokens is the kept cache's."""
+    model, tok = model_and_tok
+    states = weight_sets(model, 2)
+    trainer_model = copy.deepcopy(model)
+    load(trainer_model, states[1])
+    gaps = {}
+    for partial in (False, True):
+        gen, sender = inflight_generator(model, tok, every=3, partial=partial)
+        sender.send(encode_update(None, states[0], version=0, base_version=None))
+        gen.apply_weights(0)
+        sender.send(encode_update(None, states[1], version=1, base_version=None))
+        (result,) = gen.generate([GenerationRequest(tok(PROMPT).input_ids, 1, SAMPLING, SEED)])
+        (group,) = Group.from_results(
+            [(0, 0)], [tok(PROMPT).input_ids], [{"q": PROMPT}], "q", [result], None
+        )
+        batch = build_token_batch(list(group), [0.0], 1, tok.pad_token_id)
+        with torch.no_grad():
+            logp, _ = token_logprobs(trainer_model, batch, temperature=SAMPLING.temperature)
+        same = batch.same_version.float() * batch.target_mask
+        assert same.sum() == len(result.token_ids[0]) - 3  # the tokens version 1 sampled
+        gaps[partial] = float(((logp - batch.behaviour).abs() * same).max())
+    assert gaps[True] < 1e-5 < 1e-3 < gaps[False]
 
 
 def test_without_an_update_inflight_changes_nothing(model_and_tok):
