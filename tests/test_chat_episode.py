@@ -186,6 +186,10 @@ def test_trained_ids_are_the_sampled_ids_with_the_templates_observations_between
     for prompt in gen.prompts[0]:
         assert prompt == ep.prompt_ids + ep.completion_ids[: len(prompt) - len(ep.prompt_ids)]
     assert ep.version == 5 and "[tool multiply] 408" in ep.completion
+    # each sampled token keeps the version of its call (5, 6, 7), next to its log-prob
+    assert [v for v, m in zip(ep.token_versions, ep.loss_mask) if m] == [
+        5 + turn for turn, ids in enumerate(gen.sampled[0]) for _ in ids
+    ]
     metrics = stats.metrics()
     assert metrics["episode/calls_multiply"] == 2 and metrics["episode/turns_mean"] == 3
     assert metrics["episode/valid_call_frac"] == 1.0 and metrics["episode/end_answered"] == 1
@@ -229,6 +233,7 @@ def test_the_per_turn_fallback_trains_each_turn_on_the_templates_rendering():
         )
         assert r.prompt_ids == tok(rendered, add_special_tokens=False).input_ids
     assert [r.version for r in rollouts] == [5, 6, 7]
+    assert all(r.token_versions is None for r in rollouts)  # one version within each turn
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,8 @@ def test_reward_is_the_sum_and_version_the_minimum():
     (three,), _ = run([CountingEnv(turns=3)])
     assert three.reward == 3.0 and three.num_turns == 3
     assert three.version == 3  # versions 3, 4, 5 over the turns
+    # each token's own version (an observation: its turn's), for the per-token parity metrics
+    assert three.token_versions == [3, 3, 3, 3, 4, 4, 4, 4, 5, 5]
     assert three.status == "ok" and three.prompt_index == 7 and three.row["extra"] == 1
 
 
@@ -126,3 +128,36 @@ def test_a_failing_reset_fails_only_its_own_rollout():
     assert bad.status == "failed" and "reset raised" in bad.error and bad.completion_ids == []
     assert good.status == "ok" and good.reward == 1.0
     assert len(gen.calls[0]) == 1
+
+
+def test_a_turn_whose_weights_changed_mid_request_keeps_each_tokens_version():
+    class InflightGenerator(FakeGenerator):
+        async def __call__(self, requests):
+            results = await super().__call__(requests)  # version 3, then 4 ...
+            return [
+                GenerationResult.from_columns(
+                    r.token_ids,
+                    r.logprobs,
+                    r.finish_reasons,
+                    None,
+                    r.version,
+                    [[r.version, r.version + 1]],  # the second token sampled one version on
+                )
+                for r in results
+            ]
+
+    gen = InflightGenerator()
+    (ep,) = asyncio.run(
+        run_group_episodes(
+            [CountingEnv(turns=2)],
+            {"prompt": "P?"},
+            0,
+            generate=gen,
+            encode=encode,
+            decode=decode,
+            sampling=SamplingParams(max_new_tokens=2),
+            max_turns=2,
+            seed=5,
+        )
+    )
+    assert ep.version == 3 and ep.token_versions == [3, 4, 4, 4, 4, 5]

@@ -64,13 +64,16 @@ class GenerationResult:
     finish_reasons: list[str]
     # The detokenized completions; None when the engine did not make them.
     texts: list[str] | None
-    # The policy version of the weights that produced every completion.
+    # The policy version of the oldest weights behind any of its tokens (the call's first).
     version: int = 0
     # Seconds the generator paused to apply updates before this call.
     weight_apply_s: float = 0.0
     # The generator's weight_sync/* and the engine's generation/* totals.
     weight_metrics: dict[str, float] = field(default_factory=dict)
     engine_metrics: dict[str, float] = field(default_factory=dict)
+    # The version that sampled each token, per completion, where weights changed during the
+    # request (generation.inflight_updates); None: every token was sampled at ``version``.
+    token_versions: list[list[int]] | None = None
 
     @classmethod
     def from_columns(
@@ -80,8 +83,11 @@ class GenerationResult:
         finish_reasons: list[str],
         texts: list[str] | None,
         version: int,
+        token_versions: list[list[int]] | None = None,
     ) -> GenerationResult:
-        """The result of these columns, checked to be one entry per completion."""
+        """The result of these columns, checked to be one entry per completion. With
+        ``token_versions`` (per completion, the version that sampled each token) its
+        ``version`` is their oldest, and the column is kept only where some token's differs."""
         if (
             not len(token_ids)
             == len(logprobs)
@@ -93,7 +99,23 @@ class GenerationResult:
                 f"token_ids, {len(logprobs)} logprobs, {len(finish_reasons)} finish_reasons, "
                 f"{'no' if texts is None else len(texts)} texts)"
             )
-        return cls(token_ids, logprobs, finish_reasons, texts, version)
+        if token_versions is not None:  # the oldest version behind a token, if any
+            version = min((min(row) for row in token_versions if row), default=version)
+        result = cls(token_ids, logprobs, finish_reasons, texts, version)
+        if token_versions is not None and any(v != version for row in token_versions for v in row):
+            if list(map(len, token_versions)) != list(map(len, token_ids)):
+                raise ValueError(
+                    "GenerationResult.from_columns: token_versions differ in length from token_ids"
+                )
+            result.token_versions = token_versions
+        return result
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version behind any of its tokens (``version`` when they all share it)."""
+        if self.token_versions is None:
+            return self.version
+        return max((max(row) for row in self.token_versions if row), default=self.version)
 
     @property
     def has_texts(self) -> bool:
@@ -103,6 +125,19 @@ class GenerationResult:
     def __len__(self) -> int:
         """How many completions."""
         return len(self.token_ids)
+
+
+def sampled_versions(result: GenerationResult, i: int = 0) -> list[int]:
+    """The version that sampled each token of ``result``'s completion ``i``."""
+    if result.token_versions is not None:
+        return list(result.token_versions[i])
+    return [result.version] * len(result.token_ids[i])
+
+
+def versions_column(per_token: list[int], version: int) -> list[int] | None:
+    """A rollout's ``token_versions``: ``per_token``, or None where every token is at
+    ``version`` (the rollout's own: nothing to carry)."""
+    return per_token if any(v != version for v in per_token) else None
 
 
 class PartedReward(float):
@@ -155,6 +190,8 @@ class Rollout:
     num_turns: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     failure: FailureKind | None = None  # set with status "failed", where the failure is made
+    # The version that sampled each completion token (None: all at ``version``)
+    token_versions: list[int] | None = None
 
 
 @_pickled_by_fields
@@ -187,6 +224,8 @@ class Group:
     errors: list[str | None] | None = None
     num_turns: list[int] | None = None
     timings: list[dict[str, float]] | None = None
+    # per rollout, the version that sampled each token (None: all at the rollout's version)
+    token_versions: list[list[int] | None] | None = None
     # Tokens to train on, counted where they were made (None: count them).
     num_tokens: int | None = field(default=None, compare=False)
 
@@ -233,6 +272,7 @@ class Group:
                     result.finish_reasons,
                     [result.version] * n,
                     [None] * n,
+                    token_versions=result.token_versions,
                     num_tokens=sum(map(len, ids)),
                 )
             )
@@ -267,6 +307,7 @@ class Group:
             column("error", lambda r: None),
             column("num_turns", lambda r: 1),
             column("timings", lambda r: {}),
+            column("token_versions", lambda r: None),
         )
 
     def __iter__(self) -> Iterator[Rollout]:
@@ -300,6 +341,7 @@ class Group:
                 1 if turns is None else turns,
                 {} if timings is None else timings,
                 failure,
+                token_versions,
             )
             for (
                 prompt_ids,
@@ -316,6 +358,7 @@ class Group:
                 turns,
                 timings,
                 failure,
+                token_versions,
             ) in zip(*self._row_columns())
         ]
 
@@ -337,6 +380,7 @@ class Group:
             self.num_turns or repeat(None),
             self.timings or repeat(None),
             self.failures or repeat(None),
+            self.token_versions or repeat(None),
         )
 
     def fail(self, i: int, kind: FailureKind, error: str) -> None:

@@ -28,13 +28,13 @@ from loomrl.scoring.base import group_payload
 from loomrl.types import GenerationRequest, GenerationResult, Group, SamplingParams
 
 # (read per result with map: a request has up to a few hundred results)
-_weight_apply_s, _weight_metrics, _engine_metrics, _version, _prompt_ids, _has_texts = (
+_weight_apply_s, _weight_metrics, _engine_metrics, _newest_version, _prompt_ids, _has_texts = (
     operator.attrgetter(a)
     for a in (
         "weight_apply_s",
         "weight_metrics",
         "engine_metrics",
-        "version",
+        "newest_version",
         "prompt_ids",
         "has_texts",
     )
@@ -118,7 +118,7 @@ def _read_reports(
         sum(map(_weight_apply_s, results)),
         weight[-1] if weight else None,
         engine[-1] if engine else None,
-        max(map(_version, results), default=-1),
+        max(map(_newest_version, results), default=-1),  # what the generator now holds
         results if then is None else then(results),
     )
 

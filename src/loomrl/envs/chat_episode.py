@@ -37,7 +37,13 @@ from loomrl.envs.episode_stats import EpisodeStats
 from loomrl.envs.tool_parsers import Parser
 from loomrl.envs.tools import ToolLog, ToolRunner
 from loomrl.scoring.calls import RewardFailure, check_value  # a reward function's bounds
-from loomrl.types import GenerationRequest, Rollout, SamplingParams
+from loomrl.types import (
+    GenerationRequest,
+    Rollout,
+    SamplingParams,
+    sampled_versions,
+    versions_column,
+)
 
 CUT_MARKER = "\n[... cut: {} more tokens]"
 
@@ -69,7 +75,11 @@ class _Chat:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    turns: list[tuple[list[int], list[int], list[float], int, str]] = field(default_factory=list)
+    # per turn (per_turn_samples): context, ids, log-probs, the version behind each id, text
+    turns: list[tuple[list[int], list[int], list[float], list[int], str]] = field(
+        default_factory=list
+    )
+    token_versions: list[int] = field(default_factory=list)  # of ``ids`` (observations: the last)
     lines: list[str] = field(default_factory=list)
     reward: float = 0.0
     versions: list[int] = field(default_factory=list)
@@ -187,15 +197,17 @@ async def _step(ep: _Chat, message: AssistantMessage) -> ChatStepResult | None:
 def _record_turn(ep: _Chat, result, context: list[int], per_turn: bool, decode) -> str:
     """The sampled ids as they came (trained), and their text."""
     ids, logprobs = list(result.token_ids[0]), list(result.logprobs[0])
+    versions = sampled_versions(result)
     ep.versions.append(result.version)
     ep.finish_reason = result.finish_reasons[0]
     text = decode(ids)
     if per_turn:
-        ep.turns.append((context, ids, logprobs, result.version, text))
+        ep.turns.append((context, ids, logprobs, versions, text))
     else:
         ep.ids += ids
         ep.logprobs += logprobs
         ep.mask += [1] * len(ids)
+        ep.token_versions += versions
     ep.lines.append(f"[assistant] {text}")
     return text
 
@@ -230,6 +242,7 @@ async def _take_turn(ep: _Chat, result, context, *, decode, limits: ChatLimits, 
     ep.ids += obs
     ep.logprobs += [0.0] * len(obs)
     ep.mask += [0] * len(obs)
+    ep.token_versions += (ep.token_versions[-1:] or ep.versions[-1:]) * len(obs)
     ep.rendered = rendered
     ep.messages.extend(step.messages)
     ep.lines += transcript(step.messages)
@@ -309,11 +322,12 @@ def _rollouts_of(
                 completion_ids=ids,
                 behaviour_logprobs=logprobs,
                 loss_mask=[1] * len(ids),
-                version=version,
+                version=min(versions, default=version),
                 completion=text,
+                token_versions=versions_column(versions, min(versions, default=version)),
                 **common,
             )
-            for context, ids, logprobs, version, text in ep.turns
+            for (context, ids, logprobs, versions, text), version in zip(ep.turns, ep.versions)
         ]
     rollout = Rollout(
         prompt_ids=ep.prompt_ids,
@@ -323,6 +337,7 @@ def _rollouts_of(
         version=min(ep.versions) if ep.versions else 0,
         completion="\n".join(ep.lines),
         num_turns=len(ep.versions),
+        token_versions=versions_column(ep.token_versions, min(ep.versions, default=0)),
         **common,
     )
     if ep.error is not None:

@@ -21,7 +21,14 @@ from typing import Any
 
 from loomrl.envs.base import Environment, StepResult
 from loomrl.scoring.calls import RewardFailure, check_value  # a reward function's bounds
-from loomrl.types import GenerationRequest, GenerationResult, Rollout, SamplingParams
+from loomrl.types import (
+    GenerationRequest,
+    GenerationResult,
+    Rollout,
+    SamplingParams,
+    sampled_versions,
+    versions_column,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +60,21 @@ class _Episode:
     done: bool = False
     error: str | None = None
 
-    def append(self, ids: list[int], logprobs: list[float], trained: bool) -> None:
+    # the version that sampled each of ``ids`` (an observation: its turn's newest)
+    token_versions: list[int] = field(default_factory=list)
+
+    def append(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        trained: bool,
+        versions: list[int] | None = None,
+    ) -> None:
         self.ids += ids
         self.logprobs += logprobs if trained else [0.0] * len(ids)
         self.mask += [1 if trained else 0] * len(ids)
+        last = self.token_versions[-1] if self.token_versions else 0
+        self.token_versions += versions if versions is not None else [last] * len(ids)
 
 
 def _strip_prefix(ids: list[int], prefix: list[int]) -> list[int]:
@@ -111,7 +129,7 @@ async def _take_turn(
     """Record the model's turn, step the environment with it, and append its observation
     (masked out of the loss) when the episode goes on."""
     ids, logprobs = result.token_ids[0], result.logprobs[0]
-    ep.append(list(ids), list(logprobs), trained=True)
+    ep.append(list(ids), list(logprobs), trained=True, versions=sampled_versions(result))
     ep.versions.append(result.version)
     ep.num_turns += 1
     ep.finish_reason = result.finish_reasons[0]
@@ -168,13 +186,14 @@ async def run_group_episodes(
 
 
 def _to_rollout(ep: _Episode, row: dict, prompt_index: int, elapsed_s: float) -> Rollout:
+    version = min(ep.versions) if ep.versions else 0
     rollout = Rollout(
         prompt_index=prompt_index,
         prompt_ids=ep.prompt_ids,
         completion_ids=ep.ids,
         behaviour_logprobs=ep.logprobs,
         loss_mask=ep.mask,
-        version=min(ep.versions) if ep.versions else 0,
+        version=version,
         prompt=ep.prompt,
         completion="".join(ep.texts),
         row=dict(row),
@@ -182,6 +201,7 @@ def _to_rollout(ep: _Episode, row: dict, prompt_index: int, elapsed_s: float) ->
         finish_reason=ep.finish_reason,
         num_turns=ep.num_turns,
         timings={"episode_s": elapsed_s},
+        token_versions=versions_column(ep.token_versions, version),
     )
     if ep.error is not None:
         rollout.status, rollout.error, rollout.reward = "failed", ep.error, None

@@ -20,11 +20,10 @@ if TYPE_CHECKING:
     # in signatures only: the receiver imports torch, this interface does not
     from loomrl.weights.receiver import WeightsApplied
 
-# (prompts, seeds, sampling) -> (token ids, log-probs, finish reasons), one row a sample
-SampleFn = Callable[
-    [list[list[int]], list[int], SamplingParams],
-    tuple[list[list[int]], list[list[float]], list[str]],
-]
+# (prompts, seeds, sampling) -> (token ids, log-probs, finish reasons), one row a sample;
+# an engine that applies updates mid-request (the hf engine's in-flight updates) returns a
+# fourth item: the version that sampled each token, per row (None: all at the call's first)
+SampleFn = Callable[[list[list[int]], list[int], SamplingParams], tuple]
 
 
 class Generator(ABC):
@@ -33,8 +32,10 @@ class Generator(ABC):
     ``generate`` samples completions and reports, per token, the log-prob of the sampled
     token under ``log_softmax(logits / temperature)`` (top-p truncation is not folded in),
     and the policy version of the weights used. Weights change only in ``apply_weights``
-    or ``update_weights``, never in the middle of a request; ``generate`` applies them
-    itself only when it is asked for a version it does not hold yet. An engine that batches
+    or ``update_weights``, never in the middle of a request (except between two decode
+    steps with the hf engine's in-flight updates, each token then reporting its version:
+    ``loomrl.generation.inflight``); ``generate`` applies them itself only when it is asked
+    for a version it does not hold yet. An engine that batches
     continuously marks its own ``generate`` ``@endpoint(concurrent=True)``.
     """
 
@@ -122,15 +123,21 @@ def sample_grouped(
             for i in indices
             for k in range(requests[i].num_samples)
         ]
-        ids, logprobs, finish = sample(prompts, seeds, requests[indices[0]].sampling)
+        ids, logprobs, finish, *more = sample(prompts, seeds, requests[indices[0]].sampling)
+        versions = more[0] if more else None
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         if stop:
-            cut_at_stop(tokenizer, stop, ids, logprobs, finish, texts)
+            cut_at_stop(tokenizer, stop, ids, logprobs, finish, texts, versions)
         start = 0
         for i in indices:
             end = start + requests[i].num_samples
             results[i] = GenerationResult.from_columns(
-                ids[start:end], logprobs[start:end], finish[start:end], texts[start:end], version
+                ids[start:end],
+                logprobs[start:end],
+                finish[start:end],
+                texts[start:end],
+                version,
+                versions[start:end] if versions is not None else None,
             )
             start = end
     return results  # type: ignore[return-value]
@@ -143,9 +150,11 @@ def cut_at_stop(
     logprobs: list[list[float]],
     finish: list[str],
     texts: list[str],
+    versions: list[list[int]] | None = None,
 ) -> None:
     """Cut each completion whose text holds a stop string, in place: its text before the
-    first one; its tokens (and log-probs) up to the shortest prefix whose text holds it,
+    first one; its tokens (their log-probs, and versions if given) up to the shortest
+    prefix whose text holds it,
     so training sees what was sampled up to the stop (vLLM's rule: the stop string is
     trained on, not shown to the reward); finish reason 'stop'. The sampling loop stops a
     sequence once it looks and sees a stop string (``_holds_stop``); the tokens sampled past
@@ -161,3 +170,5 @@ def cut_at_stop(
             prefix = tokenizer.decode(ids[row][:mid], skip_special_tokens=True)
             lo, hi = (lo, mid) if any(s in prefix for s in stop) else (mid + 1, hi)
         ids[row], logprobs[row] = ids[row][:lo], logprobs[row][:lo]
+        if versions is not None:  # (the version that sampled each token, cut alike)
+            versions[row] = versions[row][:lo]

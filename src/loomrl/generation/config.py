@@ -101,6 +101,24 @@ class GenerationConfig(Section):
         "overlap, even with max_staleness > 0; the colocate/* metrics say what the turns cost "
         "(docs/engines.md).",
     )
+    inflight_updates: bool = Field(
+        False,
+        description="Apply a newer committed weight version in the middle of a request, between two "
+        "decode steps (hf engine; docs/async.md#in-flight-updates): the KV cache of earlier tokens is "
+        "kept, every token records the version that sampled it, and a rollout's staleness is its "
+        "oldest token's. Off: updates only between generate calls.",
+    )
+    inflight_every_tokens: int = Field(
+        16,
+        gt=0,
+        description="With inflight_updates: decode steps between two looks for a newer version.",
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="With inflight_updates: at an update, requests in flight are cut and continued "
+        "as new requests (prompt + tokens so far, the prefix recomputed under the new weights) "
+        "instead of keeping the KV cache; one rollout however many cuts.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -112,5 +130,20 @@ class GenerationConfig(Section):
         if "" in self.stop:
             raise ValueError(
                 "generation.stop holds an empty string, which every completion holds; remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _inflight_fits_engine(self) -> GenerationConfig:
+        if self.partial_rollouts and not self.inflight_updates:
+            raise ValueError(
+                "generation.partial_rollouts=true cuts requests at an in-flight update: "
+                "set generation.inflight_updates=true too"
+            )
+        if self.inflight_updates and self.engine.type != "hf":
+            raise ValueError(
+                f"generation.inflight_updates=true is not built yet for the {self.engine.type!r} "
+                "engine (vLLM's AsyncLLM pause/reload/resume is planned); use engine 'hf' or "
+                "inflight_updates=false"
             )
         return self

@@ -52,6 +52,8 @@ def build_generator(cfg: GeneratorSetup, receiver) -> Generator:
         stop=gen.stop,
         quantize=engine.quantize,
         publish_quantized=ws.publish_quantized,
+        inflight_every_tokens=gen.inflight_every_tokens if gen.inflight_updates else None,
+        partial_rollouts=gen.partial_rollouts,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from loomrl.device import module_device
 from loomrl.device.offload import Swappable
 from loomrl.generation.base import Generator, sample_grouped
+from loomrl.generation.inflight import InflightUpdates, prompts_so_far, token_versions
 from loomrl.generation.static_decode import StaticDecoder, static_decode_unsupported
 from loomrl.generation.traced import KVForward
 from loomrl.models.cache import can_repeat, probe_can_repeat, repeat_cache
@@ -33,6 +35,20 @@ logger = logging.getLogger(__name__)
 
 # decode steps between "is every sequence done?" host syncs on a GPU
 EOS_CHECK_EVERY_ACCELERATOR = 8
+
+
+@dataclass
+class _Decode:
+    """A batch's decode state: the next token's logits, the KV cache (or the static step
+    holding it), the attention mask, each row's next position and the cache slot the next
+    step writes."""
+
+    logits: torch.Tensor
+    cache: Any
+    attention: torch.Tensor | None
+    next_pos: torch.Tensor
+    static: Any
+    slot: int
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -84,6 +100,8 @@ class HFGenerator(Generator):
         stop: list[str] | None = None,
         quantize: str = "none",
         publish_quantized: bool = False,
+        inflight_every_tokens: int | None = None,
+        partial_rollouts: bool = False,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -114,6 +132,8 @@ class HFGenerator(Generator):
         if eos_check_every < 1:
             raise ValueError(f"eos_check_every must be >= 1, got {eos_check_every}")
         self.eos_check_every = eos_check_every
+        # in-flight updates: a newer version applied between decode steps (None: between calls)
+        self.inflight = InflightUpdates.every_tokens(inflight_every_tokens, partial_rollouts)
 
     def _static_decoder(self, static_cache: bool, cuda_graphs: bool) -> StaticDecoder | None:
         if not static_cache:
@@ -225,12 +245,20 @@ class HFGenerator(Generator):
         applied = self._apply_for(requests, apply_newest)
         if not requests:
             return []
+        if self.inflight is not None:
+            self.inflight.call_apply_s = 0.0
         results = self._generate_grouped(requests)
         self._report_apply(results, applied)
-        if self._traced is not None or self._static is not None:
+        if self.inflight is not None and self.inflight.call_apply_s > 0:  # paused mid-request too
+            results[0].weight_apply_s += self.inflight.call_apply_s
+            if self.receiver.subscriber is not None:
+                results[0].weight_metrics = self.receiver.subscriber.metrics()
+        if self._traced is not None or self._static is not None or self.inflight is not None:
             metrics = self._traced.metrics("generation") if self._traced is not None else {}
             if self._static is not None:
                 metrics.update(self._static.metrics("generation"))
+            if self.inflight is not None:
+                metrics.update(self.inflight.metrics("generation"))
             results[0].engine_metrics = metrics
         return results
 
@@ -240,22 +268,21 @@ class HFGenerator(Generator):
     @torch.no_grad()
     def _sample(
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        n = len(prompts)
+    ) -> tuple:
+        """Token ids, log-probs and finish reasons per sequence; with in-flight updates also
+        the version that sampled each token (``loomrl.generation.inflight``)."""
         uniforms = self._uniforms(seeds, sampling.max_new_tokens)  # [max_new_tokens, n]
         if self.trace and self._traced is None:
             self._start_tracing()
-        logits, cache, attention, positions = self._prefill(prompts)
-        static = self._start_static(cache, attention, sampling.max_new_tokens)
-        width = positions.shape[1]
-        step_tokens, step_logprobs, step_live = [], [], []
-        done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        next_pos = positions[:, -1] + 1
+        decode = self._start_decode(prompts, sampling.max_new_tokens)
+        step_tokens, step_logprobs, step_live, step_versions = [], [], [], []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
         for step in range(sampling.max_new_tokens):
-            chosen, chosen_logp = self._pick(logits, uniforms[step], sampling)
+            chosen, chosen_logp = self._pick(decode.logits, uniforms[step], sampling)
             step_tokens.append(chosen)
             step_logprobs.append(chosen_logp)
             step_live.append(~done)
+            step_versions.append(self.version)  # of the forward that made these logits
             done = done | (
                 chosen == self.eos_id
                 if self._eos_tensor is None
@@ -267,17 +294,39 @@ class HFGenerator(Generator):
                 break
             if (step + 1) % self.eos_check_every == 0 and bool(done.all()):  # (a host sync)
                 break
-            step_ids = chosen.masked_fill(done, self.pad_id).unsqueeze(1)
-            if static is not None:
-                logits = static.run(step_ids, next_pos.unsqueeze(1), width + step)
-            else:
-                if attention is not None:
-                    attention = torch.cat(
-                        [attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1
+            # between two decode steps: a newer version, if any, lands here and only here
+            if self.inflight is not None and self.inflight.due(step):
+                if self.inflight.look(self.receiver) and self.inflight.recompute:
+                    remaining = sampling.max_new_tokens - step - 1
+                    decode = self._start_decode(  # cut: continued as prompt + tokens so far
+                        prompts_so_far(prompts, step_tokens, step_live), remaining
                     )
-                logits, cache = self._forward(step_ids, attention, next_pos.unsqueeze(1), cache)
-            next_pos = next_pos + 1
-        return self._completions(step_tokens, step_logprobs, step_live)
+                    continue
+            self._decode_step(decode, chosen.masked_fill(done, self.pad_id).unsqueeze(1))
+        ids, lps, finish = self._completions(step_tokens, step_logprobs, step_live)
+        if self.inflight is None:
+            return ids, lps, finish
+        return ids, lps, finish, token_versions(step_versions, ids)
+
+    def _start_decode(self, prompts: list[list[int]], max_new_tokens: int) -> _Decode:
+        """The prompts prefilled: the first token's logits and the state the steps advance."""
+        logits, cache, attention, positions = self._prefill(prompts)
+        static = self._start_static(cache, attention, max_new_tokens)
+        return _Decode(logits, cache, attention, positions[:, -1] + 1, static, positions.shape[1])
+
+    def _decode_step(self, decode: _Decode, step_ids: torch.Tensor) -> None:
+        """One forward over the step's tokens: ``decode`` holds the next token's logits."""
+        if decode.static is not None:
+            decode.logits = decode.static.run(step_ids, decode.next_pos.unsqueeze(1), decode.slot)
+        else:
+            if decode.attention is not None:
+                ones = torch.ones((step_ids.shape[0], 1), dtype=torch.long, device=self.device)
+                decode.attention = torch.cat([decode.attention, ones], dim=1)
+            decode.logits, decode.cache = self._forward(
+                step_ids, decode.attention, decode.next_pos.unsqueeze(1), decode.cache
+            )
+        decode.next_pos = decode.next_pos + 1
+        decode.slot += 1
 
     def _holds_stop(self, step_tokens: list[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
         """[sequences] bool: live sequences whose last tokens hold a stop string (they stop

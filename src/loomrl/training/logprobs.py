@@ -9,7 +9,7 @@ import torch
 
 from loomrl.training.chunked import chunked_logprobs, final_hidden, output_weight
 from loomrl.training.packing import PackedBatch, packed_inputs
-from loomrl.training.prefix import PrefixBatch, padded_tensor, prefix_logits
+from loomrl.training.prefix import PrefixBatch, padded_tensor, prefix_logits, same_version_mask
 from loomrl.types import Rollout
 
 
@@ -20,7 +20,7 @@ class TokenBatch:
     target_mask: torch.Tensor  # [batch, seq-1] 1 where the next token is a trained completion token
     behaviour: torch.Tensor  # [batch, seq-1] behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [batch]
-    same_version: torch.Tensor  # [batch] bool: rollout version == trainer version
+    same_version: torch.Tensor  # [batch] or [batch, seq-1] bool: sampled at the trainer's version
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(
@@ -58,7 +58,7 @@ def build_token_batch(
             torch.float32,
         ),
         torch.tensor(advantages, dtype=torch.float32),
-        torch.tensor([r.version == version for r in rollouts]),
+        same_version_mask(rollouts, version, width - 1, list(map(len, shift))),
     )
 
 

@@ -43,7 +43,7 @@ class PackedBatch:
     target_mask: torch.Tensor  # [rows, width-1] as TokenBatch's
     behaviour: torch.Tensor  # [rows, width-1]
     advantages: torch.Tensor  # [rows]
-    same_version: torch.Tensor  # [rows] bool: rollout version == trainer version
+    same_version: torch.Tensor  # [rows] or [rows, seq-1] bool: sampled at the trainer's version
 
     def to(self, device: torch.device) -> PackedBatch:
         return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))

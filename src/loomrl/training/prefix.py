@@ -35,7 +35,7 @@ class PrefixBatch:
     target_mask: torch.Tensor  # [rows, S] 1 where a completion token is trained
     behaviour: torch.Tensor  # [rows, S] behaviour log-probs of those tokens
     advantages: torch.Tensor  # [rows]
-    same_version: torch.Tensor  # [rows] bool: rollout version == trainer version
+    same_version: torch.Tensor  # [rows] or [rows, S] bool: sampled at the trainer's version
 
     def to(self, device: torch.device) -> PrefixBatch:
         return PrefixBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -49,6 +49,23 @@ def padded_tensor(rows: list[list], width: int, fill, dtype: torch.dtype) -> tor
     """``rows`` right-padded with ``fill`` to ``width``, as one tensor: one ``torch.tensor``
     call for the batch, not a slice assignment per row."""
     return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
+
+
+def same_version_mask(
+    rollouts: list[Rollout], version: int, width: int, lead: list[int] | None = None
+) -> torch.Tensor:
+    """Which behaviour log-probs the trainer's own ``version`` sampled (the training-
+    inference parity metrics read those): ``[rows]`` bool, a rollout's tokens all at its
+    version; where some rollout's weights changed while it was generated (in-flight
+    updates: ``token_versions``), ``[rows, width]`` per token, aligned as the behaviour
+    log-probs are (``lead[i]`` positions before row ``i``'s completion)."""
+    if all(r.token_versions is None for r in rollouts):
+        return torch.tensor([r.version == version for r in rollouts])
+    rows = []
+    for i, r in enumerate(rollouts):
+        per_token = r.token_versions or [r.version] * len(r.completion_ids)
+        rows.append([False] * (lead[i] if lead else 0) + [v == version for v in per_token])
+    return padded_tensor(rows, width, False, torch.bool)
 
 
 def build_prefix_batch(
@@ -71,7 +88,7 @@ def build_prefix_batch(
         padded_tensor([r.loss_mask for r in rollouts], s, 0.0, torch.float32),
         padded_tensor([r.behaviour_logprobs for r in rollouts], s, 0.0, torch.float32),
         torch.tensor(advantages, dtype=torch.float32),
-        torch.tensor([r.version == version for r in rollouts]),
+        same_version_mask(rollouts, version, s),
     )
 
 

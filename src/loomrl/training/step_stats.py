@@ -109,10 +109,18 @@ def add_micro_batch_stats(
             float(over.sum()) / max(n_tokens, 1.0),
             n_tokens,
         )
-        same = batch.same_version.unsqueeze(1).float() * mask
+        same = batch.same_version  # per rollout, or per token (weights changed mid-request)
+        same = (same if same.dim() == 2 else same.unsqueeze(1)).float() * mask
+        add_current_version_stats(acc, same, n_tokens)
         if same.sum() > 0:
             add_mismatch_stats(acc, logp.detach() - batch.behaviour, same)
         add_offpolicy_stats(acc, logp.detach() - batch.behaviour, mask)
+
+
+def add_current_version_stats(acc: _Accumulator, same: torch.Tensor, n_tokens: float) -> None:
+    """``train/current_version_token_frac``: the share of trained tokens the trainer's own
+    version sampled (``same``: 1 there), what in-flight weight updates raise."""
+    acc.add("train/current_version_token_frac", float(same.sum()) / max(n_tokens, 1.0), n_tokens)
 
 
 def add_mismatch_stats(acc: _Accumulator, log_ratio: torch.Tensor, same: torch.Tensor) -> None:
