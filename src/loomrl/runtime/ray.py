@@ -27,6 +27,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -34,6 +35,7 @@ import ray.exceptions
 
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.base import role_of as base_role
+from loomrl.runtime.placement import PlacementError, choose_transport, refusal
 from loomrl.runtime.ray_actor import RayHandle
 
 if TYPE_CHECKING:
@@ -80,13 +82,58 @@ def _connect(config: RayConfig, num_cpus: float) -> bool:
     return True
 
 
+def node_label(node_id: str) -> str:
+    """A node as messages name it: its id's start and its address."""
+    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    return f"{node_id[:12]} ({address})"
+
+
+@ray.remote(num_cpus=0)
+def _reads(path: str, token: str) -> bool:
+    try:
+        return Path(path).read_text() == token
+    except OSError:
+        return False
+
+
+def files_blind_nodes(folder: str, node_ids: set[str], timeout_s: float = 60.0) -> list[str]:
+    """The nodes of ``node_ids`` that do not see the controller's ``folder``: it writes a
+    marker there and a task on each other node reads it back."""
+    # lazy: ray is optional (the ray extra)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    others = sorted(node_ids - {here})
+    if not others:
+        return []
+    token = uuid.uuid4().hex
+    marker = Path(folder) / f".loomrl-node-probe-{token[:8]}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(token)
+    try:
+        probes = [
+            _reads.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(str(marker), token)
+            for node in others
+        ]
+        seen = ray.get(probes, timeout=timeout_s)
+    finally:
+        marker.unlink(missing_ok=True)
+    return [node for node, ok in zip(others, seen, strict=True) if not ok]
+
+
 class RayRuntime(Runtime):
     """Executors as Ray actors. ``executor_names`` are the executors the job will start: a
     local cluster gets at least the CPUs they ask for, and with ``placement`` set each gets a
     bundle of one placement group, reserved before the first starts. ``transport`` is the
-    job's weight transport: on a cluster of several nodes, ``shm`` cannot reach other nodes
-    (warned), and for ``torch_dist`` the trainer hosts the group's rendezvous at
-    ``rendezvous_host``, its node's address (the controller's node unless placed)."""
+    job's weight transport; where the job named none (``transport_defaulted``) and its
+    executors may sit on several nodes, the runtime picks one that crosses machines
+    (``self.transport``, ``loomrl.runtime.placement``). Once the executors started,
+    ``wait_ready`` refuses a transport that cannot reach the generators from where the
+    trainer landed (``PlacementError``, naming the nodes). For ``torch_dist`` the trainer
+    hosts the group's rendezvous at ``rendezvous_host``, its node's address (the
+    controller's node unless placed)."""
 
     in_process = False
 
@@ -96,6 +143,8 @@ class RayRuntime(Runtime):
         torch_threads: int = 1,
         executor_names: Sequence[str] = (),
         transport: str | None = None,
+        transport_defaulted: bool = False,
+        trainer_group: bool = False,
     ) -> None:
         # lazy: torch loads in the runtime's own process, not when ray.py is imported
         import torch
@@ -115,35 +164,57 @@ class RayRuntime(Runtime):
         self.placement_group = None
         self._bundles: dict[str, int] = {}
         self._trainer_node: str | None = None
+        self._planned: dict[str, str] | None = None  # {executor: node id}, with placement
+        self.transport = transport
+        self._transport_args: dict[str, Any] = {}
         try:
-            self._plan(transport)
+            self._plan(transport, transport_defaulted, trainer_group)
         except BaseException:
             self.shutdown()
             raise
 
     def resources(self, name: str) -> dict[str, Any]:
-        """The actor options (``num_cpus``, ``num_gpus``, ``memory``) of executor ``name``."""
+        """The actor options (``num_cpus``, ``num_gpus``, ``memory``, custom ``resources``)
+        of executor ``name``."""
         role, c = role_of(name), self.config
         memory_mb = getattr(c.memory_mb, role)
         options = {"num_cpus": getattr(c.num_cpus, role), "num_gpus": getattr(c.num_gpus, role)}
         if memory_mb is not None:
             options["memory"] = memory_mb << 20
+        custom = getattr(c.resources, role)
+        if custom:
+            options["resources"] = dict(custom)
         return options
 
-    def _plan(self, transport: str | None) -> None:
+    def _plan(self, transport: str | None, defaulted: bool, trainer_group: bool) -> None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if transport == "shm" and len(nodes) > 1:
-            logger.warning(
-                "weight_sync.transport='shm' reaches only executors on the controller's node, and this Ray "
-                "cluster has %d nodes: pin the job to one node (ray.placement='pack' with room for it), or use "
-                "'torch_dist' or 'files' (docs/cluster.md)",
-                len(nodes),
-            )
         if self.config.placement is not None and self.executor_names:
             self._reserve(self.executor_names)
+        if transport is not None:
+            self.transport = choose_transport(
+                transport,
+                defaulted=defaulted,
+                planned=self._planned,
+                alive_nodes=len(nodes),
+                trainer_group=trainer_group,
+            )
+            if self.transport != transport:
+                logger.info(
+                    "weight_sync.transport is unset and the job's executors may sit on several of the "
+                    "cluster's %d nodes: using %r, which crosses machines (docs/cluster.md)",
+                    len(nodes),
+                    self.transport,
+                )
+        if self._planned is not None and self.transport is not None:
+            why = refusal(self.transport, {}, self._labels(self._planned))
+            if why is not None:  # (before any actor starts)
+                raise PlacementError(why)
+        self._plan_rendezvous(nodes)
+
+    def _plan_rendezvous(self, nodes: list[dict[str, Any]]) -> None:
         multi_node = len(nodes) > 1
         self.rendezvous_host = "127.0.0.1"
-        if transport == "torch_dist" and multi_node:
+        if self.transport == "torch_dist" and multi_node:
             node_id = self._trainer_node or ray.get_runtime_context().get_node_id()
             if self._trainer_node is None:
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
@@ -162,6 +233,7 @@ class RayRuntime(Runtime):
                 "CPU": res["num_cpus"],
                 "GPU": res["num_gpus"],
                 "memory": res.get("memory", 0),
+                **res.get("resources", {}),
             }
             bundle = {k: v for k, v in bundle.items() if v}
             if not bundle:
@@ -182,12 +254,12 @@ class RayRuntime(Runtime):
                 f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}"
             ) from None
         self._bundles = {name: i for i, name in enumerate(names)}
+        to_node = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        self._planned = {name: to_node[i] for name, i in self._bundles.items()}
         # (or a trainer group's rank 0)
         trainer = next((n for n in names if base_role(n) == "trainer"), None)
         if trainer is not None:
-            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][
-                self._bundles[trainer]
-            ]
+            self._trainer_node = self._planned[trainer]
 
     def _scheduling(self, name: str) -> dict[str, Any]:
         # lazy: ray is optional (the ray extra)
@@ -235,8 +307,33 @@ class RayRuntime(Runtime):
         self.handles.append(handle)
         return handle
 
+    def uses_transport(self, kind: str, kwargs: dict[str, Any]) -> None:
+        self.transport, self._transport_args = kind, dict(kwargs)
+
     async def wait_ready(self) -> None:
+        """Wait until every executor is built; then refuse a weight transport that cannot
+        reach the generators from where the trainer landed (``PlacementError``)."""
         await asyncio.gather(*(h.wait_started() for h in self.handles))
+        self.check_placement()
+
+    def check_placement(self) -> None:
+        """Raise ``PlacementError`` where the started executors sit on nodes that the job's
+        weight transport cannot connect (``loomrl.runtime.placement.refusal``)."""
+        if self.transport is None:
+            return
+        placement = {h.name: h.node_id for h in self.handles if h.node_id is not None}
+        kwargs = self._transport_args
+        blind: list[str] = []
+        if self.transport == "files" and "://" not in str(kwargs.get("path", "://")):
+            blind = files_blind_nodes(kwargs["path"], set(placement.values()))
+        why = refusal(
+            self.transport, kwargs, self._labels(placement), [node_label(n) for n in blind]
+        )
+        if why is not None:
+            raise PlacementError(why)
+
+    def _labels(self, placement: dict[str, str]) -> dict[str, str]:
+        return {name: node_label(node) for name, node in placement.items()}
 
     def shutdown(self) -> None:
         """Close the job's actors, remove its placement group, and shut Ray down if this
