@@ -81,8 +81,13 @@ def fake_cluster(monkeypatch):
     import loomrl.runtime.ray as ray_runtime
 
     nodes = [
-        {"NodeID": A, "Alive": True, "NodeManagerAddress": "10.0.0.1"},
-        {"NodeID": B, "Alive": True, "NodeManagerAddress": "10.0.0.2"},
+        {"NodeID": A, "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2}},
+        {
+            "NodeID": B,
+            "Alive": True,
+            "NodeManagerAddress": "10.0.0.2",
+            "Resources": {"CPU": 2, "box_b": 1},
+        },
     ]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: _FakeContext())
@@ -127,10 +132,18 @@ def test_the_runtime_picks_torch_dist_on_several_nodes_and_refuses_shm_once_plac
         RayConfig(), executor_names=names, transport="shm", transport_defaulted=True
     )
     assert unset.transport == "torch_dist" and unset.rendezvous_host == "10.0.0.1"
+    # a trainer that asks for what only node B has hosts the rendezvous there
+    on_b = fake_cluster.RayRuntime(
+        RayConfig(resources={"trainer": {"box_b": 1}}), executor_names=names, transport="torch_dist"
+    )
+    assert on_b.rendezvous_host == "10.0.0.2"
     forced = fake_cluster.RayRuntime(RayConfig(), executor_names=names, transport="shm")
     assert forced.transport == "shm"
     forced.uses_transport("shm", {"name": "abc"})
-    forced.handles = [_Recorder("trainer", None, "", {}, 1), _Recorder("generator0", None, "", {}, 1)]
+    forced.handles = [
+        _Recorder("trainer", None, "", {}, 1),
+        _Recorder("generator0", None, "", {}, 1),
+    ]
     forced.handles[0].node_id, forced.handles[1].node_id = A, A
     forced.check_placement()  # one node: shm reaches
     forced.handles[1].node_id = B

@@ -215,12 +215,25 @@ class RayRuntime(Runtime):
         multi_node = len(nodes) > 1
         self.rendezvous_host = "127.0.0.1"
         if self.transport == "torch_dist" and multi_node:
-            node_id = self._trainer_node or ray.get_runtime_context().get_node_id()
+            node_id = self._trainer_node or self._trainer_home(nodes)
             if self._trainer_node is None:
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
             self.rendezvous_host = next(
                 n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id
             )
+
+    def _trainer_home(self, nodes: list[dict[str, Any]]) -> str:
+        """The node an unplaced trainer is pinned to: the controller's, unless the trainer
+        asks for custom resources (``ray.resources.trainer``) that only other nodes have
+        (then the first of those)."""
+        here = ray.get_runtime_context().get_node_id()
+        wanted = self.resources("trainer").get("resources", {})
+        fits = [
+            n["NodeID"]
+            for n in nodes
+            if all(n.get("Resources", {}).get(k, 0) >= v for k, v in wanted.items())
+        ]
+        return here if here in fits or not fits else fits[0]
 
     def _reserve(self, names: list[str]) -> None:
         # lazy: ray is optional (the ray extra)
@@ -322,6 +335,12 @@ class RayRuntime(Runtime):
         if self.transport is None:
             return
         placement = {h.name: h.node_id for h in self.handles if h.node_id is not None}
+        if len(set(placement.values())) > 1:
+            logger.info(
+                "executors on %d nodes: %s",
+                len(set(placement.values())),
+                ", ".join(f"{n} on {node_label(node)}" for n, node in placement.items()),
+            )
         kwargs = self._transport_args
         blind: list[str] = []
         if self.transport == "files" and "://" not in str(kwargs.get("path", "://")):
