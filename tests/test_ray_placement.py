@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,8 @@ def fake_cluster(monkeypatch):
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: _FakeContext())
     monkeypatch.setattr(ray_runtime, "_connect", lambda config, num_cpus: False)
+    # every node reaches the rendezvous (tested below with real sockets)
+    monkeypatch.setattr(ray_runtime, "unreachable_nodes", lambda host_node, host, nodes: {})
     return ray_runtime
 
 
@@ -189,3 +193,41 @@ def test_paths_are_made_absolute_from_the_controllers_folder(tmp_path, monkeypat
     kept = absolute_paths(remote, Path("/abs/run"))
     assert kept.model.path == "tiny:llama" and kept.weight_sync.transport.path == "s3://b/w"
     assert kept.output_dir == "/abs/run"
+
+
+def test_a_rendezvous_some_node_cannot_reach_is_refused_before_any_actor_starts(
+    fake_cluster, monkeypatch
+):
+    from loomrl.runtime.config import RayConfig
+
+    asked = []
+
+    def unreachable(host_node, host, nodes):
+        asked.append((host_node, host, set(nodes)))
+        return {B: "ConnectionRefusedError: [Errno 111] Connection refused"}
+
+    monkeypatch.setattr(fake_cluster, "unreachable_nodes", unreachable)
+    with pytest.raises(PlacementError, match=r"node node-b \(10\.0\.0\.2\) cannot connect") as err:
+        fake_cluster.RayRuntime(
+            RayConfig(), executor_names=["trainer", "generator0"], transport="torch_dist"
+        )
+    assert "rendezvous at 10.0.0.1" in str(err.value) and "Connection refused" in str(err.value)
+    assert asked == [(A, "10.0.0.1", {A, B})]
+
+
+def test_a_connection_probe_answers_in_seconds():
+    pytest.importorskip("ray")
+    from loomrl.runtime.ray_probe import _Listener, connect_error
+
+    listener = _Listener("127.0.0.1")
+    try:
+        assert connect_error("127.0.0.1", listener.port(), timeout_s=5) is None
+    finally:
+        listener.sock.close()
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    t0 = time.monotonic()
+    why = connect_error("127.0.0.1", closed, timeout_s=1.0)
+    assert why is not None and "ConnectionRefusedError" in why
+    assert time.monotonic() - t0 < 3

@@ -124,6 +124,7 @@ def _run_on_two_nodes(base: str, tiny_data) -> None:
     # no override: the runtime picked a transport that crosses nodes, and placed as asked
     assert "using 'torch_dist'" in out.stderr
     assert "executors on 2 nodes" in out.stderr
+    assert "the 1 other node(s) reach the weight group's rendezvous" in out.stderr  # probed first
     # one run folder, the controller's, with the checkpoints the trainer wrote on node B
     run = os.path.join(job_dir, "run")
     assert s["run_dir"] == run and os.path.isdir(os.path.join(run, "final"))

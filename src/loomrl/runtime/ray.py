@@ -27,7 +27,6 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -37,6 +36,7 @@ from loomrl.runtime.base import Runtime
 from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.placement import PlacementError, choose_transport, refusal
 from loomrl.runtime.ray_actor import RayHandle
+from loomrl.runtime.ray_probe import files_blind_nodes, unreachable_nodes
 
 if TYPE_CHECKING:
     from loomrl.runtime.config import RayConfig
@@ -86,41 +86,6 @@ def node_label(node_id: str) -> str:
     """A node as messages name it: its id's start and its address."""
     address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
     return f"{node_id[:12]} ({address})"
-
-
-@ray.remote(num_cpus=0)
-def _reads(path: str, token: str) -> bool:
-    try:
-        return Path(path).read_text() == token
-    except OSError:
-        return False
-
-
-def files_blind_nodes(folder: str, node_ids: set[str], timeout_s: float = 60.0) -> list[str]:
-    """The nodes of ``node_ids`` that do not see the controller's ``folder``: it writes a
-    marker there and a task on each other node reads it back."""
-    # lazy: ray is optional (the ray extra)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    others = sorted(node_ids - {here})
-    if not others:
-        return []
-    token = uuid.uuid4().hex
-    marker = Path(folder) / f".loomrl-node-probe-{token[:8]}"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(token)
-    try:
-        probes = [
-            _reads.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote(str(marker), token)
-            for node in others
-        ]
-        seen = ray.get(probes, timeout=timeout_s)
-    finally:
-        marker.unlink(missing_ok=True)
-    return [node for node, ok in zip(others, seen, strict=True) if not ok]
 
 
 class RayRuntime(Runtime):
@@ -220,6 +185,32 @@ class RayRuntime(Runtime):
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
             self.rendezvous_host = next(
                 n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id
+            )
+            self._check_reach(node_id, nodes)
+
+    def _check_reach(self, trainer_node: str, nodes: list[dict[str, Any]]) -> None:
+        """Refuse, before any actor starts, a torch_dist group whose rendezvous (the
+        trainer's node address) some node that may hold a generator cannot connect to."""
+        if self._planned is not None:
+            candidates = {n for name, n in self._planned.items() if base_role(name) == "generator"}
+        else:
+            candidates = {n["NodeID"] for n in nodes}
+        bad = unreachable_nodes(trainer_node, self.rendezvous_host, candidates)
+        if not bad:
+            logger.info(
+                "the %d other node(s) reach the weight group's rendezvous at %s",
+                len(candidates - {trainer_node}),
+                self.rendezvous_host,
+            )
+        else:
+            raise PlacementError(
+                f"weight_sync.transport='torch_dist': the trainer's node {node_label(trainer_node)} hosts "
+                f"the weight group's rendezvous at {self.rendezvous_host}, and "
+                + "; ".join(
+                    f"node {node_label(n)} cannot connect to it ({why})" for n, why in bad.items()
+                )
+                + ": open TCP between the nodes, or start each raylet with a --node-ip-address the "
+                "others can reach (docs/cluster.md)"
             )
 
     def _trainer_home(self, nodes: list[dict[str, Any]]) -> str:
