@@ -20,6 +20,8 @@ from loomrl.session.paths import absolute_paths
 from conftest import tiny_job_raw
 
 A, B = "node-a", "node-b"
+# Ray node ids are hex (a scheduling strategy checks)
+HA, HB = "a" * 56, "b" * 56
 
 
 def test_an_unset_transport_crosses_nodes_only_where_the_executors_may():
@@ -73,7 +75,7 @@ def test_the_config_knows_an_unset_transport_and_leaves_it_out_of_config_json(tm
 
 class _FakeContext:
     def get_node_id(self) -> str:
-        return A
+        return HA
 
 
 @pytest.fixture
@@ -83,9 +85,9 @@ def fake_cluster(monkeypatch):
     import loomrl.runtime.ray as ray_runtime
 
     nodes = [
-        {"NodeID": A, "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2}},
+        {"NodeID": HA, "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2}},
         {
-            "NodeID": B,
+            "NodeID": HB,
             "Alive": True,
             "NodeManagerAddress": "10.0.0.2",
             "Resources": {"CPU": 2, "box_b": 1},
@@ -148,10 +150,13 @@ def test_the_runtime_picks_torch_dist_on_several_nodes_and_refuses_shm_once_plac
         _Recorder("trainer", None, "", {}, 1),
         _Recorder("generator0", None, "", {}, 1),
     ]
-    forced.handles[0].node_id, forced.handles[1].node_id = A, A
+    forced.handles[0].node_id, forced.handles[1].node_id = HA, HA
     forced.check_placement()  # one node: shm reaches
-    forced.handles[1].node_id = B
-    with pytest.raises(PlacementError, match=r"generator0 on node node-b \(10\.0\.0\.2\)"):
+    # and a replaced generator is started on that node, where shm reaches it
+    replaced = forced._scheduling("generator0")["scheduling_strategy"]
+    assert (replaced.node_id, replaced.soft) == (HA, False)
+    forced.handles[1].node_id = HB
+    with pytest.raises(PlacementError, match=r"generator0 on node bbbbbbbbbbbb \(10\.0\.0\.2\)"):
         forced.check_placement()
 
 
@@ -204,15 +209,17 @@ def test_a_rendezvous_some_node_cannot_reach_is_refused_before_any_actor_starts(
 
     def unreachable(host_node, host, nodes):
         asked.append((host_node, host, set(nodes)))
-        return {B: "ConnectionRefusedError: [Errno 111] Connection refused"}
+        return {HB: "ConnectionRefusedError: [Errno 111] Connection refused"}
 
     monkeypatch.setattr(fake_cluster, "unreachable_nodes", unreachable)
-    with pytest.raises(PlacementError, match=r"node node-b \(10\.0\.0\.2\) cannot connect") as err:
+    with pytest.raises(
+        PlacementError, match=r"node bbbbbbbbbbbb \(10\.0\.0\.2\) cannot connect"
+    ) as err:
         fake_cluster.RayRuntime(
             RayConfig(), executor_names=["trainer", "generator0"], transport="torch_dist"
         )
     assert "rendezvous at 10.0.0.1" in str(err.value) and "Connection refused" in str(err.value)
-    assert asked == [(A, "10.0.0.1", {A, B})]
+    assert asked == [(HA, "10.0.0.1", {HA, HB})]
 
 
 def test_a_connection_probe_answers_in_seconds():

@@ -72,6 +72,12 @@ def _one_host_reason(kind: str, kwargs: Mapping[str, Any], blind: Collection[str
     return None
 
 
+def one_host_only(kind: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether transport ``kind`` reaches executors on its sender's machine alone (``shm``,
+    CUDA IPC), so that a replaced generator must start on the node the others use."""
+    return _one_host_reason(kind, kwargs, ()) is not None
+
+
 def transport_label(kind: str, kwargs: Mapping[str, Any]) -> str:
     """``'shm'``, ``"tensor (mode 'ipc')"``, ``"files (path '/runs/x/weight_updates')"``."""
     if kind == "tensor":

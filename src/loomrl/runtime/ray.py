@@ -34,7 +34,13 @@ import ray.exceptions
 
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.base import role_of as base_role
-from loomrl.runtime.placement import PlacementError, choose_transport, refusal
+from loomrl.runtime.placement import (
+    PlacementError,
+    choose_transport,
+    one_host_only,
+    refusal,
+    weight_nodes,
+)
 from loomrl.runtime.ray_actor import RayHandle
 from loomrl.runtime.ray_probe import files_blind_nodes, unreachable_nodes
 
@@ -130,6 +136,8 @@ class RayRuntime(Runtime):
         self._bundles: dict[str, int] = {}
         self._trainer_node: str | None = None
         self._planned: dict[str, str] | None = None  # {executor: node id}, with placement
+        # the one node a one-host transport (shm) found the trainer and generators on
+        self._weights_home: str | None = None
         self.transport = transport
         self._transport_args: dict[str, Any] = {}
         try:
@@ -290,6 +298,12 @@ class RayRuntime(Runtime):
                     self._trainer_node, soft=False
                 )
             }
+        if base_role(name) == "generator" and self._weights_home is not None:
+            return {
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    self._weights_home, soft=False
+                )
+            }
         return {}
 
     def start(
@@ -341,6 +355,9 @@ class RayRuntime(Runtime):
         )
         if why is not None:
             raise PlacementError(why)
+        homes = set(weight_nodes(placement).values())
+        if one_host_only(self.transport, kwargs) and len(homes) == 1:
+            self._weights_home = homes.pop()  # a replaced generator starts there too
 
     def _labels(self, placement: dict[str, str]) -> dict[str, str]:
         return {name: node_label(node) for name, node in placement.items()}
