@@ -3,7 +3,8 @@
 ``ray.resources`` puts the trainer on node B and the generator and scorer on node A.
 
 Node B's raylet is started from its own working folder, as on a second machine. The job
-names no weight transport and gives its data and run folder as relative paths: it must
+names no weight transport and gives its data and run folder as relative paths (and the
+second job its model folder): it must
 pick one that crosses nodes, resolve the paths on the controller, and finish with its
 accounting intact; ``shm`` forced on the same placement must be refused in seconds,
 naming the nodes. Everything runs in a child process with its own Ray temp folder, so the
@@ -58,7 +59,9 @@ try:
     print("SUMMARY", json.dumps({k: s[k] for k in (
         "steps", "interrupted", "trained", "generated", "dropped_stale", "failed", "in_flight",
         "run_dir")}), flush=True)
-    forced = {**raw, "output_dir": "run_shm", "weight_sync": {"transport": "shm"}}
+    # the first run's final model, by a relative path: node B's trainer loads it too
+    model = {**raw["model"], "path": "run/final"}
+    forced = {**raw, "output_dir": "run_shm", "model": model, "weight_sync": {"transport": "shm"}}
     t0 = time.monotonic()
     try:
         Job(build_config(forced)).run(progress=False)
