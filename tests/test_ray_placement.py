@@ -238,3 +238,28 @@ def test_a_connection_probe_answers_in_seconds():
     why = connect_error("127.0.0.1", closed, timeout_s=1.0)
     assert why is not None and "ConnectionRefusedError" in why
     assert time.monotonic() - t0 < 3
+
+
+def test_a_run_folder_the_trainers_node_cannot_see_is_refused(fake_cluster, monkeypatch):
+    from loomrl.runtime.config import RayConfig
+
+    probed = []
+
+    def blind(folder, nodes):
+        probed.append((folder, set(nodes)))
+        return [n for n in nodes if n == HB]
+
+    monkeypatch.setattr(fake_cluster, "files_blind_nodes", blind)
+    rt = fake_cluster.RayRuntime(
+        RayConfig(), executor_names=["trainer", "generator0"], run_dir="/runs/x"
+    )
+    rt.handles = [_Recorder("trainer", None, "", {}, 1), _Recorder("generator0", None, "", {}, 1)]
+    rt.handles[0].node_id, rt.handles[1].node_id = HA, HB
+    rt.check_placement()  # the trainer sees it (a generator writes nothing there)
+    assert probed == [("/runs/x", {HA})]
+    rt.handles[0].node_id = HB
+    with pytest.raises(
+        PlacementError, match="output_dir must be on storage every node sees"
+    ) as err:
+        rt.check_placement()
+    assert "bbbbbbbbbbbb (10.0.0.2) does not see /runs/x" in str(err.value)

@@ -116,6 +116,7 @@ class RayRuntime(Runtime):
         transport: str | None = None,
         transport_defaulted: bool = False,
         trainer_group: bool = False,
+        run_dir: str | None = None,
     ) -> None:
         # lazy: torch loads in the runtime's own process, not when ray.py is imported
         import torch
@@ -139,6 +140,7 @@ class RayRuntime(Runtime):
         # the one node a one-host transport (shm) found the trainer and generators on
         self._weights_home: str | None = None
         self.transport = transport
+        self.run_dir = run_dir  # checked to be seen from the trainer's node, once placed
         self._transport_args: dict[str, Any] = {}
         try:
             self._plan(transport, transport_defaulted, trainer_group)
@@ -336,10 +338,12 @@ class RayRuntime(Runtime):
 
     def check_placement(self) -> None:
         """Raise ``PlacementError`` where the started executors sit on nodes that the job's
-        weight transport cannot connect (``loomrl.runtime.placement.refusal``)."""
+        weight transport cannot connect (``loomrl.runtime.placement.refusal``), or where the
+        trainer does not see the run folder it writes checkpoints into."""
+        placement = {h.name: h.node_id for h in self.handles if h.node_id is not None}
+        self._check_run_dir(placement)
         if self.transport is None:
             return
-        placement = {h.name: h.node_id for h in self.handles if h.node_id is not None}
         if len(set(placement.values())) > 1:
             logger.info(
                 "executors on %d nodes: %s",
@@ -358,6 +362,19 @@ class RayRuntime(Runtime):
         homes = set(weight_nodes(placement).values())
         if one_host_only(self.transport, kwargs) and len(homes) == 1:
             self._weights_home = homes.pop()  # a replaced generator starts there too
+
+    def _check_run_dir(self, placement: dict[str, str]) -> None:
+        trainers = {node for name, node in placement.items() if base_role(name) == "trainer"}
+        if self.run_dir is None or not trainers:
+            return
+        blind = files_blind_nodes(self.run_dir, trainers)
+        if blind:
+            raise PlacementError(
+                f"output_dir must be on storage every node sees: the trainer's node "
+                f"{', '.join(map(node_label, blind))} does not see {self.run_dir} (its checkpoints and "
+                "final/ would land on that node's disk, out of the controller's reach); put output_dir "
+                "on a shared filesystem, or keep the trainer on the controller's node (docs/cluster.md)"
+            )
 
     def _labels(self, placement: dict[str, str]) -> dict[str, str]:
         return {name: node_label(node) for name, node in placement.items()}

@@ -57,6 +57,7 @@ def make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
             transport=cfg.weight_sync.kind,
             transport_defaulted=cfg.transport_defaulted,
             trainer_group=cfg.trainer.parallel.type == "fsdp2",
+            run_dir=cfg.output_dir,
         )
     if kind == "process":
         return ProcessRuntime(torch_threads=1)
