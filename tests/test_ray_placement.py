@@ -209,7 +209,9 @@ def test_a_rendezvous_some_node_cannot_reach_is_refused_before_any_actor_starts(
 
     def unreachable(host_node, host, nodes):
         asked.append((host_node, host, set(nodes)))
-        return {HB: "ConnectionRefusedError: [Errno 111] Connection refused"}
+        return {
+            n: "ConnectionRefusedError: [Errno 111] Connection refused" for n in nodes if n == HB
+        }
 
     monkeypatch.setattr(fake_cluster, "unreachable_nodes", unreachable)
     with pytest.raises(
@@ -220,6 +222,14 @@ def test_a_rendezvous_some_node_cannot_reach_is_refused_before_any_actor_starts(
         )
     assert "rendezvous at 10.0.0.1" in str(err.value) and "Connection refused" in str(err.value)
     assert asked == [(HA, "10.0.0.1", {HA, HB})]
+    # only the nodes a generator may go to are asked: here none but the trainer's
+    asked.clear()
+    fake_cluster.RayRuntime(
+        RayConfig(resources={"generator": {"box_a": 1}}),
+        executor_names=["trainer", "generator0"],
+        transport="torch_dist",
+    )
+    assert asked == [(HA, "10.0.0.1", set())]
 
 
 def test_a_connection_probe_answers_in_seconds():

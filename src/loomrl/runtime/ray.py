@@ -203,8 +203,8 @@ class RayRuntime(Runtime):
         trainer's node address) some node that may hold a generator cannot connect to."""
         if self._planned is not None:
             candidates = {n for name, n in self._planned.items() if base_role(name) == "generator"}
-        else:
-            candidates = {n["NodeID"] for n in nodes}
+        else:  # (the nodes with the custom resources a generator asks for)
+            candidates = set(self._nodes_for("generator", nodes))
         bad = unreachable_nodes(trainer_node, self.rendezvous_host, candidates)
         if not bad:
             logger.info(
@@ -228,13 +228,17 @@ class RayRuntime(Runtime):
         asks for custom resources (``ray.resources.trainer``) that only other nodes have
         (then the first of those)."""
         here = ray.get_runtime_context().get_node_id()
-        wanted = self.resources("trainer").get("resources", {})
-        fits = [
+        fits = self._nodes_for("trainer", nodes)
+        return here if here in fits or not fits else fits[0]
+
+    def _nodes_for(self, name: str, nodes: list[dict[str, Any]]) -> list[str]:
+        """The nodes that offer the custom resources executor ``name`` asks for."""
+        wanted = self.resources(name).get("resources", {})
+        return [
             n["NodeID"]
             for n in nodes
             if all(n.get("Resources", {}).get(k, 0) >= v for k, v in wanted.items())
         ]
-        return here if here in fits or not fits else fits[0]
 
     def _reserve(self, names: list[str]) -> None:
         # lazy: ray is optional (the ray extra)
