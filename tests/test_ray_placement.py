@@ -273,3 +273,31 @@ def test_a_run_folder_the_trainers_node_cannot_see_is_refused(fake_cluster, monk
     ) as err:
         rt.check_placement()
     assert "bbbbbbbbbbbb (10.0.0.2) does not see /runs/x" in str(err.value)
+
+
+def test_a_files_folder_a_generators_node_cannot_see_is_refused(fake_cluster, monkeypatch):
+    from loomrl.runtime.config import RayConfig
+
+    probed = []
+
+    def blind(folder, nodes):
+        probed.append((folder, set(nodes)))
+        return [n for n in nodes if n == HB]
+
+    monkeypatch.setattr(fake_cluster, "files_blind_nodes", blind)
+    names = ["trainer", "generator0", "scorer0"]
+    rt = fake_cluster.RayRuntime(RayConfig(), executor_names=names, transport="files")
+    rt.uses_transport("files", {"path": "/w", "keep_fulls": 2})
+    rt.handles = [_Recorder(n, None, "", {}, 1) for n in names]
+    for handle, node in zip(rt.handles, (HA, HA, HB), strict=True):
+        handle.node_id = node
+    rt.check_placement()  # the scorer on B reads no weights: B is not asked
+    assert probed == [("/w", {HA})]
+    rt.handles[1].node_id = HB
+    with pytest.raises(PlacementError, match=r"folder /w is not seen from node\(s\) bbbbbbbbbbbb"):
+        rt.check_placement()
+    # a URL is not a local folder: nothing to probe, and it crosses machines
+    rt.uses_transport("files", {"path": "s3://bucket/w", "keep_fulls": 2})
+    probed.clear()
+    rt.check_placement()
+    assert probed == []

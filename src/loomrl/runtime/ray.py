@@ -206,13 +206,13 @@ class RayRuntime(Runtime):
         else:  # (the nodes with the custom resources a generator asks for)
             candidates = set(self._nodes_for("generator", nodes))
         bad = unreachable_nodes(trainer_node, self.rendezvous_host, candidates)
-        if not bad:
+        if not bad and candidates - {trainer_node}:
             logger.info(
                 "the %d other node(s) reach the weight group's rendezvous at %s",
                 len(candidates - {trainer_node}),
                 self.rendezvous_host,
             )
-        else:
+        elif bad:
             raise PlacementError(
                 f"weight_sync.transport='torch_dist': the trainer's node {node_label(trainer_node)} hosts "
                 f"the weight group's rendezvous at {self.rendezvous_host}, and "
@@ -357,7 +357,7 @@ class RayRuntime(Runtime):
         kwargs = self._transport_args
         blind: list[str] = []
         if self.transport == "files" and "://" not in str(kwargs.get("path", "://")):
-            blind = files_blind_nodes(kwargs["path"], set(placement.values()))
+            blind = files_blind_nodes(kwargs["path"], set(weight_nodes(placement).values()))
         why = refusal(
             self.transport, kwargs, self._labels(placement), [node_label(n) for n in blind]
         )
