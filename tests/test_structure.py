@@ -384,9 +384,10 @@ def test_the_controller_file_stays_short():
 
 
 def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
-    # The ray runtime is two modules: the runtime (ray.py) and the actor with its handle
-    # (ray_actor.py), which only the runtime imports.
-    ray_runtime = {"loomrl.runtime.ray", "loomrl.runtime.ray_actor"}
+    # The ray runtime is three modules: the runtime (ray.py), the actor with its handle
+    # (ray_actor.py) and the probes it runs on the cluster's nodes (ray_probe.py); only the
+    # runtime imports the other two.
+    ray_runtime = {"loomrl.runtime.ray", "loomrl.runtime.ray_actor", "loomrl.runtime.ray_probe"}
     mods = _modules()
     importers, eager = [], []
     for name, (path, _) in mods.items():
@@ -412,9 +413,8 @@ def test_ray_is_imported_only_by_the_ray_runtime_and_that_only_lazily():
                 eager.append(name)
     assert sorted(set(importers)) == sorted(ray_runtime)
     assert eager == [] and "loomrl.runtime.ray" in import_graph()["loomrl.session.assembly"]
-    assert [m for m, deps in import_graph().items() if "loomrl.runtime.ray_actor" in deps] == [
-        "loomrl.runtime.ray"
-    ]
+    for inner in ("loomrl.runtime.ray_actor", "loomrl.runtime.ray_probe"):
+        assert [m for m, deps in import_graph().items() if inner in deps] == ["loomrl.runtime.ray"]
 
 
 # Capabilities declared on loomrl's own classes (``Sender.carries_tensors``,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from loomrl.config_base import Section
 from loomrl.config_common import (
@@ -79,20 +79,32 @@ class JobConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
-    @model_validator(mode="before")
+    # runtime 'ray' with no weight_sync.transport in the input: the runtime may pick one that
+    # crosses nodes (loomrl.runtime.placement); config.json then leaves it out, so a resume
+    # decides again on the cluster it runs on
+    _transport_defaulted: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _default_transport(cls, data: Any) -> Any:
+    def _default_transport(cls, data: Any, handler: Any) -> JobConfig:
         """Executors in processes or actors get weights by 'shm' where the job names no
         transport: the default is resolved on the input, before any section is built."""
         if not isinstance(data, dict) or data.get("runtime") not in ("process", "ray"):
-            return data
-        ws = data.get("weight_sync", {})
+            return handler(data)
+        ws, defaulted = data.get("weight_sync", {}), False
         if isinstance(ws, dict) and "transport" not in ws:
-            return {**data, "weight_sync": {**ws, "transport": "shm"}}
-        if isinstance(ws, WeightSyncConfig) and "transport" not in ws.model_fields_set:
+            data, defaulted = {**data, "weight_sync": {**ws, "transport": "shm"}}, True
+        elif isinstance(ws, WeightSyncConfig) and "transport" not in ws.model_fields_set:
             shm = ws.model_copy(update={"transport": ShmTransportConfig()})
-            return {**data, "weight_sync": shm}
-        return data
+            data, defaulted = {**data, "weight_sync": shm}, True
+        cfg = handler(data)
+        cfg._transport_defaulted = defaulted and cfg.runtime == "ray"
+        return cfg
+
+    @property
+    def transport_defaulted(self) -> bool:
+        """Whether ``weight_sync.transport`` is the ray runtime's default (the job named none)."""
+        return self._transport_defaulted
 
     @model_validator(mode="after")
     def _transport_fits_runtime(self) -> JobConfig:
@@ -131,8 +143,15 @@ class JobConfig(Section):
         """A ``trace`` setting resolved: 'auto' traces where executors share a process."""
         return self.runtime == "local" if setting == "auto" else bool(setting)
 
+    def dump(self, mode: str = "python") -> dict[str, Any]:
+        """The config as a dict that builds it again: a defaulted transport left out."""
+        raw = self.model_dump(mode=mode)
+        if self._transport_defaulted:
+            del raw["weight_sync"]["transport"]
+        return raw
+
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+        return json.dumps(self.dump(mode="json"), indent=2, sort_keys=True)
 
 
 # -- the rules that span sections ----------------------------------------------------------

@@ -44,7 +44,7 @@ def base_raw(config: JobConfig | str | Path | dict | None) -> tuple[dict[str, An
     if config is None:
         return {}, "Job(...)"
     if isinstance(config, JobConfig):
-        return config.model_dump(), "Job(JobConfig, ...)"
+        return config.dump(), "Job(JobConfig, ...)"
     if isinstance(config, dict):
         return dict(config), "Job(dict, ...)"
     if isinstance(config, (str, Path)):

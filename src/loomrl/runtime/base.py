@@ -214,6 +214,10 @@ class Runtime(ABC):
         with the endpoints of ``interface``; an object that lacks one of them fails the start
         (``MissingEndpointError``, here or from ``wait_ready``)."""
 
+    def uses_transport(self, kind: str, kwargs: dict[str, Any]) -> None:  # noqa: B027
+        """Told the job's weight transport (``transport_args``) before its executors start;
+        a runtime that places them on several nodes checks it against where they landed."""
+
     async def wait_ready(self) -> None:  # noqa: B027 - executors built in start() are ready
         """Wait until every started executor is built (a runtime may build them in the
         background, so that executors which must meet, like a torch_dist group, can)."""

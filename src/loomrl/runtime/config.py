@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from loomrl.config_base import Section
 
@@ -66,6 +66,42 @@ class RayMemory(Section):
     )
 
 
+# Ray's own resources, asked for by num_cpus, num_gpus and memory_mb, not as custom ones
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+CustomResources = dict[str, float]
+
+
+class RayResources(Section):
+    """Custom Ray resources per role (a node started with ``ray start --resources='{"gpu_box": 1}'``
+    offers them): an actor runs only on a node that has what its role asks for."""
+
+    trainer: CustomResources = Field(
+        default_factory=dict, description="Custom resources the trainer actor (each rank) asks for."
+    )
+    generator: CustomResources = Field(
+        default_factory=dict, description="Custom resources each generator actor asks for."
+    )
+    scorer: CustomResources = Field(
+        default_factory=dict, description="Custom resources each scorer actor asks for."
+    )
+
+    @model_validator(mode="after")
+    def _custom_only(self) -> RayResources:
+        for role in ("trainer", "generator", "scorer"):
+            for name, amount in getattr(self, role).items():
+                if name in _BUILTIN_RESOURCES:
+                    raise ValueError(
+                        f"ray.resources.{role}.{name}: {name!r} is one of Ray's own resources; "
+                        "ask for it with ray.num_cpus, ray.num_gpus or ray.memory_mb"
+                    )
+                if not amount > 0:
+                    raise ValueError(
+                        f"ray.resources.{role}.{name} = {amount}: an amount must be above 0"
+                    )
+        return self
+
+
 class RayConfig(Section):
     """``runtime = "ray"``: every executor is a Ray actor; its role (trainer, generator,
     scorer: the executor name's prefix) picks its resources."""
@@ -81,6 +117,10 @@ class RayConfig(Section):
     num_cpus: RayCpus = Field(default_factory=RayCpus)
     num_gpus: RayGpus = Field(default_factory=RayGpus)
     memory_mb: RayMemory = Field(default_factory=RayMemory)
+    resources: RayResources = Field(
+        default_factory=RayResources,
+        description="Custom Ray resources per role, e.g. generator = {gpu_box = 1}: where roles go.",
+    )
     placement: Literal["pack", "spread"] | None = Field(
         None,
         description="Reserve one placement-group bundle per executor, packed on few nodes or spread "

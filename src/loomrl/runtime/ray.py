@@ -34,7 +34,15 @@ import ray.exceptions
 
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.base import role_of as base_role
+from loomrl.runtime.placement import (
+    PlacementError,
+    choose_transport,
+    one_host_only,
+    refusal,
+    weight_nodes,
+)
 from loomrl.runtime.ray_actor import RayHandle
+from loomrl.runtime.ray_probe import files_blind_nodes, unreachable_nodes
 
 if TYPE_CHECKING:
     from loomrl.runtime.config import RayConfig
@@ -80,13 +88,23 @@ def _connect(config: RayConfig, num_cpus: float) -> bool:
     return True
 
 
+def node_label(node_id: str) -> str:
+    """A node as messages name it: its id's start and its address."""
+    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    return f"{node_id[:12]} ({address})"
+
+
 class RayRuntime(Runtime):
     """Executors as Ray actors. ``executor_names`` are the executors the job will start: a
     local cluster gets at least the CPUs they ask for, and with ``placement`` set each gets a
     bundle of one placement group, reserved before the first starts. ``transport`` is the
-    job's weight transport: on a cluster of several nodes, ``shm`` cannot reach other nodes
-    (warned), and for ``torch_dist`` the trainer hosts the group's rendezvous at
-    ``rendezvous_host``, its node's address (the controller's node unless placed)."""
+    job's weight transport; where the job named none (``transport_defaulted``) and its
+    executors may sit on several nodes, the runtime picks one that crosses machines
+    (``self.transport``, ``loomrl.runtime.placement``). Once the executors started,
+    ``wait_ready`` refuses a transport that cannot reach the generators from where the
+    trainer landed (``PlacementError``, naming the nodes). For ``torch_dist`` the trainer
+    hosts the group's rendezvous at ``rendezvous_host``, its node's address (the
+    controller's node unless placed)."""
 
     in_process = False
 
@@ -96,6 +114,9 @@ class RayRuntime(Runtime):
         torch_threads: int = 1,
         executor_names: Sequence[str] = (),
         transport: str | None = None,
+        transport_defaulted: bool = False,
+        trainer_group: bool = False,
+        run_dir: str | None = None,
     ) -> None:
         # lazy: torch loads in the runtime's own process, not when ray.py is imported
         import torch
@@ -115,41 +136,109 @@ class RayRuntime(Runtime):
         self.placement_group = None
         self._bundles: dict[str, int] = {}
         self._trainer_node: str | None = None
+        self._planned: dict[str, str] | None = None  # {executor: node id}, with placement
+        # the one node a one-host transport (shm) found the trainer and generators on
+        self._weights_home: str | None = None
+        self.transport = transport
+        self.run_dir = run_dir  # checked to be seen from the trainer's node, once placed
+        self._transport_args: dict[str, Any] = {}
         try:
-            self._plan(transport)
+            self._plan(transport, transport_defaulted, trainer_group)
         except BaseException:
             self.shutdown()
             raise
 
     def resources(self, name: str) -> dict[str, Any]:
-        """The actor options (``num_cpus``, ``num_gpus``, ``memory``) of executor ``name``."""
+        """The actor options (``num_cpus``, ``num_gpus``, ``memory``, custom ``resources``)
+        of executor ``name``."""
         role, c = role_of(name), self.config
         memory_mb = getattr(c.memory_mb, role)
         options = {"num_cpus": getattr(c.num_cpus, role), "num_gpus": getattr(c.num_gpus, role)}
         if memory_mb is not None:
             options["memory"] = memory_mb << 20
+        custom = getattr(c.resources, role)
+        if custom:
+            options["resources"] = dict(custom)
         return options
 
-    def _plan(self, transport: str | None) -> None:
+    def _plan(self, transport: str | None, defaulted: bool, trainer_group: bool) -> None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if transport == "shm" and len(nodes) > 1:
-            logger.warning(
-                "weight_sync.transport='shm' reaches only executors on the controller's node, and this Ray "
-                "cluster has %d nodes: pin the job to one node (ray.placement='pack' with room for it), or use "
-                "'torch_dist' or 'files' (docs/cluster.md)",
-                len(nodes),
-            )
         if self.config.placement is not None and self.executor_names:
             self._reserve(self.executor_names)
+        if transport is not None:
+            self.transport = choose_transport(
+                transport,
+                defaulted=defaulted,
+                planned=self._planned,
+                alive_nodes=len(nodes),
+                trainer_group=trainer_group,
+            )
+            if self.transport != transport:
+                logger.info(
+                    "weight_sync.transport is unset and the job's executors may sit on several of the "
+                    "cluster's %d nodes: using %r, which crosses machines (docs/cluster.md)",
+                    len(nodes),
+                    self.transport,
+                )
+        if self._planned is not None and self.transport is not None:
+            why = refusal(self.transport, {}, self._labels(self._planned))
+            if why is not None:  # (before any actor starts)
+                raise PlacementError(why)
+        self._plan_rendezvous(nodes)
+
+    def _plan_rendezvous(self, nodes: list[dict[str, Any]]) -> None:
         multi_node = len(nodes) > 1
         self.rendezvous_host = "127.0.0.1"
-        if transport == "torch_dist" and multi_node:
-            node_id = self._trainer_node or ray.get_runtime_context().get_node_id()
+        if self.transport == "torch_dist" and multi_node:
+            node_id = self._trainer_node or self._trainer_home(nodes)
             if self._trainer_node is None:
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
             self.rendezvous_host = next(
                 n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id
             )
+            self._check_reach(node_id, nodes)
+
+    def _check_reach(self, trainer_node: str, nodes: list[dict[str, Any]]) -> None:
+        """Refuse, before any actor starts, a torch_dist group whose rendezvous (the
+        trainer's node address) some node that may hold a generator cannot connect to."""
+        if self._planned is not None:
+            candidates = {n for name, n in self._planned.items() if base_role(name) == "generator"}
+        else:  # (the nodes with the custom resources a generator asks for)
+            candidates = set(self._nodes_for("generator", nodes))
+        bad = unreachable_nodes(trainer_node, self.rendezvous_host, candidates)
+        if not bad and candidates - {trainer_node}:
+            logger.info(
+                "the %d other node(s) reach the weight group's rendezvous at %s",
+                len(candidates - {trainer_node}),
+                self.rendezvous_host,
+            )
+        elif bad:
+            raise PlacementError(
+                f"weight_sync.transport='torch_dist': the trainer's node {node_label(trainer_node)} hosts "
+                f"the weight group's rendezvous at {self.rendezvous_host}, and "
+                + "; ".join(
+                    f"node {node_label(n)} cannot connect to it ({why})" for n, why in bad.items()
+                )
+                + ": open TCP between the nodes, or start each raylet with a --node-ip-address the "
+                "others can reach (docs/cluster.md)"
+            )
+
+    def _trainer_home(self, nodes: list[dict[str, Any]]) -> str:
+        """The node an unplaced trainer is pinned to: the controller's, unless the trainer
+        asks for custom resources (``ray.resources.trainer``) that only other nodes have
+        (then the first of those)."""
+        here = ray.get_runtime_context().get_node_id()
+        fits = self._nodes_for("trainer", nodes)
+        return here if here in fits or not fits else fits[0]
+
+    def _nodes_for(self, name: str, nodes: list[dict[str, Any]]) -> list[str]:
+        """The nodes that offer the custom resources executor ``name`` asks for."""
+        wanted = self.resources(name).get("resources", {})
+        return [
+            n["NodeID"]
+            for n in nodes
+            if all(n.get("Resources", {}).get(k, 0) >= v for k, v in wanted.items())
+        ]
 
     def _reserve(self, names: list[str]) -> None:
         # lazy: ray is optional (the ray extra)
@@ -162,6 +251,7 @@ class RayRuntime(Runtime):
                 "CPU": res["num_cpus"],
                 "GPU": res["num_gpus"],
                 "memory": res.get("memory", 0),
+                **res.get("resources", {}),
             }
             bundle = {k: v for k, v in bundle.items() if v}
             if not bundle:
@@ -182,12 +272,12 @@ class RayRuntime(Runtime):
                 f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}"
             ) from None
         self._bundles = {name: i for i, name in enumerate(names)}
+        to_node = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        self._planned = {name: to_node[i] for name, i in self._bundles.items()}
         # (or a trainer group's rank 0)
         trainer = next((n for n in names if base_role(n) == "trainer"), None)
         if trainer is not None:
-            self._trainer_node = placement_group_table(self.placement_group)["bundles_to_node_id"][
-                self._bundles[trainer]
-            ]
+            self._trainer_node = self._planned[trainer]
 
     def _scheduling(self, name: str) -> dict[str, Any]:
         # lazy: ray is optional (the ray extra)
@@ -214,6 +304,12 @@ class RayRuntime(Runtime):
                     self._trainer_node, soft=False
                 )
             }
+        if base_role(name) == "generator" and self._weights_home is not None:
+            return {
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    self._weights_home, soft=False
+                )
+            }
         return {}
 
     def start(
@@ -235,8 +331,57 @@ class RayRuntime(Runtime):
         self.handles.append(handle)
         return handle
 
+    def uses_transport(self, kind: str, kwargs: dict[str, Any]) -> None:
+        self.transport, self._transport_args = kind, dict(kwargs)
+
     async def wait_ready(self) -> None:
+        """Wait until every executor is built; then refuse a weight transport that cannot
+        reach the generators from where the trainer landed (``PlacementError``)."""
         await asyncio.gather(*(h.wait_started() for h in self.handles))
+        self.check_placement()
+
+    def check_placement(self) -> None:
+        """Raise ``PlacementError`` where the started executors sit on nodes that the job's
+        weight transport cannot connect (``loomrl.runtime.placement.refusal``), or where the
+        trainer does not see the run folder it writes checkpoints into."""
+        placement = {h.name: h.node_id for h in self.handles if h.node_id is not None}
+        self._check_run_dir(placement)
+        if self.transport is None:
+            return
+        if len(set(placement.values())) > 1:
+            logger.info(
+                "executors on %d nodes: %s",
+                len(set(placement.values())),
+                ", ".join(f"{n} on {node_label(node)}" for n, node in placement.items()),
+            )
+        kwargs = self._transport_args
+        blind: list[str] = []
+        if self.transport == "files" and "://" not in str(kwargs.get("path", "://")):
+            blind = files_blind_nodes(kwargs["path"], set(weight_nodes(placement).values()))
+        why = refusal(
+            self.transport, kwargs, self._labels(placement), [node_label(n) for n in blind]
+        )
+        if why is not None:
+            raise PlacementError(why)
+        homes = set(weight_nodes(placement).values())
+        if one_host_only(self.transport, kwargs) and len(homes) == 1:
+            self._weights_home = homes.pop()  # a replaced generator starts there too
+
+    def _check_run_dir(self, placement: dict[str, str]) -> None:
+        trainers = {node for name, node in placement.items() if base_role(name) == "trainer"}
+        if self.run_dir is None or not trainers:
+            return
+        blind = files_blind_nodes(self.run_dir, trainers)
+        if blind:
+            raise PlacementError(
+                f"output_dir must be on storage every node sees: the trainer's node "
+                f"{', '.join(map(node_label, blind))} does not see {self.run_dir} (its checkpoints and "
+                "final/ would land on that node's disk, out of the controller's reach); put output_dir "
+                "on a shared filesystem, or keep the trainer on the controller's node (docs/cluster.md)"
+            )
+
+    def _labels(self, placement: dict[str, str]) -> dict[str, str]:
+        return {name: node_label(node) for name, node in placement.items()}
 
     def shutdown(self) -> None:
         """Close the job's actors, remove its placement group, and shut Ray down if this

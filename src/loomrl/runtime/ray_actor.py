@@ -239,6 +239,11 @@ class RayHandle(ExecutorHandle):
         return f"Ray actor {info['actor_id']} pid {info['pid']} on node {info['ip']}"
 
     @property
+    def node_id(self) -> str | None:
+        """The Ray node the actor runs on, once it started (else None)."""
+        return self._info.get("node_id")
+
+    @property
     def pid(self) -> int | None:
         """The actor's process id, where that process is on this host (else None)."""
         if not self._info or self._info["node_id"] != self._driver_node:

@@ -24,6 +24,7 @@ from loomrl.scoring.executor import start_scorer_executor
 from loomrl.training.base import TrainerEndpoints
 from loomrl.training.executor import TrainerSetup, start_trainer
 from loomrl.training.fsdp import start_trainer_group
+from loomrl.weights.config import WeightSyncConfig
 from loomrl.weights.transports.setup import TransportEnds, transport_args, transport_ends
 
 
@@ -54,10 +55,23 @@ def make_runtime(kind: str, cfg: JobConfig | None = None) -> Runtime:
             torch_threads=1,
             executor_names=executor_names(cfg),
             transport=cfg.weight_sync.kind,
+            transport_defaulted=cfg.transport_defaulted,
+            trainer_group=cfg.trainer.parallel.type == "fsdp2",
+            run_dir=cfg.output_dir,
         )
     if kind == "process":
         return ProcessRuntime(torch_threads=1)
     return LocalRuntime(torch_threads=1)
+
+
+def with_runtime_transport(cfg: JobConfig, runtime: Runtime) -> JobConfig:
+    """``cfg`` with the weight transport its runtime chose: the ray runtime picks one that
+    crosses machines where the job named none and its executors may sit on several nodes."""
+    chosen = getattr(runtime, "transport", None)
+    if chosen is None or chosen == cfg.weight_sync.kind:
+        return cfg
+    ws = WeightSyncConfig.model_validate({**cfg.weight_sync.model_dump(), "transport": chosen})
+    return cfg.model_copy(update={"weight_sync": ws})
 
 
 def _job_wide(cfg: JobConfig) -> dict[str, Any]:
@@ -99,6 +113,7 @@ def open_transport_ends(cfg: JobConfig, runtime: Runtime, run_dir: Path) -> Tran
         device=cfg.model.device,
         host=runtime.rendezvous_host,
     )
+    runtime.uses_transport(kind, kwargs)
     return transport_ends(kind, kwargs, in_process=runtime.in_process)
 
 

@@ -17,8 +17,15 @@ from loomrl.config import ConfigError, JobConfig
 from loomrl.data import PromptStream
 from loomrl.run_folder import claim_run_folder, write_json_atomically
 from loomrl.runtime.supervision import FaultStats
-from loomrl.session.assembly import job_leases, make_runtime, open_transport_ends, start_executors
+from loomrl.session.assembly import (
+    job_leases,
+    make_runtime,
+    open_transport_ends,
+    start_executors,
+    with_runtime_transport,
+)
 from loomrl.session.inputs import read_inputs
+from loomrl.session.paths import absolute_paths
 from loomrl.session.run import (
     EVAL_SAMPLES_FILE,
     _make_controller,
@@ -89,6 +96,9 @@ def evaluate_job(
     cfg, source = weights_source(cfg, checkpoint)
     state = load_checkpoint(source) if source is not None else None
     run_dir = default_eval_dir(cfg)
+    if cfg.runtime == "ray":  # actors run in other working folders, maybe on other nodes
+        cfg = absolute_paths(cfg, run_dir)
+        run_dir = Path(cfg.output_dir)
     with raise_on_stop_signals(), claim_run_folder(run_dir, resume=False, overwrite=overwrite):
         inputs = read_inputs(cfg, None, None)
         (run_dir / "config.json").write_text(cfg.to_json())
@@ -113,6 +123,7 @@ def _evaluate(cfg: JobConfig, run_dir: Path, inputs, state: dict[str, Any] | Non
     configure_default_pool(cfg.sandbox)
     faults = FaultStats(cfg.faults.max_executor_restarts)
     runtime = make_runtime(cfg.runtime, cfg)
+    cfg = with_runtime_transport(cfg, runtime)
     metrics = MetricsLogger(run_dir)
     ends = leases = None
     try:

@@ -30,8 +30,10 @@ from loomrl.session.assembly import (
     open_transport_ends,
     start_executors,
     with_lease_metrics,
+    with_runtime_transport,
 )
 from loomrl.session.inputs import RunInputs, read_inputs
+from loomrl.session.paths import absolute_paths
 from loomrl.session.resume import (
     ResumedController,
     already_finished,
@@ -99,6 +101,9 @@ def run_job(
     event_loop_factory(cfg.event_loop)
     check_engine_installed(cfg)
     run_dir = default_run_dir(cfg)
+    if cfg.runtime == "ray":  # actors run in other working folders, maybe on other nodes
+        cfg = absolute_paths(cfg, run_dir)
+        run_dir = Path(cfg.output_dir)
     # one count of executor restarts for the whole job, its own restarts included
     faults = FaultStats(cfg.faults.max_executor_restarts)
     with (
@@ -206,6 +211,7 @@ def _train(
     controller: Controller | None = None
     try:
         runtime = make_runtime(cfg.runtime, cfg)
+        cfg = with_runtime_transport(cfg, runtime)
         metrics = MetricsLogger(
             run_dir, purge_step=inputs.purge_step, sinks=extra_sinks(cfg, run_dir)
         )

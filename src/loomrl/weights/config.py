@@ -147,7 +147,8 @@ class WeightSyncConfig(Section):
         description="How updates travel from trainer to generators, a table tagged by type: a byte lane "
         "('inproc', 'shm', 'files', 'torch_dist'; the codec) or the tensor lane ('tensor': device "
         "tensors, no codec; docs/weights.md). transport = 'shm' is short for the table with its defaults; "
-        "'inproc' turns into 'shm' where executors are processes.",
+        "unset, it is 'shm' where executors are processes, and on runtime 'ray' 'torch_dist' where the "
+        "trainer and generators may sit on several nodes (docs/cluster.md).",
     )
     publish_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of published weights (trainer keeps fp32 masters)."

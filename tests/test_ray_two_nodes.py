@@ -1,0 +1,139 @@
+"""runtime = "ray" on a real two-node cluster: two raylets on this host
+(``ray.cluster_utils.Cluster``), each offering its own custom resource, so that
+``ray.resources`` puts the trainer on node B and the generator and scorer on node A.
+
+Node B's raylet is started from its own working folder, as on a second machine. The job
+names no weight transport and gives its data and run folder as relative paths (and the
+second job its model folder): it must
+pick one that crosses nodes, resolve the paths on the controller, and finish with its
+accounting intact; ``shm`` forced on the same placement must be refused in seconds,
+naming the nodes. Everything runs in a child process with its own Ray temp folder, so the
+session's cluster (conftest's ``ray_cluster``) and other Ray users of this host never see
+this one; the child ends the nodes it started (``Cluster.shutdown``), never ``ray stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import ROOT, child_env, tiny_job_raw
+
+SCRIPT = r"""
+import json, logging, os, sys, time
+import ray
+from ray.cluster_utils import Cluster
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+job_dir, node_b_dir, raw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+os.chdir(job_dir)
+cluster = Cluster(
+    initialize_head=True,
+    head_node_args={"num_cpus": 3, "resources": {"node_a": 8}, "include_dashboard": False},
+)
+try:
+    os.chdir(node_b_dir)  # node B's raylet, and so its workers, run in another folder
+    cluster.add_node(num_cpus=2, resources={"node_b": 8})
+    os.chdir(job_dir)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="two-nodes",
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"],
+                                       "LOOMRL_CPU_FLAGS": "", "OMP_NUM_THREADS": "1"}})
+
+    @ray.remote(num_cpus=0, resources={"node_b": 0.01})
+    def cwd():
+        return os.getcwd()
+
+    print("NODE_B_CWD", ray.get(cwd.remote()), flush=True)
+    from loomrl.config import build_config
+    from loomrl.job import Job
+    from loomrl.runtime.placement import PlacementError
+
+    s = Job(build_config(raw)).run(progress=False).summary
+    print("SUMMARY", json.dumps({k: s[k] for k in (
+        "steps", "interrupted", "trained", "generated", "dropped_stale", "failed", "in_flight",
+        "run_dir")}), flush=True)
+    # the first run's final model, by a relative path: node B's trainer loads it too
+    model = {**raw["model"], "path": "run/final"}
+    forced = {**raw, "output_dir": "run_shm", "model": model, "weight_sync": {"transport": "shm"}}
+    t0 = time.monotonic()
+    try:
+        Job(build_config(forced)).run(progress=False)
+        print("SHM_NOT_REFUSED", flush=True)
+    except PlacementError as err:
+        print("REFUSED", json.dumps({"s": time.monotonic() - t0, "why": str(err)}), flush=True)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_across_two_nodes_picks_torch_dist_and_shm_is_refused(tiny_data):
+    # short: Ray's socket paths live under its temp folder (a Unix socket path is short)
+    base = tempfile.mkdtemp(prefix="lr2n-", dir="/tmp")
+    try:
+        _run_on_two_nodes(base, tiny_data)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _run_on_two_nodes(base: str, tiny_data) -> None:
+    job_dir, node_b_dir = os.path.join(base, "job"), os.path.join(base, "b")
+    os.makedirs(job_dir)
+    os.makedirs(node_b_dir)
+    train, evals = tiny_data
+    shutil.copy(train, os.path.join(job_dir, "train.jsonl"))
+    shutil.copy(evals, os.path.join(job_dir, "eval.jsonl"))
+    raw = tiny_job_raw(
+        ROOT,
+        "train.jsonl",  # relative, as the example's paths are
+        "eval.jsonl",
+        runtime="ray",
+        output_dir="run",
+        ray={
+            "num_cpus": {"trainer": 1, "generator": 1, "scorer": 1},
+            "resources": {
+                "trainer": {"node_b": 1},
+                "generator": {"node_a": 1},
+                "scorer": {"node_a": 1},
+            },
+        },
+    )
+    env = {**child_env(), "RAY_TMPDIR": os.path.join(base, "ray")}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, job_dir, node_b_dir, json.dumps(raw)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=job_dir,
+        timeout=560,
+    )
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert out.returncode == 0 and "REFUSED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
+    assert lines["NODE_B_CWD"] == node_b_dir  # node B resolves relative paths elsewhere
+    s = json.loads(lines["SUMMARY"])
+    assert s["steps"] == 4 and not s["interrupted"]
+    assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+    # no override: the runtime picked a transport that crosses nodes, and placed as asked
+    assert "using 'torch_dist'" in out.stderr
+    assert "executors on 2 nodes" in out.stderr
+    assert "the 1 other node(s) reach the weight group's rendezvous" in out.stderr  # probed first
+    # one run folder, the controller's, with the checkpoints the trainer wrote on node B
+    run = os.path.join(job_dir, "run")
+    assert s["run_dir"] == run and os.path.isdir(os.path.join(run, "final"))
+    assert os.listdir(os.path.join(run, "checkpoints"))
+    assert not os.path.exists(os.path.join(node_b_dir, "run"))
+    refused = json.loads(lines["REFUSED"])
+    assert refused["s"] < 60, refused
+    assert "weight_sync.transport=shm" in refused["why"] and "trainer on node" in refused["why"]
+    assert "generator0 on node" in refused["why"] and "'torch_dist'" in refused["why"]
