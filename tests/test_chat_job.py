@@ -111,7 +111,11 @@ def test_a_chat_job_trains_on_sampled_tokens_and_records_episodes(
         assert "[tool" in r.completion or "[user] again" in r.completion
     steps = [r for r in read_metrics(result.run_dir) if "train/loss" in r]
     assert sum(r["episode/count"] for r in steps) >= 2 * 4 * 4
-    assert "episode/turns_mean" in steps[-1] and "episode/end_answered" in steps[-1]
+    # episode/*_mean are per window: a step whose episodes all finished before the previous
+    # record has none (async); the counters by end reason are running totals, in every record
+    assert any("episode/turns_mean" in r for r in steps)
+    ends = sum(v for k, v in steps[-1].items() if k.startswith("episode/end_"))
+    assert "episode/end_answered" in steps[-1] and ends >= 2 * 4 * 4
     samples = [
         json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()
     ]
