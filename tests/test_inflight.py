@@ -438,7 +438,7 @@ def test_an_async_job_with_inflight_updates_trains_and_accounts(tiny_job, partia
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s[
         "in_flight"
     ] + s.get("dropped_zero_variance", 0)
-    assert any("generation/inflight_updates" in r for r in read_metrics(result.run_dir))
+    assert any(r.get("generation/inflight_updates", 0) > 0 for r in read_metrics(result.run_dir))
 
 
 @pytest.mark.slow
