@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from loomrl.config import AlgorithmConfig, TrainerConfig
 from loomrl.models.tiny import build_tiny_model
-from loomrl.training.packing import PackedBatch, pack_slices
+from loomrl.training.packing import PackedBatch, check_packable, pack_slices
 from loomrl.training.step_stats import _Accumulator
 from loomrl.training.trainer import Trainer, compute_advantages
 from loomrl.types import Group, Rollout
@@ -153,3 +153,22 @@ def test_packing_refuses_an_attention_without_a_packed_path():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="trainer.packing=true: attention implementation"):
         Trainer(model, tok, AlgorithmConfig(), TrainerConfig(packing=True, trace=False), 1.0)
+
+
+def test_packing_refuses_a_sliding_window_set_without_layer_types():
+    """Mistral's config (like Mixtral's, Phi-3's, Starcoder2's) has no layer_types: its
+    sliding_window, when set, applies to every layer, which the packed mask would not."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def mistral(window):
+        config = MistralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, sliding_window=window,
+        )  # fmt: skip
+        model = MistralForCausalLM(config)
+        model.set_attn_implementation("sdpa")
+        return model
+
+    with pytest.raises(ValueError, match="sliding_attention"):
+        check_packable(mistral(16))
+    check_packable(mistral(None))  # no window: full attention, packable

@@ -107,7 +107,11 @@ def check_packable(model: torch.nn.Module) -> None:
             f"trainer.packing=true: attention implementation {impl!r} has no packed path here "
             f"(supported: {sorted(MASKED) + list(VARLEN)}); set trainer.packing=false"
         )
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:  # no per-layer list (Mistral, Mixtral, Phi-3, Starcoder2): a set
+        # sliding_window applies to every layer
+        window = getattr(config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if window else "full_attention"]
     if impl in MASKED and any(t != "full_attention" for t in layer_types):
         raise ValueError(
             f"trainer.packing=true: layer types {sorted(set(layer_types))} under {impl!r} "
