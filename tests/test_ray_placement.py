@@ -301,3 +301,21 @@ def test_a_files_folder_a_generators_node_cannot_see_is_refused(fake_cluster, mo
     probed.clear()
     rt.check_placement()
     assert probed == []
+
+
+def test_a_trainer_asking_for_resources_no_node_offers_is_refused_not_left_pending(fake_cluster):
+    from loomrl.runtime.config import RayConfig
+
+    with pytest.raises(PlacementError, match=r"ray.resources.trainer asks for \{'gpu_box': 1.0\}"):
+        fake_cluster.RayRuntime(
+            RayConfig(resources={"trainer": {"gpu_box": 1}}),
+            executor_names=["trainer", "generator0"],
+            transport="torch_dist",
+        )
+    # a node that offers them hosts the trainer (and the rendezvous): no error
+    rt = fake_cluster.RayRuntime(
+        RayConfig(resources={"trainer": {"box_b": 1}}),
+        executor_names=["trainer", "generator0"],
+        transport="torch_dist",
+    )
+    assert rt.rendezvous_host == "10.0.0.2"

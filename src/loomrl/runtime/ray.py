@@ -226,10 +226,18 @@ class RayRuntime(Runtime):
     def _trainer_home(self, nodes: list[dict[str, Any]]) -> str:
         """The node an unplaced trainer is pinned to: the controller's, unless the trainer
         asks for custom resources (``ray.resources.trainer``) that only other nodes have
-        (then the first of those)."""
+        (then the first of those); none offering them is an error, not an actor that waits
+        for ever."""
         here = ray.get_runtime_context().get_node_id()
         fits = self._nodes_for("trainer", nodes)
-        return here if here in fits or not fits else fits[0]
+        if not fits:
+            wanted = self.resources("trainer").get("resources", {})
+            raise PlacementError(
+                f"ray.resources.trainer asks for {wanted}, which no live node of the cluster "
+                "offers: start a raylet with them (ray start --resources '{...}') or change "
+                "ray.resources.trainer"
+            )
+        return here if here in fits else fits[0]
 
     def _nodes_for(self, name: str, nodes: list[dict[str, Any]]) -> list[str]:
         """The nodes that offer the custom resources executor ``name`` asks for."""

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import ray
 
+from loomrl.runtime.group import free_port
+
 PROBE_TIMEOUT_S = 60.0  # a probe task's start on a loaded node included
 CONNECT_TIMEOUT_S = 10.0  # a node that cannot connect within this, retrying, cannot reach
 
@@ -89,7 +91,10 @@ class _Listener:
     def __init__(self, host: str) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
+        try:  # the rendezvous' own range (below the ephemeral ports), as the group uses
+            self.sock.bind((host, free_port(host)))
+        except OSError:  # taken since the check: any port still proves the route
+            self.sock.bind((host, 0))
         self.sock.listen(128)
         threading.Thread(target=self._accept, daemon=True).start()
 

@@ -148,7 +148,8 @@ class WeightSyncConfig(Section):
         "('inproc', 'shm', 'files', 'torch_dist'; the codec) or the tensor lane ('tensor': device "
         "tensors, no codec; docs/weights.md). transport = 'shm' is short for the table with its defaults; "
         "unset, it is 'shm' where executors are processes, and on runtime 'ray' 'torch_dist' where the "
-        "trainer and generators may sit on several nodes (docs/cluster.md).",
+        "trainer and generators may sit on several nodes ('files' beside an fsdp2 trainer, whose ranks "
+        "cannot also join a weight group; docs/cluster.md).",
     )
     publish_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of published weights (trainer keeps fp32 masters)."
