@@ -319,3 +319,49 @@ def test_a_trainer_asking_for_resources_no_node_offers_is_refused_not_left_pendi
         transport="torch_dist",
     )
     assert rt.rendezvous_host == "10.0.0.2"
+
+
+def test_a_sharded_trainers_ranks_meet_at_rank_0s_node_address(fake_cluster, monkeypatch):
+    """Issue 54, item 3: on several nodes the trainer's ranks meet at rank 0's node address
+    (rank 0 pinned there, the other ranks free to go to other nodes), for every transport."""
+    from loomrl.runtime.config import RayConfig
+
+    asked = []
+
+    def unreachable(host_node, host, nodes):
+        asked.append((host_node, host, set(nodes)))
+        return {}
+
+    monkeypatch.setattr(fake_cluster, "unreachable_nodes", unreachable)
+    names = ["trainer.rank0", "trainer.rank1", "generator0"]
+    rt = fake_cluster.RayRuntime(
+        RayConfig(), executor_names=names, transport="files", trainer_group=True
+    )
+    assert rt.rendezvous_host == "10.0.0.1"  # the controller's node (A) hosts rank 0
+    rank0 = rt._scheduling("trainer.rank0")["scheduling_strategy"]
+    assert (rank0.node_id, rank0.soft) == (HA, False)
+    assert rt._scheduling("trainer.rank1") == {}  # Ray places it, on any node
+    assert asked == [(HA, "10.0.0.1", {HA, HB})]  # every node a rank may go to reaches it
+    # rank 0 asking for what only node B has: the ranks meet at B's address
+    on_b = fake_cluster.RayRuntime(
+        RayConfig(resources={"trainer": {"box_b": 1}}),
+        executor_names=names,
+        transport="files",
+        trainer_group=True,
+    )
+    assert on_b.rendezvous_host == "10.0.0.2"
+    monkeypatch.setattr(
+        fake_cluster, "unreachable_nodes", lambda host_node, host, nodes: {HB: "timed out"}
+    )
+    with pytest.raises(
+        PlacementError, match=r"fsdp2'.*trainer ranks' rendezvous at 10\.0\.0\.1.*bbbbbbbbbbbb"
+    ):
+        fake_cluster.RayRuntime(
+            RayConfig(), executor_names=names, transport="files", trainer_group=True
+        )
+    # one node: loopback, as before
+    monkeypatch.setattr(fake_cluster.ray, "nodes", lambda: [{"NodeID": HA, "Alive": True}])
+    single = fake_cluster.RayRuntime(
+        RayConfig(), executor_names=names, transport="shm", trainer_group=True
+    )
+    assert single.rendezvous_host == "127.0.0.1" and single._scheduling("trainer.rank0") == {}

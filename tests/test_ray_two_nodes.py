@@ -7,7 +7,8 @@ names no weight transport and gives its data and run folder as relative paths (a
 second job its model folder): it must
 pick one that crosses nodes, resolve the paths on the controller, and finish with its
 accounting intact; ``shm`` forced on the same placement must be refused in seconds,
-naming the nodes. Everything runs in a child process with its own Ray temp folder, so the
+naming the nodes. A second job puts an FSDP2 trainer's two ranks one on each node (issue 54,
+items 3 and 6). Everything runs in a child process with its own Ray temp folder, so the
 session's cluster (conftest's ``ray_cluster``) and other Ray users of this host never see
 this one; the child ends the nodes it started (``Cluster.shutdown``), never ``ray stop``.
 """
@@ -31,15 +32,16 @@ import ray
 from ray.cluster_utils import Cluster
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-job_dir, node_b_dir, raw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+job_dir, node_b_dir, raw, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 os.chdir(job_dir)
 cluster = Cluster(
     initialize_head=True,
-    head_node_args={"num_cpus": 3, "resources": {"node_a": 8}, "include_dashboard": False},
+    head_node_args={"num_cpus": 3, "resources": {"node_a": 8, "rank_slot": 1},
+                    "include_dashboard": False},
 )
 try:
     os.chdir(node_b_dir)  # node B's raylet, and so its workers, run in another folder
-    cluster.add_node(num_cpus=2, resources={"node_b": 8})
+    cluster.add_node(num_cpus=2, resources={"node_b": 8, "rank_slot": 1})
     os.chdir(job_dir)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="two-nodes",
@@ -52,13 +54,18 @@ try:
 
     print("NODE_B_CWD", ray.get(cwd.remote()), flush=True)
     from loomrl.config import build_config
-    from loomrl.job import Job
+    from loomrl.job import Job, resume_job
     from loomrl.runtime.placement import PlacementError
 
+    keys = ("steps", "interrupted", "trained", "generated", "dropped_stale", "failed",
+            "in_flight", "run_dir")
     s = Job(build_config(raw)).run(progress=False).summary
-    print("SUMMARY", json.dumps({k: s[k] for k in (
-        "steps", "interrupted", "trained", "generated", "dropped_stale", "failed", "in_flight",
-        "run_dir")}), flush=True)
+    print("SUMMARY", json.dumps({k: s[k] for k in keys}), flush=True)
+    if mode == "fsdp2":  # its checkpoint resumes, the ranks again on both nodes
+        steps = raw["trainer"]["num_steps"] + 2
+        s = resume_job("run", overrides=[f"trainer.num_steps={steps}"], progress=False).summary
+        print("RESUMED", json.dumps({k: s[k] for k in keys}), flush=True)
+        sys.exit(0)
     # the first run's final model, by a relative path: node B's trainer loads it too
     model = {**raw["model"], "path": "run/final"}
     forced = {**raw, "output_dir": "run_shm", "model": model, "weight_sync": {"transport": "shm"}}
@@ -87,37 +94,12 @@ def test_a_job_across_two_nodes_picks_torch_dist_and_shm_is_refused(tiny_data):
 
 
 def _run_on_two_nodes(base: str, tiny_data) -> None:
-    job_dir, node_b_dir = os.path.join(base, "job"), os.path.join(base, "b")
-    os.makedirs(job_dir)
-    os.makedirs(node_b_dir)
-    train, evals = tiny_data
-    shutil.copy(train, os.path.join(job_dir, "train.jsonl"))
-    shutil.copy(evals, os.path.join(job_dir, "eval.jsonl"))
-    raw = tiny_job_raw(
-        ROOT,
-        "train.jsonl",  # relative, as the example's paths are
-        "eval.jsonl",
-        runtime="ray",
-        output_dir="run",
-        ray={
-            "num_cpus": {"trainer": 1, "generator": 1, "scorer": 1},
-            "resources": {
-                "trainer": {"node_b": 1},
-                "generator": {"node_a": 1},
-                "scorer": {"node_a": 1},
-            },
-        },
-    )
-    env = {**child_env(), "RAY_TMPDIR": os.path.join(base, "ray")}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, job_dir, node_b_dir, json.dumps(raw)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=job_dir,
-        timeout=560,
-    )
+    raw_extra = {
+        "trainer": {"node_b": 1},
+        "generator": {"node_a": 1},
+        "scorer": {"node_a": 1},
+    }
+    out, job_dir, node_b_dir = _two_nodes(base, tiny_data, raw_extra, {}, "default")
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert out.returncode == 0 and "REFUSED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
     assert lines["NODE_B_CWD"] == node_b_dir  # node B resolves relative paths elsewhere
@@ -137,3 +119,74 @@ def _run_on_two_nodes(base: str, tiny_data) -> None:
     assert refused["s"] < 60, refused
     assert "weight_sync.transport=shm" in refused["why"] and "trainer on node" in refused["why"]
     assert "generator0 on node" in refused["why"] and "'torch_dist'" in refused["why"]
+
+
+def _two_nodes(base: str, tiny_data, resources: dict, sections: dict, mode: str):
+    """The cluster script run in a child process: (its output, job folder, node B's folder)."""
+    job_dir, node_b_dir = os.path.join(base, "job"), os.path.join(base, "b")
+    os.makedirs(job_dir)
+    os.makedirs(node_b_dir)
+    train, evals = tiny_data
+    shutil.copy(train, os.path.join(job_dir, "train.jsonl"))
+    shutil.copy(evals, os.path.join(job_dir, "eval.jsonl"))
+    raw = tiny_job_raw(
+        ROOT,
+        "train.jsonl",  # relative, as the example's paths are
+        "eval.jsonl",
+        runtime="ray",
+        output_dir="run",
+        ray={"num_cpus": {"trainer": 1, "generator": 1, "scorer": 1}, "resources": resources},
+        **sections,
+    )
+    env = {**child_env(), "RAY_TMPDIR": os.path.join(base, "ray")}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, job_dir, node_b_dir, json.dumps(raw), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=job_dir,
+        timeout=560,
+    )
+    return out, job_dir, node_b_dir
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_fsdp2_trainer_with_a_rank_on_each_node_trains_and_resumes(tiny_data):
+    """Issue 54, items 3 and 6: rank 0 on node A (the controller's), rank 1 on node B (each
+    node has one ``rank_slot``); the ranks meet at node A's address, the checkpoint lists
+    both ranks' shards, and the run resumes from it on both nodes."""
+    base = tempfile.mkdtemp(prefix="lr2f-", dir="/tmp")
+    try:
+        resources = {
+            "trainer": {"rank_slot": 1},
+            "generator": {"node_a": 1},
+            "scorer": {"node_a": 1},
+        }
+        parallel = {"micro_batch_size": 4, "parallel": {"type": "fsdp2", "dp_shard": 2}}
+        out, job_dir, _ = _two_nodes(base, tiny_data, resources, {"trainer": parallel}, "fsdp2")
+        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+        assert out.returncode == 0 and "RESUMED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
+        first, resumed = json.loads(lines["SUMMARY"]), json.loads(lines["RESUMED"])
+        assert first["steps"] == 4 and resumed["steps"] == 6 and not resumed["interrupted"]
+        for s in (first, resumed):
+            assert (
+                s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+            )
+        assert "the 1 other node(s) reach the trainer ranks' rendezvous" in out.stderr
+        assert "executors on 2 nodes" in out.stderr
+        placed = out.stderr.split("executors on 2 nodes: ", 1)[1].splitlines()[0]
+        on = dict(part.split(" on ", 1) for part in placed.split(", "))
+        assert on["trainer.rank0"] != on["trainer.rank1"], placed  # a rank on each node
+        # they met at rank 0's node address, not at loopback
+        assert "2 ranks meeting at tcp://" in out.stderr
+        assert "ranks meeting at tcp://127.0.0.1" not in out.stderr
+        checkpoints = os.path.join(job_dir, "run", "checkpoints")
+        last = sorted(os.listdir(checkpoints))[-1]
+        with open(os.path.join(checkpoints, last, "manifest.json")) as f:
+            files = json.load(f)["files"]
+        assert {"trainer/__0_0.distcp", "trainer/__1_0.distcp", "trainer/.metadata"} <= set(files)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

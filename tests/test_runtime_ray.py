@@ -80,6 +80,16 @@ class HalfWorker:
         return [tag]
 
 
+class GlooWorker:
+    """Records, when built, the interface gloo would bind to in its actor."""
+
+    def __init__(self) -> None:
+        self.at_build = os.environ.get("GLOO_SOCKET_IFNAME")
+
+    def seen(self) -> str | None:
+        return self.at_build
+
+
 def broken_factory() -> Worker:
     raise FileNotFoundError("model weights missing")
 
@@ -360,3 +370,20 @@ def test_a_runtime_that_starts_its_own_cluster_shuts_it_down(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["0", "ok"]
+
+
+def test_an_actor_binds_gloo_to_the_interface_of_its_nodes_address(runtime, ray_cluster):
+    """Issue 54, item 3: before its executor is built, an actor with no GLOO_SOCKET_IFNAME
+    of its own gets the interface that holds its Ray node's address (none for loopback)."""
+    import psutil
+
+    from loomrl.runtime.netif import interface_holding
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        pytest.skip("GLOO_SOCKET_IFNAME is set here: actors keep it (tests/test_netif.py)")
+    handle = runtime.start("trainer", GlooWorker)
+    run(runtime.wait_ready())
+    address = ray_cluster.util.get_node_ip_address()  # (the actor's node: this host)
+    expected = interface_holding(address, psutil.net_if_addrs())
+    assert run(handle.call("seen")) == expected
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # the controller's own is left alone

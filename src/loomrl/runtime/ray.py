@@ -34,6 +34,7 @@ import ray.exceptions
 
 from loomrl.runtime.base import Runtime
 from loomrl.runtime.base import role_of as base_role
+from loomrl.runtime.group import rank_name
 from loomrl.runtime.placement import (
     PlacementError,
     choose_transport,
@@ -184,38 +185,53 @@ class RayRuntime(Runtime):
             why = refusal(self.transport, {}, self._labels(self._planned))
             if why is not None:  # (before any actor starts)
                 raise PlacementError(why)
-        self._plan_rendezvous(nodes)
+        self._plan_rendezvous(nodes, trainer_group)
 
-    def _plan_rendezvous(self, nodes: list[dict[str, Any]]) -> None:
+    def _plan_rendezvous(self, nodes: list[dict[str, Any]], trainer_group: bool) -> None:
+        """Where groups of ranks meet: on a cluster of several nodes, at the address of the
+        node that hosts the rendezvous (the trainer's, or a sharded trainer's rank 0's, which
+        is pinned there) for a torch_dist weight group and for a sharded trainer's ranks;
+        loopback on one node."""
         multi_node = len(nodes) > 1
         self.rendezvous_host = "127.0.0.1"
-        if self.transport == "torch_dist" and multi_node:
+        if multi_node and (self.transport == "torch_dist" or trainer_group):
             node_id = self._trainer_node or self._trainer_home(nodes)
             if self._trainer_node is None:
                 self._trainer_node = node_id  # pinned there below: the trainer hosts the rendezvous
             self.rendezvous_host = next(
                 n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id
             )
-            self._check_reach(node_id, nodes)
+            if self.transport == "torch_dist":
+                self._check_reach(node_id, nodes, "generator", "the weight group's")
+            if trainer_group:
+                self._check_reach(node_id, nodes, "trainer", "the trainer ranks'")
 
-    def _check_reach(self, trainer_node: str, nodes: list[dict[str, Any]]) -> None:
-        """Refuse, before any actor starts, a torch_dist group whose rendezvous (the
-        trainer's node address) some node that may hold a generator cannot connect to."""
+    def _check_reach(
+        self, trainer_node: str, nodes: list[dict[str, Any]], role: str, whose: str
+    ) -> None:
+        """Refuse, before any actor starts, a group whose rendezvous (the trainer's node
+        address) some node that may hold one of its ``role`` executors cannot connect to."""
         if self._planned is not None:
-            candidates = {n for name, n in self._planned.items() if base_role(name) == "generator"}
-        else:  # (the nodes with the custom resources a generator asks for)
-            candidates = set(self._nodes_for("generator", nodes))
+            candidates = {n for name, n in self._planned.items() if base_role(name) == role}
+        else:  # (the nodes with the custom resources the role asks for)
+            candidates = set(self._nodes_for(role, nodes))
         bad = unreachable_nodes(trainer_node, self.rendezvous_host, candidates)
         if not bad and candidates - {trainer_node}:
             logger.info(
-                "the %d other node(s) reach the weight group's rendezvous at %s",
+                "the %d other node(s) reach %s rendezvous at %s",
                 len(candidates - {trainer_node}),
+                whose,
                 self.rendezvous_host,
             )
         elif bad:
+            what = (
+                "weight_sync.transport='torch_dist'"
+                if role == "generator"
+                else "trainer.parallel.type='fsdp2'"
+            )
             raise PlacementError(
-                f"weight_sync.transport='torch_dist': the trainer's node {node_label(trainer_node)} hosts "
-                f"the weight group's rendezvous at {self.rendezvous_host}, and "
+                f"{what}: the trainer's node {node_label(trainer_node)} hosts "
+                f"{whose} rendezvous at {self.rendezvous_host}, and "
                 + "; ".join(
                     f"node {node_label(n)} cannot connect to it ({why})" for n, why in bad.items()
                 )
@@ -305,8 +321,9 @@ class RayRuntime(Runtime):
                     self.placement_group, placement_group_bundle_index=self._bundles[name]
                 )
             }
-        # (the trainer, or its ranks)
-        if base_role(name) == "trainer" and self._trainer_node is not None:
+        # the trainer, or a sharded trainer's rank 0: it hosts the rendezvous (its other
+        # ranks go where Ray places them, and meet it at its node's address)
+        if name in ("trainer", rank_name("trainer", 0)) and self._trainer_node is not None:
             return {
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(
                     self._trainer_node, soft=False

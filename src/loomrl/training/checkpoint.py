@@ -113,16 +113,21 @@ def _write_folder(
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
 
-def _failed_write_message(root: Path, final: Path, err: OSError) -> str:
-    good = newest_verified(root, below=final)
-    hint = (
+def newest_verified_hint(root: Path, step: int) -> str:
+    """Which checkpoint under ``root`` older than ``step`` to resume from, as a sentence."""
+    good = newest_verified(root, below=root / f"step_{step:06d}")
+    return (
         f"the newest checkpoint that verifies is {good.name}: `loomrl resume {root.parent} --from {checkpoint_step(good)}`"
         if good is not None
         else "no earlier checkpoint verifies: there is nothing to resume from yet"
     )
+
+
+def _failed_write_message(root: Path, final: Path, err: OSError) -> str:
+    step = checkpoint_step(final)
     return (
-        f"checkpoint of step {checkpoint_step(final)} could not be written under {root} ({err}); its partial "
-        f"folder was removed; {hint}"
+        f"checkpoint of step {step} could not be written under {root} ({err}); its partial "
+        f"folder was removed; {newest_verified_hint(root, step)}"
     )
 
 

@@ -13,8 +13,12 @@ rank's pieces from whichever files hold them: a checkpoint of N ranks loads on M
 A checkpoint folder may be handed over by someone else: its ``.metadata`` and plain values
 are read without running code (``loomrl.training.dcp_reader``).
 
-Each file's sha256 is taken right after the write by the ranks (each hashes a share of the
-files, ``file_digests``) and recorded in the checkpoint's ``manifest.json``;
+Every rank reports the files it wrote (name, size and sha256, taken right after the write);
+rank 0, which commits the checkpoint, checks that it sees each of them with its size before
+anything is committed (``unseen_files``): a rank whose shard went to a disk rank 0 does not
+see (a checkpoint folder that is not shared across nodes) leaves the checkpoint uncommitted,
+the newest committed one still the latest, and the error names the rank and the file. Every
+rank's files and digests are recorded in the checkpoint's ``manifest.json``;
 ``loomrl.training.checkpoint.load_checkpoint`` verifies every one before anything loads
 and names a file that does not match.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ from loomrl.training.checkpoint import (
     SHARDED_FORMAT,
     SHARDS_DIR,
     CheckpointError,
+    newest_verified_hint,
     save_checkpoint,
     sha256_file,
 )
@@ -65,30 +71,97 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def file_digests(folder: Path) -> dict[str, str]:
-    """The sha256 of every file in ``folder`` (by name), on every rank: rank r hashes the
-    r-th, (r+N)-th ... file, and the ranks exchange what they found."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    mine = {name: sha256_file(folder / name) for name in names[rank::world]}
-    if world == 1:
-        return mine
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {name: digest for part in parts for name, digest in sorted(part.items())}
+def _writer(folder: Path):
+    """DCP's ``FileSystemWriter`` for ``folder`` that records, in ``.written``, the names of
+    the files this rank writes (its shard files; on the coordinator also ``.metadata``)."""
+    # lazy: torch.distributed's checkpoint modules load only for a sharded trainer
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingWriter(FileSystemWriter):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.written: set[str] = set()
+
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()  # (FileSystemWriter writes before it returns; the future is done)
+            self.written.update(result.storage_data.relative_path for result in future.value())
+            return future
+
+        def finish(self, metadata, results) -> None:
+            super().finish(metadata, results)
+            self.written.add(Path(self._get_metadata_path()).name)
+
+    return RecordingWriter(str(folder))
 
 
-def save_shards(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-) -> dict[str, str]:
+def own_files(folder: Path, names: set[str]) -> dict[str, list]:
+    """What this rank reports of the files it wrote into ``folder``: name -> [size, sha256]
+    (on the rank's own view of the folder, right after the write)."""
+    return {
+        name: [(folder / name).stat().st_size, sha256_file(folder / name)] for name in sorted(names)
+    }
+
+
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict:
     """Every rank writes its shards of the model and optimizer state into ``folder`` (which
-    exists, on a filesystem every rank sees); the sha256 of each file written, by name."""
+    exists, and must be on a filesystem every rank sees); this rank's report of what it
+    wrote: ``{"host": ..., "files": {name: [size, sha256]}}``."""
     # lazy: torch.distributed's checkpoint and FSDP modules load only for a sharded trainer
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=str(folder), no_dist=not _distributed())
+    writer = _writer(folder)
+    dcp.save(_state(model, optimizer), storage_writer=writer, no_dist=not _distributed())
     # dcp.save returns once rank 0 has written .metadata after every rank's shards
-    return file_digests(folder)
+    return {"host": socket.gethostname(), "files": own_files(folder, writer.written)}
+
+
+def unseen_files(folder: Path, reports: list[dict]) -> list[str]:
+    """Every file a rank reported (``reports[rank]``, as ``save_shards`` answers) that is not
+    in ``folder`` as this process sees it, or not with the size its writer reported: one
+    line each, naming the rank, its host and the file."""
+    problems = []
+    for rank, report in enumerate(reports):
+        for name, (size, _) in sorted(report["files"].items()):
+            path = folder / name
+            if not path.is_file():
+                seen = "is missing"
+            elif path.stat().st_size != size:
+                seen = f"has {path.stat().st_size} bytes"
+            else:
+                continue
+            problems.append(
+                f"rank {rank} (on {report['host']}) wrote {SHARDS_DIR}/{name} ({size} bytes), "
+                f"which here {seen}"
+            )
+    return problems
+
+
+def _gather_reports(report: dict) -> list[dict]:
+    if not _distributed():
+        return [report]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, report)
+    return parts
+
+
+def _verdict(root: Path, step: int, staging: Path, reports: list[dict]) -> str | None:
+    """On rank 0: why the checkpoint of ``step`` must not be committed, or None; the same
+    answer on every rank."""
+    problems = []
+    if not _distributed() or dist.get_rank() == 0:
+        problems = unseen_files(staging, reports)
+    verdict: list[Any] = [None]
+    if problems:
+        verdict[0] = (
+            f"checkpoint of step {step} was not committed: {'; '.join(problems)} (the "
+            f"committing rank 0 is on {socket.gethostname()}); the checkpoint folder must be "
+            f"on storage every node of the trainer group sees ({root}); "
+            f"{newest_verified_hint(root, step)}"
+        )
+    if _distributed():
+        dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
 
 
 def save_sharded_checkpoint(
@@ -96,9 +169,11 @@ def save_sharded_checkpoint(
 ) -> Path | None:
     """Checkpoint a ``ShardedTrainer`` (every rank calls it): each rank writes its shards
     into a staging folder, the same on every rank (the checkpoint root must be on a
-    filesystem all ranks see); rank 0 then moves it into the checkpoint folder with the
-    rest of the state (scheduler, version, ``extra``), atomically, as the single trainer's
-    checkpoints are written. The folder's path on rank 0, None on the others."""
+    filesystem all ranks see); rank 0 checks that it sees every file each rank wrote, then
+    moves the folder into the checkpoint folder with the rest of the state (scheduler,
+    version, ``extra``), atomically, as the single trainer's checkpoints are written. The
+    folder's path on rank 0, None on the others; a file rank 0 does not see raises a
+    ``CheckpointError`` on rank 0 (nothing committed, on any rank's view)."""
     rank = dist.get_rank() if _distributed() else 0
     staging = root / f".tmp-step_{step:06d}-shards"
     if rank == 0:
@@ -107,11 +182,18 @@ def save_sharded_checkpoint(
     if _distributed():
         dist.barrier()
     try:
-        digests = save_shards(trainer.model, trainer.optimizer, staging)
+        report = save_shards(trainer.model, trainer.optimizer, staging)
     except BaseException:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    reports = _gather_reports(report)
+    refused = _verdict(root, step, staging, reports)
+    if refused is not None:
+        shutil.rmtree(staging, ignore_errors=True)  # every rank: its own view of the folder
+        if rank == 0:
+            raise CheckpointError(refused)
+        return None
     if rank != 0:
         return None
     state = {
@@ -120,6 +202,7 @@ def save_sharded_checkpoint(
         "version": trainer.version,
         "world_size": dist.get_world_size() if _distributed() else 1,
     }
+    digests = {name: sha for part in reports for name, (_, sha) in part["files"].items()}
     return save_checkpoint(root, step, {"trainer": state, **extra}, keep, shards=(staging, digests))
 
 
