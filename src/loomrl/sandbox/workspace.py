@@ -91,8 +91,9 @@ class Workspace:
 
     Open it with ``pool.workspace()``. Calls are serialised (one exec at a time). A call
     cut at its timeout leaves the workspace usable: its process is killed, its files stay.
-    A call that loses the sandbox returns ``reason = "sandbox_lost"``; later calls raise
-    ``WorkspaceLost``.
+    A call that loses the sandbox returns ``reason = "sandbox_lost"``; a call that finds it
+    already dead, and every later call, raises ``WorkspaceLost`` (a tool's runner shows
+    either to the model as a tool error).
     """
 
     def __init__(
