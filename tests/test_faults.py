@@ -294,7 +294,7 @@ def runtime(request):
     return request.param
 
 
-def _fault_job(tiny_job, tmp_path, runtime, **faults):
+def _fault_job(tiny_job, tmp_path, runtime, weight_sync=None, **faults):
     # Sync rewards on one scorer, 8 steps, a checkpoint every 2; short deadlines so that a
     # stopped executor is found in seconds. Delta weight sync with no periodic full: a
     # restarted generator has only the full snapshot published for it.
@@ -303,7 +303,7 @@ def _fault_job(tiny_job, tmp_path, runtime, **faults):
         trainer={"num_steps": 8},
         checkpoint={"every_steps": 2},
         faults={"min_deadline_s": 3.0, "deadline_factor": 10.0, **faults},
-        weight_sync={"codec": "delta", "full_every": 1000},
+        weight_sync={"codec": "delta", "full_every": 1000, **(weight_sync or {})},
         output_dir=str(tmp_path / "run"),
     )
 
@@ -392,6 +392,34 @@ def test_a_killed_trainer_restarts_the_job_from_its_checkpoint(tiny_job, tmp_pat
     assert [r for r in records if r.get("event") == "resume"][0]["resume/from_step"] == 4
     # 5 ran again, once
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
+
+
+def test_a_killed_torch_dist_generator_restarts_the_job_from_its_checkpoint(
+    tiny_job, tmp_path, runtime, caplog
+):
+    # A member of a torch_dist weight group cannot be replaced alone (a fresh process cannot
+    # join the group): whichever call finds the loss first (the trainer's broadcast, reset by
+    # its dead peer, or the generator's own call), the job restarts from its newest
+    # checkpoint, the step trained before the loss kept (checkpointed first), and completes.
+    cfg = _fault_job(tiny_job, tmp_path, runtime, weight_sync={"transport": "torch_dist"})
+    on_record, killed = _kill_at(3, runtime, "generator0")
+    with caplog.at_level("WARNING"):
+        result = Job(cfg).run(on_record=on_record)
+    assert killed
+    faults = _assert_complete_and_accounted(result, cfg)
+    assert faults["executor/trainer_restarts"] == 1, faults
+    # found by the trainer's broadcast, the generator's own call, or both (a race)
+    found = faults["executor/weight_group_failures"] + faults["executor/generator_failures"]
+    assert found >= 1, faults
+    assert "restarting the job from step_" in caplog.text
+    records = read_metrics(result.run_dir)
+    resumed = [r for r in records if r.get("event") == "resume"]
+    assert len(resumed) == 1 and resumed[0]["resume/from_step"] >= 2
+    # every step once, in order; a step whose publish failed was trained and checkpointed
+    # before the restart, so its record alone may be missing (the job resumes after it)
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == sorted(set(steps))
+    assert set(range(1, 9)) - set(steps) <= {resumed[0]["resume/from_step"]}
 
 
 def test_the_job_stops_when_it_may_not_restart(tiny_job, tmp_path):

@@ -59,8 +59,22 @@ try:
 
     keys = ("steps", "interrupted", "trained", "generated", "dropped_stale", "failed",
             "in_flight", "run_dir")
-    s = Job(build_config(raw)).run(progress=False).summary
+    killed = []
+
+    def on_record(record):  # mode "kill": kill -9 of generator0 (node A: this host) at step 3
+        if mode == "kill" and record.get("step") == 3 and "train/loss" in record and not killed:
+            (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                        if "-generator0-" in a["name"]]
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            _, (_, where), _, _ = ray.get(handle.ready.remote(), timeout=60)
+            killed.append(where["pid"])
+            os.kill(where["pid"], 9)
+
+    s = Job(build_config(raw)).run(progress=False, on_record=on_record).summary
     print("SUMMARY", json.dumps({k: s[k] for k in keys}), flush=True)
+    if mode == "kill":
+        print("KILLED", json.dumps({"pids": killed, "faults": s["faults"]}), flush=True)
+        sys.exit(0)
     if mode == "fsdp2":  # its checkpoint resumes, the ranks again on both nodes
         steps = raw["trainer"]["num_steps"] + 2
         s = resume_job("run", overrides=[f"trainer.num_steps={steps}"], progress=False).summary
@@ -119,6 +133,34 @@ def _run_on_two_nodes(base: str, tiny_data) -> None:
     assert refused["s"] < 60, refused
     assert "weight_sync.transport=shm" in refused["why"] and "trainer on node" in refused["why"]
     assert "generator0 on node" in refused["why"] and "'torch_dist'" in refused["why"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_torch_dist_generator_on_another_node_restarts_the_job(tiny_data):
+    """Issue 54, item 5: the trainer on node B, the generator on node A, ``torch_dist``
+    chosen by placement; kill -9 of the generator at step 3 breaks the weight group (a
+    fresh process cannot rejoin it), so the job restarts from its checkpoint, on both
+    nodes again, and finishes with its accounting intact."""
+    base = tempfile.mkdtemp(prefix="lr2k-", dir="/tmp")
+    try:
+        resources = {"trainer": {"node_b": 1}, "generator": {"node_a": 1}, "scorer": {"node_a": 1}}
+        out, _, _ = _two_nodes(base, tiny_data, resources, {}, "kill")
+        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+        assert out.returncode == 0 and "KILLED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
+        s, killed = json.loads(lines["SUMMARY"]), json.loads(lines["KILLED"])
+        assert killed["pids"], "the generator was never killed"
+        assert s["steps"] == 4 and not s["interrupted"]
+        assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
+        faults = killed["faults"]
+        assert faults["executor/trainer_restarts"] == 1, faults
+        found = faults["executor/weight_group_failures"] + faults["executor/generator_failures"]
+        assert found >= 1, faults
+        assert "using 'torch_dist'" in out.stderr and "executors on 2 nodes" in out.stderr
+        assert "restarting the job from step_" in out.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _two_nodes(base: str, tiny_data, resources: dict, sections: dict, mode: str):

@@ -1,5 +1,6 @@
 """Background tasks beside the training loop (the generation loops, scoring, the watchdog):
-the first one that fails ends the training step awaiting in ``until_failure`` with its error."""
+the first one that fails ends the training loop's wait for a batch (``until_failure``) with
+its error."""
 
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ class Background:
         """Await ``coro`` unless a watched task fails first; then raise that.
 
         The failure cancels the task awaiting here (as a task racing ``coro`` would, but
-        without two tasks and a wait on the loop every step)."""
+        without two tasks and a wait on the loop every step). The training loop races only
+        its wait for a batch: a step cancelled while its trainer call runs would be finished
+        by the trainer unseen, and the checkpoint taken before the job fails would then
+        label the trainer's state a step behind (a torch_dist generator's loss did)."""
         if self.failure is not None:
             coro.close()
             raise self.failure

@@ -43,11 +43,12 @@ class StalenessGate:
     it); ``running`` counts groups being generated or scored.
     """
 
-    def __init__(self, max_staleness: int, groups_per_step: int) -> None:
+    def __init__(self, max_staleness: int, groups_per_step: int, version: int = 0) -> None:
+        """A gate at ``version``: a run resumed there has trained ``version`` steps' groups."""
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
-        self.version = 0
-        self.accepted = 0
+        self.version = version
+        self.accepted = version * groups_per_step
         self.running = 0
         self._waiters = _Waiters()
 

@@ -95,9 +95,7 @@ class Controller:
         """The gate, buffer and requeues rollouts flow through, at ``version``."""
         algo = self.cfg.algorithm
         self.versions = Versions(version, version, algo.max_staleness)
-        self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step)
-        self.gate.version = version
-        self.gate.accepted = version * algo.groups_per_step
+        self.gate = StalenessGate(algo.max_staleness, algo.groups_per_step, version)
         self.buffer = RolloutBuffer(algo.max_staleness)
         self.background = Background()
         self.requeues = Requeues(
@@ -251,7 +249,7 @@ class Controller:
         num_steps = self.cfg.trainer.num_steps
         try:
             while self.version < num_steps and not self.stop_requested:
-                record = await self.background.until_failure(self._train_one_step(clock))
+                record = await self._train_one_step(clock)
                 if record is None:  # stopped between steps: keep the last step, if not kept yet
                     await self.checkpoints.if_new(self.version, clock)
                     break
@@ -269,10 +267,12 @@ class Controller:
 
     async def _train_one_step(self, clock: RunClock) -> dict[str, Any] | None:
         """Take a batch, train on it (publishing when due), open the gate; the step's
-        record. None when a stop was requested while waiting for the batch."""
+        record. None when a stop was requested while waiting for the batch. A failure
+        elsewhere ends only that wait, never a step in progress (``Background.until_failure``)."""
         t0 = time.perf_counter()
-        groups_per_step = self.cfg.algorithm.groups_per_step
-        batch = await self.buffer.take(groups_per_step, self.version, self.requeues.stale)
+        stale = self.requeues.stale
+        take = self.buffer.take(self.cfg.algorithm.groups_per_step, self.version, stale)
+        batch = await self.background.until_failure(take)
         if batch is None:
             return None
         wait_s = time.perf_counter() - t0

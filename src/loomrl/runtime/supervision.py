@@ -152,7 +152,7 @@ class FaultStats:
             "executor/lost_rollouts": self.lost_rollouts,
             "executor/trainer_restarts": self.trainer_restarts,
         }
-        for role in ("generator", "scorer", "trainer", *self.failures):
+        for role in ("generator", "scorer", "trainer", "weight_group", *self.failures):
             out[f"executor/{role}_failures"] = self.failures[role]
         for role in ("generator", "scorer", *self.restarts):
             out[f"executor/{role}_restarts"] = self.restarts[role]

@@ -18,6 +18,7 @@ from loomrl.run_folder import JobResult, write_json_atomically
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
 from loomrl.session.inputs import RunInputs
 from loomrl.stop_signals import StopSignal
+from loomrl.training.base import PublishAfterStepError
 from loomrl.training.checkpoint import (
     CheckpointError,
     checkpoint_step,
@@ -188,6 +189,27 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
         summary["first_failures"] = controller.scorer.first_failures()
         summary["failures_by_kind"] = dict(controller.scorer.failure_counts())
     write_json_atomically(run_dir / "summary.json", summary)
+
+
+def lost_group_member(
+    cfg: JobConfig, faults: FaultStats, err: PublishAfterStepError, handles
+) -> ExecutorLostError | None:
+    """``err`` as the loss of an executor the job restarts from its checkpoint for, or None
+    where the job just fails. A publish that failed after its step under a transport whose
+    generators form a group with the trainer (``torch_dist``, the tensor lane's broadcast)
+    broke that group: a member died (the trainer sees its connection reset), and a fresh
+    process cannot rejoin the group, so it is lost as the trainer would be (counted in
+    ``executor/weight_group_failures``; ``handles`` name the members found dead)."""
+    if not cfg.weight_sync.forms_group:
+        return None
+    faults.failures["weight_group"] += 1
+    dead = ", ".join(h.name for h in handles if not h.alive) or "none found dead yet"
+    transport = cfg.weight_sync.transport.type
+    return ExecutorLostError(
+        f"the {transport!r} weight group lost a member (dead: {dead}): {err}",
+        "generator",
+        restarted=False,
+    )
 
 
 def may_restart(cfg: JobConfig, run_dir: Path, faults: FaultStats, err: ExecutorLostError) -> bool:

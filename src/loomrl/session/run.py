@@ -38,6 +38,7 @@ from loomrl.session.resume import (
     ResumedController,
     already_finished,
     cut_record,
+    lost_group_member,
     may_restart,
     restore,
     resume_state,
@@ -47,6 +48,7 @@ from loomrl.session.serving import serving
 from loomrl.session.views import extra_sinks, run_views
 from loomrl.stop_signals import raise_on_stop_signals, stop_after_step
 from loomrl.telemetry.metrics import MetricsLogger
+from loomrl.training.base import PublishAfterStepError
 from loomrl.training.checkpoint import checkpoint_step, rng_state
 from loomrl.training.precision import describe_policy
 
@@ -236,6 +238,11 @@ def _train(
             summary["precision"] = inputs.precision
             write_json_atomically(run_dir / "summary.json", summary)
             return JobResult(run_dir, summary, controller.eval_history)
+        except PublishAfterStepError as err:  # a torch_dist member died: lost as the trainer is
+            lost = lost_group_member(cfg, faults, err, runtime.handles)
+            if lost is None:
+                raise
+            raise lost from err
         finally:
             cleanup = ends.cleanup if ends is not None else lambda: None
             _release(leases, metrics, runtime, cleanup, close_default_pool)
