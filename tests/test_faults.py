@@ -131,6 +131,38 @@ def test_a_dead_executor_is_restarted_once_and_its_lost_calls_raise():
     assert slot.handle.name == "generator0"
 
 
+def test_a_heal_cancelled_mid_restart_counts_its_loss_once():
+    # The run's teardown cancels a generation loop while its call heals the generator (the
+    # fresh one still loading); the final evaluation then finds the old one dead and heals
+    # again: one loss, counted once (seen on two Ray nodes: generator_failures 2 for one kill).
+    runtime = FakeRuntime()
+    old = runtime.start("generator0", factory=lambda: None)
+    stats, loading = FaultStats(), asyncio.Event()
+
+    async def on_restart(slot):  # the fresh executor is brought up to date: slow
+        loading.set()
+        await asyncio.sleep(30)
+
+    slot = _slot(runtime, old, stats, on_restart=on_restart)
+
+    async def main():
+        assert await slot.generate([1]) == ("generate", ([1],))
+        old.dead = True
+        first = asyncio.ensure_future(slot.generate([2]))
+        await loading.wait()
+        first.cancel()  # mid-restart
+        await asyncio.gather(first, return_exceptions=True)
+        slot.on_restart = None
+        with pytest.raises(ExecutorLostError) as lost:
+            await slot.generate([3])  # finds it dead again: heals it, this time to the end
+        assert lost.value.restarted
+        return await slot.generate([4])
+
+    assert asyncio.run(main()) == ("generate", ([4],))
+    assert stats.failures["generator"] == 1, stats.failures
+    assert stats.restarts["generator"] == 1, stats.restarts
+
+
 def test_a_hung_call_is_killed_at_its_deadline_and_replaced():
     runtime, hung, stats, slot = _slot_over(FakeHandle("scorer0", factory=lambda: None, delay=30.0))
 

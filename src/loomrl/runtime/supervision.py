@@ -184,6 +184,7 @@ class Supervised:
         self.restartable = restart and runtime is not None
         self.on_restart = on_restart
         self.incarnation = 0  # grows with each restart
+        self._counted = -1  # the incarnation whose loss is counted (a cancelled heal may rerun)
         self._busy_before = 0.0
         self._heal_lock = asyncio.Lock()
         self.in_flight = 0  # calls running now (the scorer pool balances on it)
@@ -369,8 +370,10 @@ class Supervised:
                 raise type(self.lost)(str(self.lost), self.role, restarted=False) from cause
             if self.incarnation != incarnation:  # another call lost with it already healed it
                 raise error(f"{cause} (already replaced)", self.role, restarted=True) from cause
-            self.stats.failures[self.role] += 1
-            self.stats.hung_kills += int(hung)
+            if self._counted != incarnation:  # once per loss, even where a heal was cancelled
+                self._counted = incarnation
+                self.stats.failures[self.role] += 1
+                self.stats.hung_kills += int(hung)
             self.stats.last_error = str(cause)
             if hung or not self.restartable:
                 await asyncio.to_thread(_kill_quietly, handle)
