@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from loomrl.control.background import Background
 from loomrl.control.buffer import RolloutBuffer, StalenessGate
 from loomrl.control.intake import Intake
@@ -105,3 +107,32 @@ def test_intake_counts_an_episode_its_environment_failed_through_the_scorers_met
     with pytest.raises(JobFailedError, match="50% of the last 2.*environment backend down"):
         asyncio.run(scenario())
     assert scorer.failure_counts() == {"environment": 1}
+
+
+def test_a_failure_ends_the_wait_for_a_batch_but_never_a_step_in_progress():
+    # The training loop races failures only against its wait (until_failure): a step whose
+    # trainer call runs is finished and counted first, then the failure is raised after it
+    # (checked), so the checkpoint taken before the job fails matches the trainer's state.
+    async def main():
+        background, events = Background(), []
+
+        async def fail_soon():
+            await asyncio.sleep(0.01)
+            raise RuntimeError("a generator died")
+
+        async def step():  # not raced: runs to its end although the failure comes meanwhile
+            await asyncio.sleep(0.05)
+            events.append("step done")
+            return "record"
+
+        background.watch(asyncio.create_task(fail_soon()))
+        with pytest.raises(RuntimeError, match="a generator died"):
+            background.checked(await step())
+        assert events == ["step done"]
+        waiting = asyncio.sleep(10)  # the next wait for a batch ends at once
+        with pytest.raises(RuntimeError, match="a generator died"):
+            await background.until_failure(waiting)
+        # with no failure, checked hands the value through
+        assert Background().checked("record") == "record"
+
+    asyncio.run(main())

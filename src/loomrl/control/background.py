@@ -54,6 +54,13 @@ class Background:
         finally:
             self._racing = None
 
+    def checked(self, value: Any) -> Any:
+        """``value``, unless a watched task failed meanwhile (while a step ran, which
+        ``until_failure`` leaves to finish): then that failure, raised here."""
+        if self.failure is not None:
+            raise self.failure
+        return value
+
     @staticmethod
     async def cancel(tasks: list[asyncio.Task]) -> None:
         """Cancel ``tasks`` and wait until they have ended."""

@@ -249,7 +249,7 @@ class Controller:
         num_steps = self.cfg.trainer.num_steps
         try:
             while self.version < num_steps and not self.stop_requested:
-                record = await self._train_one_step(clock)
+                record = self.background.checked(await self._train_one_step(clock))
                 if record is None:  # stopped between steps: keep the last step, if not kept yet
                     await self.checkpoints.if_new(self.version, clock)
                     break
