@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from loomrl.runtime.base import ExecutorDiedError, role_of
+from loomrl.runtime.base import ExecutorDiedError, UnrecoverableError, role_of
 from loomrl.runtime.endpoints import endpoint
 from loomrl.runtime.group import ExecutorGroup, rank_name, start_group
 
@@ -34,6 +34,9 @@ class PairEndpoints:
 
     @endpoint
     def fail_on(self, rank: int) -> float: ...
+
+    @endpoint
+    def unrecoverable_on(self, rank: int) -> float: ...
 
 
 class PairRank:
@@ -88,6 +91,12 @@ class PairRank:
         if self.rank == rank:
             raise ValueError(f"rank {rank} cannot go on")
         return self.all_reduce(1.0)[1]
+
+    def unrecoverable_on(self, rank: int) -> float:
+        """``rank`` raises what no restart cures (as a checkpoint its peers cannot see)."""
+        if self.rank == rank:
+            raise UnrecoverableError(f"rank {rank}: the checkpoint folder is not shared")
+        return 1.0  # (as a checkpoint's other ranks: done, no collective after it)
 
     def close(self) -> None:
         if self.default_group:
@@ -231,6 +240,19 @@ def test_on_local_a_rank_that_raises_takes_the_group_down_and_a_restart_recovers
         assert run(fresh.all_reduce(1.0)) == (0, 3.0) and runtime.handles == fresh.ranks
     finally:
         runtime.shutdown()
+
+
+def test_a_rank_whose_error_no_restart_cures_ends_the_group_and_raises_that_error(runtime):
+    # A checkpoint some rank's node cannot see (issue 54): the group is ended as for any
+    # failed rank, but the call raises the error itself, so supervision does not take it for
+    # a lost trainer and restart the job into the same storage, faults.max_restarts times.
+    group = _start_pair(runtime)
+    run(group.ready())
+    with pytest.raises(UnrecoverableError, match="rank 1: the checkpoint folder is not shared"):
+        run(group.unrecoverable_on(1))
+    assert not group.alive or runtime.kind == "local"  # (threads cannot be killed)
+    with pytest.raises(ExecutorDiedError):  # the group is gone: any later call fails at once
+        run(group.all_reduce(1.0))
 
 
 def test_on_local_a_rank_that_fails_to_build_fails_the_start_with_its_own_error():

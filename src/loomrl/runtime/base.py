@@ -58,6 +58,13 @@ class ExecutorDiedError(RuntimeError):
     this one error, so the controller's supervision does not depend on the runtime."""
 
 
+class UnrecoverableError(RuntimeError):
+    """An executor's error that no restart cures (a checkpoint folder the trainer's nodes do
+    not all see, a broken config): an executor group one of whose ranks raises it is ended
+    all the same, but its call raises this error itself, not ``ExecutorDiedError``, so the job
+    stops at once instead of restarting from its checkpoint into the same error."""
+
+
 class ExecutorHungError(ExecutorDiedError):
     """An executor call ran past its deadline; the executor was killed."""
 

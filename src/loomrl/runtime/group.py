@@ -18,7 +18,8 @@ The handle looks like one executor to the controller and to ``Supervised``:
 - a rank that dies (``ExecutorDiedError``) or raises fails the whole group: the other ranks
   are killed at once (they would wait in a collective for the lost one) and the call raises
   ``ExecutorDiedError``, so supervision sees a lost trainer and the job restarts from its
-  checkpoint; ``kill`` and ``close`` end every rank;
+  checkpoint; a rank's ``UnrecoverableError`` (a checkpoint not every node sees) is raised as
+  itself, and the job stops instead; ``kill`` and ``close`` end every rank;
 - ``runtime.restart(group)`` ends every rank and starts all of them again at a fresh
   rendezvous.
 
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, Runtime
+from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, Runtime, UnrecoverableError
 from loomrl.runtime.threads import CallTracker
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,9 @@ class ExecutorGroup(ExecutorHandle):
                 return calls[0].result()
             for call in calls:
                 call.add_done_callback(_retrieve)  # the others fail once their ranks are killed
-            raise await self._fail(failed, f"its {method!r} call failed", _failure(calls[failed]))
+            cause = _failure(calls[failed])
+            lost = await self._fail(failed, f"its {method!r} call failed", cause)
+            raise cause if isinstance(cause, UnrecoverableError) else lost
 
     def _submit(
         self,

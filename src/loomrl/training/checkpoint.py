@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from loomrl.runtime.base import UnrecoverableError
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
@@ -30,8 +32,9 @@ SHARDS_DIR = "trainer"  # a sharded trainer's DCP files (loomrl.training.dcp)
 SHARDED_FORMAT = "dcp"  # the trainer state's "format" where its tensors are in SHARDS_DIR
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupted."""
+class CheckpointError(UnrecoverableError):
+    """A checkpoint that is missing, incomplete or corrupted (in a job: it stops, never
+    restarts into the same storage)."""
 
 
 def sha256_file(path: Path) -> str:
