@@ -81,12 +81,12 @@ class HalfWorker:
 
 
 class GlooWorker:
-    """Records, when built, the interface gloo would bind to in its actor."""
+    """Records, when built, the interfaces gloo and NCCL would bind to in its actor."""
 
     def __init__(self) -> None:
-        self.at_build = os.environ.get("GLOO_SOCKET_IFNAME")
+        self.at_build = [os.environ.get(v) for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
 
-    def seen(self) -> str | None:
+    def seen(self) -> list[str | None]:
         return self.at_build
 
 
@@ -374,16 +374,18 @@ def test_a_runtime_that_starts_its_own_cluster_shuts_it_down(tmp_path):
 
 def test_an_actor_binds_gloo_to_the_interface_of_its_nodes_address(runtime, ray_cluster):
     """Issue 54, item 3: before its executor is built, an actor with no GLOO_SOCKET_IFNAME
-    of its own gets the interface that holds its Ray node's address (none for loopback)."""
+    (NCCL_SOCKET_IFNAME) of its own gets the interface that holds its Ray node's address
+    (none for loopback)."""
     import psutil
 
     from loomrl.runtime.netif import interface_holding
 
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        pytest.skip("GLOO_SOCKET_IFNAME is set here: actors keep it (tests/test_netif.py)")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME"):
+        pytest.skip("an interface is set here: actors keep it (tests/test_netif.py)")
     handle = runtime.start("trainer", GlooWorker)
     run(runtime.wait_ready())
     address = ray_cluster.util.get_node_ip_address()  # (the actor's node: this host)
     expected = interface_holding(address, psutil.net_if_addrs())
-    assert run(handle.call("seen")) == expected
+    assert run(handle.call("seen")) == [expected, expected]
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # the controller's own is left alone
+    assert "NCCL_SOCKET_IFNAME" not in os.environ

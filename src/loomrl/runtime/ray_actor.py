@@ -24,7 +24,7 @@ import ray.exceptions
 
 from loomrl.runtime.base import ExecutorDiedError, ExecutorHandle, RemoteError
 from loomrl.runtime.endpoints import check_implements
-from loomrl.runtime.netif import bind_gloo_to_node_address
+from loomrl.runtime.netif import bind_groups_to_node_address
 from loomrl.runtime.threads import BusyClock, CallTracker
 from loomrl.safe_text import SafeFormatter
 from loomrl.telemetry import trace
@@ -86,8 +86,8 @@ class _ExecutorActor:
         self.failure: tuple | None = None
         self.concurrent: dict[str, bool] = {}
         try:  # building is not a call: it does not count as busy time
-            # before any gloo group forms (a trainer's ranks, the weight transport's group)
-            bind_gloo_to_node_address(ray.util.get_node_ip_address())
+            # before any gloo or NCCL group forms (a trainer's ranks, the weight transport's group)
+            bind_groups_to_node_address(ray.util.get_node_ip_address())
             self.obj = factory()
             if interface is not None:
                 self.concurrent = check_implements(self.obj, interface)
