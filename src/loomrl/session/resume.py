@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from loomrl.config import JobConfig
 from loomrl.control import Controller, Counters
 from loomrl.data import PromptStream
 from loomrl.run_folder import JobResult, write_json_atomically
+from loomrl.runtime.base import ExecutorHandle
 from loomrl.runtime.supervision import ExecutorLostError, FaultStats
 from loomrl.session.inputs import RunInputs
 from loomrl.stop_signals import StopSignal
@@ -192,7 +194,10 @@ def write_failure_summary(run_dir: Path, controller: Controller | None, err: Bas
 
 
 def lost_group_member(
-    cfg: JobConfig, faults: FaultStats, err: PublishAfterStepError, handles
+    cfg: JobConfig,
+    faults: FaultStats,
+    err: PublishAfterStepError,
+    handles: Iterable[ExecutorHandle],
 ) -> ExecutorLostError | None:
     """``err`` as the loss of an executor the job restarts from its checkpoint for, or None
     where the job just fails. A publish that failed after its step under a transport whose
