@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from spawned import end_rank
 from test_fsdp import TINY, _configs, _uneven_groups
 
 from loomrl.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
@@ -119,8 +120,7 @@ def _hide_a_shard(rank: int, world_size: int, rendezvous: str, root: str, out: s
     version = resumed.version
     resumed.train_step(groups)
     torch.save({"error": error, "answer": answer, "version": version}, f"{out}.{rank}")
-    dist.barrier()  # no rank tears the group down while another may still use it
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

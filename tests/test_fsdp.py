@@ -9,6 +9,7 @@ import math
 import multiprocessing
 
 import pytest
+from spawned import end_rank
 from step_checks import assert_same_step
 
 from loomrl.config import ConfigError
@@ -104,8 +105,7 @@ def _sharded_step(
     }
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "held": held}, out)
-    dist.barrier()  # no rank tears the group down while another may still use it
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])

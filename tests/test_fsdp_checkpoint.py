@@ -12,6 +12,7 @@ import shutil
 import signal
 
 import pytest
+from spawned import end_rank
 from step_checks import assert_same_step
 from test_fsdp import SYNC, TINY, _configs, _uneven_groups
 
@@ -72,8 +73,7 @@ def _save_then_resume(rank: int, world_size: int, rendezvous: str, root: str, ou
             },
             out,
         )
-    dist.barrier()  # no rank tears the group down while another may still use it
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_a_sharded_checkpoint_resumes_bit_identically_on_two_ranks_and_on_one_trainer(tmp_path):

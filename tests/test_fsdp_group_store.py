@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from spawned import end_rank
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,8 +59,6 @@ def _rank(rank: int, rendezvous: str, secret: str, out: str) -> None:
     """One rank (torch.multiprocessing.spawn) joining as the sharded trainer's ranks do."""
     import json
 
-    import torch.distributed as dist
-
     from loomrl.training.fsdp import ShardedTrainerExecutor
 
     executor = ShardedTrainerExecutor.__new__(ShardedTrainerExecutor)
@@ -74,8 +73,7 @@ def _rank(rank: int, rendezvous: str, secret: str, out: str) -> None:
         found = _probe(int(rendezvous.rsplit(":", 1)[1]))
         with open(out, "w") as f:
             json.dump(found, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_the_trainer_group_store_is_on_loopback_with_secret_keys(tmp_path):

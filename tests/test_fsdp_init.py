@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from spawned import end_rank
 from step_checks import assert_same_step
 from test_fsdp import TINY, _configs, _uneven_groups
 
@@ -100,8 +101,7 @@ def _meta_and_whole_rank(
         )
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()  # no rank tears the group down while another may still use it
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _check_meta_against_whole(tmp_path, world_size: int, device: str, rel: float) -> None:
@@ -235,8 +235,7 @@ def _peak_rank(rank: int, world_size: int, rendezvous: str, folders: list, out: 
     dist.all_gather_object(parts, peaks)
     if rank == 0:
         Path(out).write_text(json.dumps(parts))
-    dist.barrier()  # no rank tears the group down while another may still use it
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _can_reset_peak_rss() -> bool:
