@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import threading
 import warnings
 from datetime import timedelta
@@ -47,6 +48,10 @@ from loomrl.weights.update import WeightUpdate, WeightUpdateError
 logger = logging.getLogger(__name__)
 
 _PREFIX = "loomrl-weights"
+# Once every rank has arrived at the store, gloo's own connections (a port of its own on each
+# rank's interface) open in well under a second on any network; this bounds a group that
+# cannot form (a firewall, the wrong interface) to seconds instead of the transfer timeout.
+CONNECT_TIMEOUT_S = 30.0
 
 
 def _as_uint8(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -84,6 +89,37 @@ def _verify(secret: str | None, count: int, value: str) -> tuple[str, bool]:
     return body, hmac.compare_digest(_sign(secret, count, body), value)
 
 
+def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float):
+    """The gloo group, formed in two stages so that each failure names itself: every rank
+    marks its arrival in the store and waits for the others (up to ``timeout_s``: a
+    generator may load its model for minutes), then gloo connects the ranks to each other
+    within ``CONNECT_TIMEOUT_S``. A store reached while gloo's own ports are not (a
+    firewall that lets the rendezvous port through, an interface the other nodes cannot
+    reach) fails in seconds with the reason, not after the transfer timeout."""
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # DistStoreError, DistNetworkError, gloo's own
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise TransportError(
+            f"torch_dist: rank(s) {missing} of the weight group did not reach its store within "
+            f"{timeout_s:g} s (weight_sync.transport.timeout_s): {err}"
+        ) from err
+    connect = min(timeout_s, CONNECT_TIMEOUT_S)
+    try:
+        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=connect))
+    except RuntimeError as err:  # DistStoreError, DistNetworkError, gloo's own
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME") or "unset (the hostname's address)"
+        raise TransportError(
+            f"torch_dist: all {world_size} ranks of the weight group reached its store, but "
+            f"gloo could not connect rank {rank} to the others within {connect:g} s "
+            f"({type(err).__name__}: {err}); gloo opens ports of its own on each rank's "
+            f"interface (GLOO_SOCKET_IFNAME here: {ifname}): open TCP between the nodes' "
+            "addresses beyond the rendezvous port, or name the interface (docs/cluster.md)"
+        ) from err
+
+
 class _Group:
     """A process group plus its store and the device the bytes travel on."""
 
@@ -102,12 +138,13 @@ class _Group:
         if t.group is not None:
             self.pg = t.group
         elif backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(self.store, t.rank, t.world_size, timeout)
+            self.pg = _gloo_group(self.store, t.rank, t.world_size, t.timeout_s)
         elif backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.pg = dist.ProcessGroupNCCL(self.store, t.rank, t.world_size)
         else:
             raise ValueError(f"torch_dist backend must be gloo, nccl or auto, got {backend!r}")
+        self.op_timeout = timeout  # each transfer's own (the group's is the connect bound)
         self.bucket = None
         if self.device.type != "cpu":
             self.bucket = torch.empty(t.bucket_bytes, dtype=torch.uint8, device=self.device)
@@ -117,6 +154,7 @@ class _Group:
         tensor (the sizes, the header) travels through a device copy of itself."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        opts.timeout = self.op_timeout
         if self.device.type == "cpu" or tensor.device == self.device:
             self.pg.broadcast([tensor], opts).wait()
             return
