@@ -365,3 +365,54 @@ def test_a_sharded_trainers_ranks_meet_at_rank_0s_node_address(fake_cluster, mon
         RayConfig(), executor_names=names, transport="shm", trainer_group=True
     )
     assert single.rendezvous_host == "127.0.0.1" and single._scheduling("trainer.rank0") == {}
+
+
+class _Lost(_Recorder):
+    """A lost executor's handle, as ``Runtime.restart`` sees it."""
+
+    alive = False
+
+    def starter(self, runtime):
+        return lambda: runtime.start(self.name, dict)
+
+    def close(self) -> None:
+        pass
+
+
+def _lost(name: str, node: str) -> _Lost:
+    handle = _Lost(name, None, "", {}, 1)
+    handle.node_id = node
+    return handle
+
+
+def test_a_replacement_never_goes_to_a_node_that_is_dead_or_dying(fake_cluster, monkeypatch):
+    """Issue 54, item 5: the node of a lost executor is checked (``ray_probe.node_down``)
+    before its replacement is placed; a dead or dying one is left out of that and every
+    later placement by Ray's node-id label, and a replacement pinned to it is refused."""
+    from ray._private.label_utils import validate_label_selector
+
+    from loomrl.runtime.config import RayConfig
+
+    monkeypatch.setattr(fake_cluster, "RayHandle", _Recorder)
+    probed = []
+
+    def node_down(node):
+        probed.append(node)
+        return "a task pinned to it did not answer within 15 s" if node == HB else None
+
+    monkeypatch.setattr(fake_cluster, "node_down", node_down)
+    rt = fake_cluster.RayRuntime(RayConfig(), executor_names=["trainer", "generator0", "scorer0"])
+    assert "label_selector" not in rt.start("generator0", dict).options
+    assert "label_selector" not in rt.restart(_lost("scorer0", HA)).options  # A answers
+    fresh = rt.restart(_lost("generator0", HB))
+    selector = {"ray.io/node-id": f"!in({HB})"}
+    assert fresh.options["label_selector"] == selector
+    assert validate_label_selector(selector) is None  # a selector Ray takes
+    assert rt.start("scorer0", dict).options["label_selector"] == selector  # later ones too
+    rt.restart(_lost("generator0", HB))
+    assert probed == [HA, HB]  # a node found down is not probed again
+    rt._weights_home = HB  # a one-host transport's home: the replacement can only go there
+    with pytest.raises(
+        PlacementError, match=r"'generator0' must run on node bbbbbbbbbbbb.*dead or dying"
+    ):
+        rt.restart(_lost("generator0", HA))

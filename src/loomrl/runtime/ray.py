@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import ray.exceptions
 
-from loomrl.runtime.base import Runtime
+from loomrl.runtime.base import ExecutorHandle, Runtime
 from loomrl.runtime.base import role_of as base_role
 from loomrl.runtime.group import rank_name
 from loomrl.runtime.placement import (
@@ -43,12 +43,14 @@ from loomrl.runtime.placement import (
     weight_nodes,
 )
 from loomrl.runtime.ray_actor import RayHandle
-from loomrl.runtime.ray_probe import files_blind_nodes, unreachable_nodes
+from loomrl.runtime.ray_probe import files_blind_nodes, node_down, unreachable_nodes
 
 if TYPE_CHECKING:
     from loomrl.runtime.config import RayConfig
 
 logger = logging.getLogger(__name__)
+
+NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node: its id
 
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group that cannot be placed in this long never will
 ROLES = ("trainer", "generator", "scorer")
@@ -140,6 +142,7 @@ class RayRuntime(Runtime):
         self._planned: dict[str, str] | None = None  # {executor: node id}, with placement
         # the one node a one-host transport (shm) found the trainer and generators on
         self._weights_home: str | None = None
+        self._down: dict[str, str] = {}  # {node id: why}: nodes no executor starts on again
         self.transport = transport
         self.run_dir = run_dir  # checked to be seen from the trainer's node, once placed
         self._transport_args: dict[str, Any] = {}
@@ -335,7 +338,43 @@ class RayRuntime(Runtime):
                     self._weights_home, soft=False
                 )
             }
+        if self._down:  # anywhere but a node that lost an executor with itself
+            return {"label_selector": {NODE_ID_LABEL: f"!in({','.join(sorted(self._down))})"}}
         return {}
+
+    def restart(self, handle: ExecutorHandle) -> ExecutorHandle:
+        """Replace a lost executor (``Runtime.restart``), never on a node that is dead or
+        dying: where the lost one's node is (``ray_probe.node_down``), that node is left out
+        of this and every later placement of the job; a replacement that can only go there
+        (pinned to it) is refused by name. (A placement group's bundles on a dead node are
+        Ray's to place again.)"""
+        node = getattr(handle, "node_id", None)
+        if node is not None and node not in self._down:
+            why = node_down(node)
+            if why is not None:
+                self._down[node] = why
+                logger.warning(
+                    "node %s is dead or dying (%s): executor %r is replaced on another node, "
+                    "and no executor of this job starts there again",
+                    node_label(node),
+                    why,
+                    handle.name,
+                )
+        pinned = self._pinned_node(handle.name)
+        if pinned in self._down:
+            raise PlacementError(
+                f"executor {handle.name!r} must run on node {node_label(pinned)} (it hosts "
+                f"{'the rendezvous' if base_role(handle.name) == 'trainer' else 'the one-host weight transport'}), "
+                f"which is dead or dying ({self._down[pinned]})"
+            )
+        return super().restart(handle)
+
+    def _pinned_node(self, name: str) -> str | None:
+        if self.placement_group is not None:
+            return None
+        if name in ("trainer", rank_name("trainer", 0)):
+            return self._trainer_node
+        return self._weights_home if base_role(name) == "generator" else None
 
     def start(
         self, name: str, factory: Callable[[], Any], interface: type | None = None

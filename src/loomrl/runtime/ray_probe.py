@@ -5,7 +5,9 @@ so that a job which cannot work fails in seconds with the reason instead of wait
   ``files`` transport's folder: a marker file read back by a task on each node);
 - ``unreachable_nodes``: which nodes cannot open a TCP connection to the trainer's node
   address (where a ``torch_dist`` group meets): a listener on the trainer's node, a
-  connection from each other node.
+  connection from each other node;
+- ``node_down``: why a node that lost an executor is dead or dying (Ray marks it dead, or a
+  task pinned to it does not answer in seconds), before its replacement is placed.
 
 Tasks and the listener ask for no CPU, so they run even where the job's actors hold every
 CPU of a node, and are pinned to their node (``NodeAffinitySchedulingStrategy``).
@@ -26,6 +28,7 @@ from loomrl.runtime.group import free_port
 
 PROBE_TIMEOUT_S = 60.0  # a probe task's start on a loaded node included
 CONNECT_TIMEOUT_S = 10.0  # a node that cannot connect within this, retrying, cannot reach
+NODE_ANSWER_S = 15.0  # a node whose pinned task does not answer within this is dying
 
 
 def _pinned(node_id: str) -> dict:
@@ -131,3 +134,25 @@ def unreachable_nodes(
     finally:
         ray.kill(listener, no_restart=True)
     return {node: why for node, why in zip(others, answers, strict=True) if why is not None}
+
+
+@ray.remote(num_cpus=0)
+def _answers() -> bool:
+    return True
+
+
+def node_down(node_id: str, timeout_s: float = NODE_ANSWER_S) -> str | None:
+    """Why node ``node_id`` is dead or dying, or None where it answers: Ray's own view
+    first (a node it marked dead), then a task pinned to it (a raylet that died moments ago
+    is still listed alive for Ray's health-check period, and a replacement scheduled there
+    would wait for it, then die with it)."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and not node["Alive"]:
+            return "Ray marks it dead"
+    try:
+        ray.get(_answers.options(**_pinned(node_id)).remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return f"a task pinned to it did not answer within {timeout_s:g} s"
+    except Exception as err:  # noqa: BLE001 - unschedulable, or the node died under it
+        return f"a task pinned to it failed ({type(err).__name__}: {err})"
+    return None
