@@ -394,23 +394,26 @@ def test_a_replacement_never_goes_to_a_node_that_is_dead_or_dying(fake_cluster, 
     from loomrl.runtime.config import RayConfig
 
     monkeypatch.setattr(fake_cluster, "RayHandle", _Recorder)
-    probed = []
+    probed, answers = [], True
 
     def node_down(node):
         probed.append(node)
-        return "a task pinned to it did not answer within 15 s" if node == HB else None
+        return None if answers else "a task pinned to it did not answer within 15 s"
 
     monkeypatch.setattr(fake_cluster, "node_down", node_down)
     rt = fake_cluster.RayRuntime(RayConfig(), executor_names=["trainer", "generator0", "scorer0"])
     assert "label_selector" not in rt.start("generator0", dict).options
-    assert "label_selector" not in rt.restart(_lost("scorer0", HA)).options  # A answers
+    # A, the controller's node, is never judged; B answers, then does not
+    assert "label_selector" not in rt.restart(_lost("scorer0", HA)).options
+    assert "label_selector" not in rt.restart(_lost("scorer0", HB)).options
+    answers = False
     fresh = rt.restart(_lost("generator0", HB))
     selector = {"ray.io/node-id": f"!in({HB})"}
     assert fresh.options["label_selector"] == selector
     assert validate_label_selector(selector) is None  # a selector Ray takes
     assert rt.start("scorer0", dict).options["label_selector"] == selector  # later ones too
     rt.restart(_lost("generator0", HB))
-    assert probed == [HA, HB]  # a node found down is not probed again
+    assert probed == [HB, HB]  # a node found down is not probed again
     rt._weights_home = HB  # a one-host transport's home: the replacement can only go there
     with pytest.raises(
         PlacementError, match=r"'generator0' must run on node bbbbbbbbbbbb.*dead or dying"

@@ -349,7 +349,10 @@ class RayRuntime(Runtime):
         (pinned to it) is refused by name. (A placement group's bundles on a dead node are
         Ray's to place again.)"""
         node = getattr(handle, "node_id", None)
-        if node is not None and node not in self._down:
+        # (the controller's own node is never judged: while the controller runs, it is up, and
+        # a slow answer there must not leave a one-node cluster with nowhere to place)
+        here = ray.get_runtime_context().get_node_id()
+        if node is not None and node not in self._down and node != here:
             why = node_down(node)
             if why is not None:
                 self._down[node] = why
