@@ -324,20 +324,9 @@ class RayRuntime(Runtime):
                     self.placement_group, placement_group_bundle_index=self._bundles[name]
                 )
             }
-        # the trainer, or a sharded trainer's rank 0: it hosts the rendezvous (its other
-        # ranks go where Ray places them, and meet it at its node's address)
-        if name in ("trainer", rank_name("trainer", 0)) and self._trainer_node is not None:
-            return {
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(
-                    self._trainer_node, soft=False
-                )
-            }
-        if base_role(name) == "generator" and self._weights_home is not None:
-            return {
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(
-                    self._weights_home, soft=False
-                )
-            }
+        pinned = self._pinned_node(name)
+        if pinned is not None:
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(pinned, soft=False)}
         if self._down:  # anywhere but a node that lost an executor with itself
             return {"label_selector": {NODE_ID_LABEL: f"!in({','.join(sorted(self._down))})"}}
         return {}
@@ -373,6 +362,10 @@ class RayRuntime(Runtime):
         return super().restart(handle)
 
     def _pinned_node(self, name: str) -> str | None:
+        """The one node executor ``name`` may run on, outside a placement group: the
+        trainer's (or a sharded trainer's rank 0's: it hosts the rendezvous; its other ranks
+        go where Ray places them) and, for a generator, the one node a one-host transport
+        found the trainer and generators on."""
         if self.placement_group is not None:
             return None
         if name in ("trainer", rank_name("trainer", 0)):
