@@ -1,8 +1,12 @@
-"""runtime = "ray" on a real two-node cluster: two raylets on this host
-(``ray.cluster_utils.Cluster``), each offering its own custom resource, so that
-``ray.resources`` puts the trainer on node B and the generator and scorer on node A.
+"""runtime = "ray" on a real two-node cluster: two raylets on this host, each offering its
+own custom resource, so that ``ray.resources`` puts the trainer on node B and the generator
+and scorer on node A.
 
-Node B's raylet is started from its own working folder, as on a second machine. The job
+Node B is a second machine as far as one host allows (``tests/netns.py``): where the tests
+run as root, its raylet (``ray start``) lives in a network namespace of its own, joined by a
+veth pair (node A at one address, node B at another), with a private ``/dev/shm``, started
+from its own working folder; elsewhere both raylets share the host's address and
+``/dev/shm`` (``ray.cluster_utils.Cluster``) and a warning says so. The job
 names no weight transport and gives its data and run folder as relative paths (and the
 second job its model folder): it must
 pick one that crosses nodes, resolve the paths on the controller, and finish with its
@@ -21,13 +25,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
+from contextlib import nullcontext
 
 import pytest
 
 from conftest import ROOT, child_env, tiny_job_raw
+from netns import isolated_node_b, why_not
+
+B_RESOURCES = {"node_b": 8, "rank_slot": 1}  # node B's, as the script's add_node gives them
 
 SCRIPT = r"""
-import json, logging, os, signal, sys, time
+import json, logging, os, signal, subprocess, sys, time
 import ray
 from ray.cluster_utils import Cluster
 
@@ -46,15 +55,21 @@ FAULTS = [
     ("too_many", "scorer0", KILL, 2, {"faults": {"max_executor_restarts": 0}}),
 ]
 job_dir, node_b_dir, raw, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+isolated = json.loads(sys.argv[5])  # node B's namespaces (tests/netns.py), or null
 os.chdir(job_dir)
-cluster = Cluster(
-    initialize_head=True,
-    head_node_args={"num_cpus": 3, "resources": {"node_a": 8, "rank_slot": 1},
-                    "include_dashboard": False},
-)
+B_RESOURCES = {"node_b": 8, "rank_slot": 1}
+head = {"num_cpus": 3, "resources": {"node_a": 8, "rank_slot": 1}, "include_dashboard": False}
+if isolated:
+    head["node_ip_address"] = isolated["a_ip"]  # the host's end of the veth pair
+cluster = Cluster(initialize_head=True, head_node_args=head)
+node_b = None
 try:
-    os.chdir(node_b_dir)  # node B's raylet, and so its workers, run in another folder
-    cluster.add_node(num_cpus=2, resources={"node_b": 8, "rank_slot": 1})
+    if isolated:  # its own address, /dev/shm and folder: a `ray start` of its own
+        cmd = [part.replace("{address}", cluster.address) for part in isolated["command"]]
+        node_b = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    else:
+        os.chdir(node_b_dir)  # node B's raylet, and so its workers, run in another folder
+        cluster.add_node(num_cpus=2, resources=B_RESOURCES)
     if mode == "node_lost":  # two more nodes that may hold the generator; one will die
         for _ in range(2):
             cluster.add_node(num_cpus=1, resources={"gen_slot": 1})
@@ -63,12 +78,26 @@ try:
     ray.init(address=cluster.address, namespace="two-nodes",
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"],
                                        "LOOMRL_CPU_FLAGS": "", "OMP_NUM_THREADS": "1"}})
+    wanted, deadline = 2 + 2 * (mode == "node_lost"), time.monotonic() + 120
+    while sum(n["Alive"] for n in ray.nodes()) < wanted:
+        assert time.monotonic() < deadline, f"node B never joined: {ray.nodes()}"
+        assert node_b is None or node_b.poll() is None, f"node B's raylet exited {node_b.poll()}"
+        time.sleep(0.5)
 
-    @ray.remote(num_cpus=0, resources={"node_b": 0.01})
-    def cwd():
-        return os.getcwd()
+    @ray.remote(num_cpus=0)
+    def where(marker):
+        if marker:  # a shared-memory segment made here...
+            open(f"/dev/shm/{marker}", "w").close()
+        return {"cwd": os.getcwd(), "ip": ray.util.get_node_ip_address()}
 
-    print("NODE_B_CWD", ray.get(cwd.remote()), flush=True)
+    marker = f"loomrl-two-nodes-{os.getpid()}"
+    b = ray.get(where.options(resources={"node_b": 0.01}).remote(marker))
+    a = ray.get(where.options(resources={"node_a": 0.01}).remote(None))
+    b["shm_shared"] = os.path.exists(f"/dev/shm/{marker}")  # ...is it on node A?
+    if b["shm_shared"]:
+        os.unlink(f"/dev/shm/{marker}")
+    print("NODE_B_CWD", b["cwd"], flush=True)
+    print("NODES", json.dumps({"a": a, "b": b}), flush=True)
     from loomrl.config import build_config
     from loomrl.job import Job, resume_job
     from loomrl.runtime.placement import PlacementError
@@ -144,6 +173,12 @@ try:
         print("REFUSED", json.dumps({"s": time.monotonic() - t0, "why": str(err)}), flush=True)
 finally:
     ray.shutdown()
+    if node_b is not None:  # its raylet's process group: the node ends with it
+        os.killpg(node_b.pid, signal.SIGTERM)
+        try:
+            node_b.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(node_b.pid, signal.SIGKILL)
     cluster.shutdown()
 """
 
@@ -166,10 +201,14 @@ def _run_on_two_nodes(base: str, tiny_data) -> None:
         "generator": {"node_a": 1},
         "scorer": {"node_a": 1},
     }
-    out, job_dir, node_b_dir = _two_nodes(base, tiny_data, raw_extra, {}, "default")
+    out, job_dir, node_b_dir, node = _two_nodes(base, tiny_data, raw_extra, {}, "default")
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert out.returncode == 0 and "REFUSED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
     assert lines["NODE_B_CWD"] == node_b_dir  # node B resolves relative paths elsewhere
+    _check_nodes(out, node)
+    if node is not None:  # gloo's ends bound to each node's own interface (item 3)
+        assert f"bind to {node.veth_b}, the interface of this Ray node's address" in out.stderr
+        assert f"bind to {node.veth_a}, the interface of this Ray node's address" in out.stderr
     s = json.loads(lines["SUMMARY"])
     assert s["steps"] == 4 and not s["interrupted"]
     assert s["generated"] == s["trained"] + s["dropped_stale"] + s["failed"] + s["in_flight"]
@@ -202,13 +241,14 @@ def test_the_fault_table_holds_with_trainer_and_generator_on_different_nodes(tin
     try:
         resources = {"trainer": {"node_b": 1}, "generator": {"node_a": 1}, "scorer": {"node_a": 1}}
         short = {"faults": {"min_deadline_s": 3.0, "deadline_factor": 10.0}}
-        out, _, _ = _two_nodes(base, tiny_data, resources, short, "faults")
+        out, _, _, node = _two_nodes(base, tiny_data, resources, short, "faults")
         cases = [
             json.loads(line.split(" ", 1)[1])
             for line in out.stdout.splitlines()
             if line.startswith("CASE ")
         ]
         assert out.returncode == 0 and len(cases) == 6, out.stdout[-3000:] + out.stderr[-6000:]
+        _check_nodes(out, node)
         by = {c["name"]: c for c in cases}
         for name, c in by.items():
             assert c["killed"], f"{name}: nothing was killed"
@@ -246,8 +286,31 @@ def test_the_fault_table_holds_with_trainer_and_generator_on_different_nodes(tin
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _two_nodes(base: str, tiny_data, resources: dict, sections: dict, mode: str):
-    """The cluster script run in a child process: (its output, job folder, node B's folder)."""
+def _check_nodes(out, node) -> dict:
+    """The nodes the script saw; where node B was isolated, that it had an address and a
+    ``/dev/shm`` of its own (a segment made on B is not on A)."""
+    line = next(x for x in out.stdout.splitlines() if x.startswith("NODES "))
+    nodes = json.loads(line.split(" ", 1)[1])
+    if node is not None:
+        assert nodes["a"]["ip"] == node.a_ip and nodes["b"]["ip"] == node.b_ip, nodes
+        assert not nodes["b"]["shm_shared"], nodes
+    return nodes
+
+
+def _two_nodes(base: str, tiny_data, resources: dict, sections: dict, mode: str, isolate=True):
+    """The cluster script run in a child process: (its output, job folder, node B's folder,
+    node B's namespaces or None). With ``isolate`` and a host that allows it
+    (``tests/netns.py``), node B has an address, a ``/dev/shm`` and a folder of its own."""
+    with isolated_node_b() if isolate else nullcontext() as node:
+        if node is None:
+            warnings.warn(
+                f"two Ray nodes sharing this host's address and /dev/shm: {why_not() or 'asked'}",
+                stacklevel=2,
+            )
+        return (*_run_script(base, tiny_data, resources, sections, mode, node), node)
+
+
+def _run_script(base: str, tiny_data, resources: dict, sections: dict, mode: str, node):
     job_dir, node_b_dir = os.path.join(base, "job"), os.path.join(base, "b")
     os.makedirs(job_dir)
     os.makedirs(node_b_dir)
@@ -265,8 +328,13 @@ def _two_nodes(base: str, tiny_data, resources: dict, sections: dict, mode: str)
     )
     env = {**child_env(), "RAY_TMPDIR": os.path.join(base, "ray")}
     env.pop("RAY_ADDRESS", None)
+    isolated = None
+    if node is not None:
+        command = node.ray_start("{address}", node_b_dir, 2, json.dumps(B_RESOURCES))
+        isolated = {**node.to_json(), "command": command}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, job_dir, node_b_dir, json.dumps(raw), mode],
+        [sys.executable, "-c", SCRIPT, job_dir, node_b_dir, json.dumps(raw), mode]
+        + [json.dumps(isolated)],
         capture_output=True,
         text=True,
         env=env,
@@ -291,9 +359,12 @@ def test_an_fsdp2_trainer_with_a_rank_on_each_node_trains_and_resumes(tiny_data)
             "scorer": {"node_a": 1},
         }
         parallel = {"micro_batch_size": 4, "parallel": {"type": "fsdp2", "dp_shard": 2}}
-        out, job_dir, _ = _two_nodes(base, tiny_data, resources, {"trainer": parallel}, "fsdp2")
+        out, job_dir, _, node = _two_nodes(
+            base, tiny_data, resources, {"trainer": parallel}, "fsdp2"
+        )
         lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
         assert out.returncode == 0 and "RESUMED" in lines, out.stdout[-2000:] + out.stderr[-6000:]
+        _check_nodes(out, node)
         first, resumed = json.loads(lines["SUMMARY"]), json.loads(lines["RESUMED"])
         assert first["steps"] == 4 and resumed["steps"] == 6 and not resumed["interrupted"]
         for s in (first, resumed):
@@ -308,6 +379,8 @@ def test_an_fsdp2_trainer_with_a_rank_on_each_node_trains_and_resumes(tiny_data)
         # they met at rank 0's node address, not at loopback
         assert "2 ranks meeting at tcp://" in out.stderr
         assert "ranks meeting at tcp://127.0.0.1" not in out.stderr
+        if node is not None:  # node A's end of the veth pair, reached from node B's namespace
+            assert f"2 ranks meeting at tcp://{node.a_ip}:" in out.stderr
         checkpoints = os.path.join(job_dir, "run", "checkpoints")
         last = sorted(os.listdir(checkpoints))[-1]
         with open(os.path.join(checkpoints, last, "manifest.json")) as f:
@@ -335,7 +408,8 @@ def test_a_generator_lost_with_its_node_is_replaced_on_another_node(tiny_data):
             "generator": {"gen_slot": 1},
             "scorer": {"node_a": 1},
         }
-        out, _, _ = _two_nodes(base, tiny_data, resources, {}, "node_lost")
+        # (node B stays in the host's namespaces here: the lost nodes are the cluster's own)
+        out, _, _, _ = _two_nodes(base, tiny_data, resources, {}, "node_lost", isolate=False)
         lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
         assert out.returncode == 0 and "NODE_LOST" in lines, out.stdout[-3000:] + out.stderr[-8000:]
         c = json.loads(lines["NODE_LOST"])
