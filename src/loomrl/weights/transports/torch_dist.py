@@ -89,13 +89,10 @@ def _verify(secret: str | None, count: int, value: str) -> tuple[str, bool]:
     return body, hmac.compare_digest(_sign(secret, count, body), value)
 
 
-def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float):
-    """The gloo group, formed in two stages so that each failure names itself: every rank
-    marks its arrival in the store and waits for the others (up to ``timeout_s``: a
-    generator may load its model for minutes), then gloo connects the ranks to each other
-    within ``CONNECT_TIMEOUT_S``. A store reached while gloo's own ports are not (a
-    firewall that lets the rendezvous port through, an interface the other nodes cannot
-    reach) fails in seconds with the reason, not after the transfer timeout."""
+def _arrive(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Stage one of forming the group, for every backend: this rank marks its arrival in
+    the store and waits for the others up to ``timeout_s`` (a generator may load its model
+    for minutes); ranks that never come are named."""
     store.set(f"arrived/{rank}", "1")
     keys = [f"arrived/{r}" for r in range(world_size)]
     try:
@@ -106,6 +103,15 @@ def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float)
             f"torch_dist: rank(s) {missing} of the weight group did not reach its store within "
             f"{timeout_s:g} s (weight_sync.transport.timeout_s): {err}"
         ) from err
+
+
+def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float):
+    """The gloo group, formed in two stages so that each failure names itself: every rank
+    arrives at the store (``_arrive``), then gloo connects the ranks to each other within
+    ``CONNECT_TIMEOUT_S``. A store reached while gloo's own ports are not (a firewall that
+    lets the rendezvous port through, an interface the other nodes cannot reach) fails in
+    seconds with the reason, not after the transfer timeout."""
+    _arrive(store, rank, world_size, timeout_s)
     connect = min(timeout_s, CONNECT_TIMEOUT_S)
     try:
         return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=connect))
@@ -141,6 +147,8 @@ class _Group:
             self.pg = _gloo_group(self.store, t.rank, t.world_size, t.timeout_s)
         elif backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
+            # (NCCL connects lazily, at the first transfer, bounded by the transfer timeout)
+            _arrive(self.store, t.rank, t.world_size, t.timeout_s)
             self.pg = dist.ProcessGroupNCCL(self.store, t.rank, t.world_size)
         else:
             raise ValueError(f"torch_dist backend must be gloo, nccl or auto, got {backend!r}")
