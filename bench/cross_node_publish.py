@@ -15,7 +15,9 @@ Per configuration: the median of the steps' ``timing/publish_s`` (the trainer's 
 cast, encode, send; the first step's is left out), the bytes sent per step, and the ratio to
 ``shm, 1 node``. Both nodes are on one host here, so "2 nodes" crosses the node boundary
 (another raylet, the node's address rather than loopback) but not a NIC: on two machines the
-wire's bandwidth adds to it.
+wire's bandwidth adds to it. With ``--netns`` (root) node B runs in a network namespace of
+its own (``tests/netns.py``): the broadcast then goes between two addresses over a veth pair,
+through the kernel's network stack, still not a NIC.
 
     python bench/cross_node_publish.py                     # ~12 M parameters, 12 steps, 2 repeats
     python bench/cross_node_publish.py --hidden 512 --layers 8 --steps 8 --repeats 1
@@ -24,9 +26,12 @@ wire's bandwidth adds to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # netns.py, the namespaced node B of the Ray tests
 
 CONFIGS = {
     "shm, 1 node": ("node_a", "shm"),
@@ -92,24 +98,39 @@ def run_once(args: argparse.Namespace, name: str, out: Path) -> dict[str, float]
     }
 
 
-def start_cluster(base: Path):
-    """Two raylets on this host, node B's started from a folder of its own."""
+def start_cluster(base: Path, node=None):
+    """Two raylets on this host, node B's started from a folder of its own; with ``node``
+    (``tests/netns.py``'s ``NodeB``) node B runs in its own network namespace, at its own
+    address, with its own ``/dev/shm``. Returns the cluster and node B's ``ray start``
+    process (None without ``node``)."""
+    import time
+
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 3, "resources": {"node_a": 8}, "include_dashboard": False},
-    )
-    here = os.getcwd()
+    head = {"num_cpus": 3, "resources": {"node_a": 8}, "include_dashboard": False}
+    if node is not None:
+        head["node_ip_address"] = node.a_ip
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     (base / "b").mkdir()
-    os.chdir(base / "b")
-    cluster.add_node(num_cpus=2, resources={"node_b": 8})
-    os.chdir(here)
+    node_b = None
+    if node is not None:
+        cmd = node.ray_start(cluster.address, str(base / "b"), 2, json.dumps({"node_b": 8}))
+        node_b = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    else:
+        here = os.getcwd()
+        os.chdir(base / "b")
+        cluster.add_node(num_cpus=2, resources={"node_b": 8})
+        os.chdir(here)
     cluster.wait_for_nodes()
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     ray.init(address=cluster.address, namespace="cross-node-publish", runtime_env={"env_vars": env})
-    return cluster
+    deadline = time.monotonic() + 120
+    while sum(n["Alive"] for n in ray.nodes()) < 2:
+        if time.monotonic() > deadline or (node_b is not None and node_b.poll() is not None):
+            raise RuntimeError(f"node B never joined the cluster: {ray.nodes()}")
+        time.sleep(0.5)
+    return cluster, node_b
 
 
 def main() -> None:
@@ -119,6 +140,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the per-run results here too")
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="node B in its own network namespace and /dev/shm (root; tests/netns.py)",
+    )
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="lrxn-", dir="/tmp"))  # short: Ray's socket paths
     os.environ["RAY_TMPDIR"] = str(base / "ray")
@@ -134,17 +160,25 @@ def main() -> None:
             "intermediate_size": args.hidden * 4,
         }
     )
-    cluster = start_cluster(base)
+    from netns import isolated_node_b, why_not  # tests/netns.py: node B's namespaces
+
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
-    try:
-        for repeat in range(args.repeats):
-            for name in CONFIGS:
-                out = base / f"run-{repeat}-{name.replace(', ', '-').replace(' ', '')}"
-                runs[name].append(run_once(args, name, out))
-                print(f"repeat {repeat + 1}: {name}: {runs[name][-1]}", flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with isolated_node_b() if args.netns else contextlib.nullcontext() as node:
+        if args.netns and node is None:
+            raise SystemExit(f"--netns: this host cannot isolate node B: {why_not()}")
+        cluster, node_b = start_cluster(base, node)
+        try:
+            for repeat in range(args.repeats):
+                for name in CONFIGS:
+                    out = base / f"run-{repeat}-{name.replace(', ', '-').replace(' ', '')}"
+                    runs[name].append(run_once(args, name, out))
+                    print(f"repeat {repeat + 1}: {name}: {runs[name][-1]}", flush=True)
+        finally:
+            ray.shutdown()
+            if node_b is not None:
+                os.killpg(node_b.pid, signal.SIGTERM)
+                node_b.wait(timeout=60)
+            cluster.shutdown()
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     base_s = statistics.median(r["publish_s"] for r in runs["shm, 1 node"])

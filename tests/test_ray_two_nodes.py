@@ -100,6 +100,14 @@ try:
         os.unlink(f"/dev/shm/{marker}")
     print("NODE_B_CWD", b["cwd"], flush=True)
     print("NODES", json.dumps({"a": a, "b": b}), flush=True)
+
+    def generator_at():  # the newest generator0's (node id, pid)
+        named = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "-generator0-" in a["name"]]
+        actor = max(named, key=lambda a: int(a["name"].rsplit("-", 1)[1]))
+        handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+        where = ray.get(handle.ready.remote(), timeout=60)[1][1]
+        return where["node_id"], where["pid"]
     from loomrl.config import build_config
     from loomrl.job import Job, resume_job
     from loomrl.runtime.placement import PlacementError
@@ -134,14 +142,6 @@ try:
     if mode == "node_lost":  # the generator's whole node dies at step 3 (its raylet killed)
         seen = {}
 
-        def generator_at():
-            named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                     if "-generator0-" in a["name"]]
-            actor = max(named, key=lambda a: int(a["name"].rsplit("-", 1)[1]))  # the newest
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            where = ray.get(handle.ready.remote(), timeout=60)[1][1]
-            return where["node_id"], where["pid"]
-
         def on_record(record):
             if "train/loss" not in record:
                 return
@@ -170,11 +170,7 @@ try:
         seen, ips = {}, {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
 
         def generator_ip():
-            named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                     if "-generator0-" in a["name"]]
-            actor = max(named, key=lambda a: int(a["name"].rsplit("-", 1)[1]))  # the newest
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            return ips[ray.get(handle.ready.remote(), timeout=60)[1][1]["node_id"]]
+            return ips[generator_at()[0]]
 
         def on_record(record):
             if "train/loss" not in record:
