@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainer_memory's model
 VOCAB = 151_936
 STOP_EVERY = 300
 VARIANTS = {  # name -> job overrides
@@ -63,14 +64,9 @@ VARIANTS = {  # name -> job overrides
 
 def build_model(folder: Path, layers: int) -> None:
     """The model, its padded character tokenizer and a generation_config with many EOS ids."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        AutoModelForCausalLM,
-        GenerationConfig,
-        PreTrainedTokenizerFast,
-        Qwen2Config,
-    )
+    from trainer_memory import _model as qwen2_shape
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     from loomrl.models.tiny import CHARS, SPECIAL_TOKENS
 
@@ -88,21 +84,9 @@ def build_model(folder: Path, layers: int) -> None:
         unk_token="<unk>",
     )
     tok.add_bos_token = True
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = qwen2_shape(layers, "cpu")  # bench/trainer_memory.py's, random fp32 weights
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # this tokenizer's ids
+        setattr(model.config, key, getattr(tok, key))
     stops = [len(base) + i for i in range(0, VOCAB - len(base), STOP_EVERY)]
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.eos_token_id, *stops],

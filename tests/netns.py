@@ -17,6 +17,7 @@ veth pair on exit.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -43,24 +44,15 @@ class NodeB:
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"  # the venv's
         inner = (
             "mount -t tmpfs -o size=1g tmpfs /dev/shm && "
-            f"cd {_q(cwd)} && exec {_q(ray)} start --block --address={_q(address)} "
-            f"--node-ip-address={self.b_ip} --num-cpus={num_cpus} --resources={_q(resources)} "
+            f"cd {shlex.quote(cwd)} && exec {shlex.quote(ray)} start --block --address={shlex.quote(address)} "
+            f"--node-ip-address={self.b_ip} --num-cpus={num_cpus} --resources={shlex.quote(resources)} "
             "--object-store-memory=200000000 --disable-usage-stats"
         )
-        return ["ip", "netns", "exec", self.ns, "unshare", "-m", "--propagation", "private"] + [
-            "sh",
-            "-c",
-            inner,
-        ]
+        unshare = ["unshare", "-m", "--propagation", "private", "sh", "-c", inner]
+        return ["ip", "netns", "exec", self.ns, *unshare]
 
     def to_json(self) -> dict[str, str]:
         return asdict(self)
-
-
-def _q(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
